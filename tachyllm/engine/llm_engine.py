@@ -1,0 +1,253 @@
+"""LLMEngine: owns the model, the KV cache and the scheduler; one step() = schedule, run, sample, emit."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tachyllm.config import EngineConfig, default_threads
+from tachyllm.detokenizer import IncrementalDetokenizer
+from tachyllm.engine.block_manager import BlockManager
+from tachyllm.engine.scheduler import Scheduler
+from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.errors import RequestError
+from tachyllm.loading import load_checkpoint
+from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from tachyllm.runner import kv_cache
+from tachyllm.runner.model_runner import ModelRunner
+from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tachyllm")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.threads or default_threads())
+        self.device = torch.device(config.device)
+        self.dtype = config.resolve_dtype()
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(config.model)
+        self.model_config = mc = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(mc)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(ckpt.weights())
+        model.init_rotary(self.max_model_len)
+        self.model = model.eval()
+
+        block_bytes = kv_cache.bytes_per_block(mc, config.block_size, self.dtype)
+        wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
+        cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(self.device, wanted)
+        num_blocks = cache_bytes // block_bytes
+        if num_blocks < 1:
+            raise RequestError(f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)")
+        caches = kv_cache.allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, self.device)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
+            num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20,
+            str(self.dtype).removeprefix("torch."), self.max_model_len,
+        )  # fmt: skip
+
+        self.stats = StepStats()
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching, extra_key=str(self.dtype).encode()
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats
+        )
+        eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        self.eos_token_ids = eos
+        sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
+        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.device)
+        self.requests: dict[str, Request] = {}
+        logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Validates and queues a request; raises RequestError (nothing queued) when it can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:3]}")
+        if not token_ids:
+            raise RequestError("prompt is empty (no tokens)")
+        self._check_fits(len(token_ids), params)
+
+        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
+        for i in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed + i)
+            seq = Sequence(
+                request=req,
+                index=i,
+                token_ids=list(token_ids),
+                num_prompt_tokens=len(token_ids),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                generator=generator,
+            )
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        self.stats.num_prompt_tokens += len(token_ids)
+        return req
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        total = prompt_len + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        blocks = self.block_manager.blocks_needed(total)
+        if blocks > self.block_manager.num_blocks:
+            raise RequestError(
+                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
+        if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_batched_tokens:
+            raise RequestError(
+                f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens ({self.config.max_num_batched_tokens}) "
+                "and chunked prefill is disabled"
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request at any stage; its blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+        req.metrics.finished_time = time.time()
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        now = time.time()
+        for s in sched.scheduled:
+            if s.seq.request.metrics.first_scheduled_time is None:
+                s.seq.request.metrics.first_scheduled_time = now
+        sampled_seqs, result = self.runner.execute(sched)
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(s.seq)
+        self.stats.num_steps += 1
+
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(sampled_seqs):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
+            touched[seq.request.request_id] = seq.request
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = now
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._make_output(req))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        params, metrics = seq.params, seq.request.metrics
+        seq.token_ids.append(token)
+        self.stats.num_generation_tokens += 1
+        if seq.index == 0:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.num_generated_tokens += 1
+        if logprob is not None:
+            chosen_lp, rank, top_ids, top_lps = logprob
+            entry = {tid: Logprob(lp, r + 1, self._token_text(tid)) for r, (tid, lp) in enumerate(zip(top_ids, top_lps))}
+            entry[token] = Logprob(chosen_lp, rank, self._token_text(token))
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += chosen_lp
+
+        delta = seq.detokenizer.add_tokens([token])
+        seq.text += delta
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= params.min_tokens
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif can_stop and token in params.stop_token_ids:
+            self.scheduler.finish(seq, "stop", token)
+        elif can_stop and params.stop_strings and self._truncate_at_stop_string(seq, len(delta)):
+            pass
+        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _truncate_at_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+        """Ends seq at the earliest stop string in its text (the stop string is not emitted)."""
+        stops = seq.params.stop_strings
+        # Only the newest characters can complete a match that was not there before.
+        window_start = max(0, len(seq.text) - new_chars - max(map(len, stops)) + 1)
+        best = None
+        for stop in stops:
+            idx = seq.text.find(stop, window_start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        seq.text = seq.text[: best[0]]
+        self.scheduler.finish(seq, "stop", best[1])
+        return True
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            text = seq.text
+            if not seq.is_finished and seq.params.stop_strings:
+                # Hold back a possible stop-string prefix until it is confirmed or ruled out.
+                text = text[: max(0, len(text) - max(map(len, seq.params.stop_strings)) + 1)]
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                )
+            )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=req.finished,
+            metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+        )

@@ -1,0 +1,135 @@
+"""Decides, each step, how many new tokens every sequence computes.
+
+Prefill chunks, prefix-cache hits and decodes all reduce to one number per sequence under a
+token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running decodes are
+served first, then running prefills, then waiting sequences. When the cache runs out of blocks,
+the lowest-priority / latest-arrived running sequence is preempted: its blocks are freed and it
+is recomputed later from its prompt plus the tokens it had generated.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from tachyllm.engine.block_manager import BlockManager
+from tachyllm.engine.sequence import Sequence, SequenceStatus
+from tachyllm.outputs import StepStats
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token of the sequence has KV, so its last position is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool,
+        stats: StepStats,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.stats = stats
+        self.waiting: list[Sequence] = []  # kept sorted by arrival_order
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival_order)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # Decodes (one uncomputed token) first so that prefill chunks never delay a token stream.
+        self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_order))
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                # The victim is the lowest-priority, latest-arrived sequence not yet scheduled this step.
+                victim = max([seq, *queue], key=lambda s: s.arrival_order)
+                if victim is not seq:
+                    queue.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+
+        # New sequences join only when nobody had to be preempted: otherwise they would take the
+        # blocks that the preempted ones need to resume.
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.block_manager.match_prefix(seq)
+            num_new = seq.num_tokens - len(prefix) * self.block_manager.block_size
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.block_manager.allocate(seq, num_new, prefix):
+                break
+            self.waiting.pop(0)
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += len(prefix) * self.block_manager.block_size
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.num_cached_tokens = len(prefix) * self.block_manager.block_size
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
+        self.running.remove(seq)
+        self.add(seq)
+        self.stats.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Ends seq wherever it is (waiting or running) and returns its blocks at once."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.stats.finished_reasons[reason] = self.stats.finished_reasons.get(reason, 0) + 1

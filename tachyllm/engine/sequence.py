@@ -1,0 +1,92 @@
+"""Per-request state: a Request groups the n Sequences sampled from one prompt."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from tachyllm.detokenizer import IncrementalDetokenizer
+from tachyllm.outputs import Logprob, RequestMetrics
+from tachyllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream. Its KV lives in the blocks of block_table; the first
+    num_computed_tokens of token_ids have KV in the cache, the rest still need a forward."""
+
+    request: Request
+    index: int  # position among the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Hash of each full block in block_table order (prefix caching); grows as blocks fill.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""  # detokenized output, truncated at a stop string when one matched
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def arrival_order(self) -> tuple[int, float, int]:
+        """Sort key: lower priority value first, then earlier arrival."""
+        return (self.request.priority, self.request.metrics.arrival_time, self.seq_id)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    priority: int = 0
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

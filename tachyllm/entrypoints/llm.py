@@ -1,0 +1,115 @@
+"""The offline API: LLM(...).generate / .chat, named and shaped like vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+from dataclasses import fields
+
+from tqdm import tqdm
+
+from tachyllm.config import EngineConfig
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.errors import RequestError
+from tachyllm.outputs import RequestMetrics, RequestOutput
+from tachyllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tachyllm")
+
+Prompt = str | list[int] | dict
+Message = dict[str, str]
+
+
+class LLM:
+    """LLM(model=None loads the embedded SmolLM2-135M-Instruct). Keyword options are EngineConfig's."""
+
+    def __init__(self, model: str | None = None, **options):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order. A prompt that cannot
+        be served (empty, too long, ...) gets an output with `error` set; the others still run."""
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompt_list)} prompts")
+            params_list = sampling_params
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompt_list, params_list):
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            prompt_arg = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+            try:
+                self.engine.add_request(request_id, prompt_arg, params)
+            except RequestError as e:
+                logger.warning("request %s rejected: %s", request_id, e)
+                token_ids = list(prompt_arg) if isinstance(prompt_arg, list) else []
+                text = prompt_arg if isinstance(prompt_arg, str) else None
+                results[request_id] = RequestOutput(
+                    request_id, text, token_ids, [], True, RequestMetrics(time.time()), error=str(e)
+                )
+        self._run(results, len(order) - len(results), use_tqdm)
+        return [results[i] for i in order]
+
+    def _run(self, results: dict[str, RequestOutput], num_requests: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        start, out_tokens = time.perf_counter(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            # Leave the engine clean (all blocks free) if generation is interrupted.
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.engine.tokenizer
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            # The template already spells out special tokens; do not add a BOS a second time.
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)

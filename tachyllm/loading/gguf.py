@@ -1,0 +1,216 @@
+"""GGUF files (llama.cpp's format): metadata -> ModelConfig, tensors -> dequantized HF-named weights."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from tachyllm.config import ModelConfig
+from tachyllm.errors import ModelLoadError
+
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
+# Llama 3.1-style rope scaling is stored as per-frequency divisors, not as metadata; it is turned
+# back into a rope_scaling dict (see _llama3_rope_scaling) and is not a model weight.
+_ROPE_FREQS = "rope_freqs.weight"
+
+WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value as a Python object (str, int, float, bool or list), or `default`."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """Parse the header and check every tensor lies inside the file (catches truncated downloads)."""
+    reader = GGUFReader(path)
+    size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise ModelLoadError(f"{path}: file is truncated (tensor {tensor.name} extends past the end of the file)")
+    return reader
+
+
+def gguf_config(reader: GGUFReader) -> ModelConfig:
+    arch = gguf_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})")
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = gguf_value(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata key {arch}.{key} is missing")
+        return value
+
+    names = {t.name for t in reader.tensors}
+    hidden = meta("embedding_length")
+    heads = meta("attention.head_count")
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
+    eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+    eos_ids = [gguf_value(reader, f"tokenizer.ggml.{k}") for k in eos_keys]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=meta("vocab_size", len(tokens) or None),
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=meta("block_count"),
+        num_heads=heads,
+        num_kv_heads=meta("attention.head_count_kv", heads),
+        head_dim=meta("attention.key_length", hidden // heads),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(reader, arch),
+        max_position_embeddings=meta("context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(i for i in eos_ids if i is not None)),
+        checkpoint_dtype=torch.float32,
+    )
+
+
+def gguf_weights(reader: GGUFReader, config: ModelConfig) -> WeightsFn:
+    """Check every tensor can be named and dequantized now; return a lazy (name, fp32 tensor) source."""
+    plan = []
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        name = _hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
+        _check_dequantizable(tensor)
+        plan.append((name, tensor))
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in plan:
+            yield name, _to_torch(tensor, name, config)
+
+    return weights
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def _check_dequantizable(tensor: ReaderTensor) -> None:
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return
+    try:
+        # One zero block is enough to find out whether the gguf package implements this type.
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor.tensor_type][1]), dtype=np.uint8), tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"tensor {tensor.name} uses quantization type {tensor.tensor_type.name}, which cannot be dequantized"
+        ) from None
+
+
+def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:
+    values = dequantize(tensor.data, tensor.tensor_type)
+    if not values.flags.writeable:
+        # F32 tensors come back as views of the read-only memory map, which torch cannot wrap.
+        values = values.copy()
+    # GGUF lists dimensions fastest-varying first; torch wants them slowest first ([out, in]).
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    weight = torch.from_numpy(values).reshape(shape)
+    if config.architecture == "llama":
+        if ".q_proj." in name:
+            return _unpermute_rotary(weight, config.num_heads)
+        if ".k_proj." in name:
+            return _unpermute_rotary(weight, config.num_kv_heads)
+    return weight
+
+
+def _unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter reorders each head's q/k rows from HF's half-split rotary layout
+    (x[:d/2], x[d/2:]) to interleaved pairs (x0, x1), ...; this puts the rows back."""
+    rest = weight.shape[1:]
+    return weight.reshape(heads, weight.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    kind = gguf_value(reader, f"{arch}.rope.scaling.type", "none")
+    factor = gguf_value(reader, f"{arch}.rope.scaling.factor")
+    freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
+    if kind == "none":
+        return None if freqs is None else _llama3_rope_scaling(freqs, reader, arch)
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": factor}
+        original = gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+    raise ModelLoadError(f"unsupported rope scaling type {kind!r}")
+
+
+def _llama3_rope_scaling(freqs: ReaderTensor, reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+    """Recover HF's llama3 rope_scaling from the per-frequency divisors llama.cpp stores.
+
+    Llama 3 divides the i-th inverse frequency by 1 (short wavelengths), by `factor` (long ones), or
+    in between by 1 / ((1 - s) / factor + s) with s = a / wavelength + b linear in 1 / wavelength.
+    The divisors fix `factor`, a and b. HF parameterises a and b by (original context L, low, high)
+    with a = L / (high - low) and b = -low / (high - low), one degree of freedom too many, so L
+    keeps Llama 3's 8192 and low/high follow. Any such triple yields identical frequencies.
+    """
+    divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
+    factor = float(divisors.max())
+    if math.isclose(factor, 1.0):
+        return None
+    rotary_dim = gguf_value(reader, f"{arch}.rope.dimension_count", 2 * len(divisors))
+    base = gguf_value(reader, f"{arch}.rope.freq_base", 10000.0)
+    wavelengths = 2 * math.pi * base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    middle = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
+    if middle.sum() < 2:
+        raise ModelLoadError("cannot recover llama3 rope scaling: rope_freqs has fewer than two interpolated entries")
+    smooth = (1 / divisors[middle] - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(1 / wavelengths[middle], smooth, 1)
+    original = 8192
+    span = original / a
+    low = -b * span
+    # The divisors are float32; rounding recovers the exact small numbers real configs use.
+    return {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": round(low, 4),
+        "high_freq_factor": round(low + span, 4),
+        "original_max_position_embeddings": original,
+    }

@@ -1,0 +1,89 @@
+"""What the engine hands back to callers: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str
+
+
+# One dict per generated token: token id -> Logprob (the top-N plus the chosen token).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) recorded by the engine, and what users derive from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def mean_tpot(self) -> float | None:
+        """Mean time per output token after the first: (last - first token time) / (tokens - 1)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    # Set when this request alone failed (e.g. prompt too long); outputs is then empty.
+    error: str | None = None
+    num_cached_tokens: int = 0
+
+    def __repr__(self) -> str:
+        texts = [o.text for o in self.outputs]
+        return f"RequestOutput(id={self.request_id!r}, finished={self.finished}, outputs={texts!r}, error={self.error!r})"
+
+
+@dataclass
+class StepStats:
+    """Counters the engine accumulates; the server and logs read them."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    finished_reasons: dict[str, int] = field(default_factory=dict)

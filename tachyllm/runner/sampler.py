@@ -1,0 +1,138 @@
+"""Vectorised token sampling over a batch of rows, each with its own SamplingParams.
+
+Every transform is a tensor op over the whole [rows, vocab] batch; Python only loops over
+rows to gather parameters and to draw seeded noise. Sampling uses the exponential race
+(argmax of p / E with E ~ Exp(1)), which draws exactly from p and lets each seeded request
+own its noise stream, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tachyllm.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row, when that row asked for logprobs: (chosen logprob, chosen rank, top ids, top logprobs).
+    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, seed: int):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        # Noise for requests without their own seed: one engine-wide stream, reproducible per engine seed.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        """logits: [rows, vocab] float32, row i belongs to seqs[i] and predicts its next token."""
+        logits = logits[:, : self.vocab_size]
+        num_logprobs = [s.params.logprobs for s in seqs]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
+
+        logits = self._suppress_stops_before_min_tokens(logits, seqs)
+        if any(s.params.uses_penalties for s in seqs):
+            logits = self._apply_penalties(logits, seqs)
+
+        greedy = all(s.params.greedy for s in seqs)
+        tokens = logits.argmax(dim=-1)
+        if not greedy:
+            sampled = self._sample(logits, seqs)
+            is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+            tokens = torch.where(is_greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        logprob_rows: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            k = max(n or 0 for n in num_logprobs)
+            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+            top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+            chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+            top_ids_l = top_ids.tolist() if k else None
+            top_lp_l = top_lp.tolist() if k else None
+            for i, n in enumerate(num_logprobs):
+                if n is not None:
+                    ids = top_ids_l[i][:n] if n else []
+                    lps = top_lp_l[i][:n] if n else []
+                    logprob_rows[i] = (chosen_l[i], ranks_l[i], ids, lps)
+        return SampleResult(token_list, logprob_rows)
+
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                stop_ids = list(s.params.stop_token_ids)
+                if not s.params.ignore_eos:
+                    stop_ids += self.eos_token_ids
+                rows += [i] * len(stop_ids)
+                cols += stop_ids
+        if rows:
+            logits = logits.clone()
+            logits[rows, cols] = float("-inf")
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        n, vocab, dev = len(seqs), logits.shape[1], logits.device
+        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
+        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)
+        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev).unsqueeze(1)
+        out_counts = torch.zeros(n, vocab, device=dev)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+        for i, s in enumerate(seqs):
+            out_ids = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
+            out_ids = out_ids[out_ids < vocab]
+            out_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=dev))
+            all_ids = torch.tensor(s.token_ids, dtype=torch.long, device=dev)
+            seen[i, all_ids[all_ids < vocab]] = True
+        # Repetition penalty (over prompt and output) divides positive logits and multiplies negative ones.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        # OpenAI presence / frequency penalties count output tokens only.
+        return logits - freq * out_counts - pres * (out_counts > 0)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        dev = logits.device
+        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev).unsqueeze(1)
+        logits = logits / temperature
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(k != -1 for k in top_k) or any(p < 1 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [s.params.min_p for s in seqs]
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k and outside its top-p nucleus."""
+    dev, vocab = logits.device, logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([vocab if x == -1 else min(x, vocab) for x in top_k], device=dev)
+    ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    p = torch.tensor(top_p, device=dev).unsqueeze(1)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the tokens ranked above it already cover p; the top token always stays.
+    drop = (probs.cumsum(dim=-1) - probs) >= p
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

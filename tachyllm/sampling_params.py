@@ -1,0 +1,87 @@
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # >1 discourages tokens seen in prompt or output (multiplicative, HF style)
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's)
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        if self.stop is None:
+            self.stop_strings = []
+        elif isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def _validate(self) -> None:
+        def bad(name: str, value: object, why: str) -> ValueError:
+            return ValueError(f"{name} {why}, got {value!r}")
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", self.n, "must be an integer >= 1")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be >= 0")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", self.top_k, "must be -1 (disabled) or an integer >= 1")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not is_num(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not is_num(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", self.seed, "must be an integer or None")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
