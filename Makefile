@@ -1,11 +1,11 @@
-# Two commands for a fresh machine: `make test` and `make generate` (see README.md).
+# Two commands for a fresh machine: `make serve` and `make test` (see README.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Write a haiku about fast inference.
 
-.PHONY: install test generate chat bench clean
+.PHONY: install test serve generate chat clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/tachy serve --host 127.0.0.1 --port 8000
 
 generate: $(STAMP)
 	$(VENV)/bin/tachy generate --chat "$(PROMPT)"

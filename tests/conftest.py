@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+# Tiny test models gain nothing from a second thread, and OpenMP threads spin badly when another
+# process holds a core. Tests that time or exercise the real model pass threads= explicitly.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

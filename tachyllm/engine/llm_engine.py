@@ -13,6 +13,7 @@ from tachyllm.engine.block_manager import BlockManager
 from tachyllm.engine.scheduler import Scheduler
 from tachyllm.engine.sequence import Request, Sequence
 from tachyllm.errors import RequestError
+from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import load_checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
@@ -42,6 +43,8 @@ class LLMEngine:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(ckpt.weights())
         model.init_rotary(self.max_model_len)
+        if self.device.type == "cpu" and onednn_packing_available(self.dtype):
+            pack_linears(model)
         self.model = model.eval()
 
         block_bytes = kv_cache.bytes_per_block(mc, config.block_size, self.dtype)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
 from tachyllm.config import ModelConfig
@@ -44,22 +44,35 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 # back into a rope_scaling dict (see _llama3_rope_scaling) and is not a model weight.
 _ROPE_FREQS = "rope_freqs.weight"
 
-WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
-
 
 def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, bool or list), or `default`."""
     field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    if field is None:
+        return default
+    if field.types == [GGUFValueType.FLOAT32]:
+        # Shortest decimal that round-trips through float32: 1e-05, not 9.999999747378752e-06.
+        return float(str(np.float32(field.contents())))
+    return field.contents()
+
+
+def load_gguf(path: str) -> tuple[GGUFReader, ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Reader (the tokenizer is Tokenizer.from_gguf(reader)), config and lazy weights of a GGUF file."""
+    reader = open_gguf(path)
+    config = gguf_config(reader)
+    return reader, config, gguf_weights(reader, config)
 
 
 def open_gguf(path: str) -> GGUFReader:
     """Parse the header and check every tensor lies inside the file (catches truncated downloads)."""
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader indexes past the end of damaged files: IndexError, ValueError...
+        raise ModelLoadError(f"invalid or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
     size = os.path.getsize(path)
     for tensor in reader.tensors:
         if tensor.data_offset + tensor.n_bytes > size:
-            raise ModelLoadError(f"{path}: file is truncated (tensor {tensor.name} extends past the end of the file)")
+            raise ModelLoadError(f"file is truncated (tensor {tensor.name} extends past the end of the file)")
     return reader
 
 
@@ -77,12 +90,12 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
-    tokens = gguf_value(reader, "tokenizer.ggml.tokens", [])
+    token_list = reader.fields.get("tokenizer.ggml.tokens")
     eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     eos_ids = [gguf_value(reader, f"tokenizer.ggml.{k}") for k in eos_keys]
     return ModelConfig(
         architecture=arch,
-        vocab_size=meta("vocab_size", len(tokens) or None),
+        vocab_size=meta("vocab_size", len(token_list.data) if token_list else None),
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
         num_layers=meta("block_count"),
@@ -102,7 +115,7 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def gguf_weights(reader: GGUFReader, config: ModelConfig) -> WeightsFn:
+def gguf_weights(reader: GGUFReader, config: ModelConfig) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
     """Check every tensor can be named and dequantized now; return a lazy (name, fp32 tensor) source."""
     plan = []
     for tensor in reader.tensors:
@@ -111,8 +124,9 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> WeightsFn:
         name = _hf_name(tensor.name)
         if name is None:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
-        _check_dequantizable(tensor)
         plan.append((name, tensor))
+    for first_of_type in {t.tensor_type: t for _, t in reversed(plan)}.values():
+        _check_dequantizable(first_of_type)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in plan:
@@ -192,24 +206,25 @@ def _llama3_rope_scaling(freqs: ReaderTensor, reader: GGUFReader, arch: str) -> 
     keeps Llama 3's 8192 and low/high follow. Any such triple yields identical frequencies.
     """
     divisors = dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
-    factor = float(divisors.max())
-    if math.isclose(factor, 1.0):
+    factor = round(float(divisors.max()), 4)
+    if factor == 1.0:
         return None
     rotary_dim = gguf_value(reader, f"{arch}.rope.dimension_count", 2 * len(divisors))
     base = gguf_value(reader, f"{arch}.rope.freq_base", 10000.0)
     wavelengths = 2 * math.pi * base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
-    middle = (divisors > 1 + 1e-6) & (divisors < factor - 1e-6)
+    # float32 storage blurs the two flat regions by ~1e-7; anything clearly between them is interpolated.
+    middle = (divisors > 1 + 1e-4) & (divisors < factor * (1 - 1e-4))
     if middle.sum() < 2:
         raise ModelLoadError("cannot recover llama3 rope scaling: rope_freqs has fewer than two interpolated entries")
     smooth = (1 / divisors[middle] - 1 / factor) / (1 - 1 / factor)
-    a, b = np.polyfit(1 / wavelengths[middle], smooth, 1)
+    a, b = (float(c) for c in np.polyfit(1 / wavelengths[middle], smooth, 1))
     original = 8192
     span = original / a
     low = -b * span
     # The divisors are float32; rounding recovers the exact small numbers real configs use.
     return {
         "rope_type": "llama3",
-        "factor": round(factor, 4),
+        "factor": factor,
         "low_freq_factor": round(low, 4),
         "high_freq_factor": round(low + span, 4),
         "original_max_position_embeddings": original,

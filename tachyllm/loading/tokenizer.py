@@ -28,10 +28,13 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# The same but for up to three digits in one pre-token.
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 # tokenizer.ggml.pre -> (regex splits applied before the byte-level mapping, ignore_merges).
@@ -108,7 +111,7 @@ class Tokenizer:
         directory = Path(path)
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ModelLoadError(f"{directory}: no tokenizer.json (only fast-tokenizer files are supported)")
+            raise ModelLoadError("no tokenizer.json (only fast-tokenizer files are supported)")
         backend = Backend.from_file(str(tokenizer_file))
         config_file = directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
@@ -274,8 +277,9 @@ def _register_added_tokens(backend: Backend, tokens: list[str], types: list[int]
     tokens: both are matched whole in the input, as llama.cpp does, but only special ones are
     dropped by decode(skip_special_tokens=True) -- the same split HF makes (Qwen3's <think> is
     user-defined and must survive decoding)."""
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (_CONTROL, _UNKNOWN)]
-    plain = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    kinds = list(zip(tokens, types))
+    special = [AddedToken(t, special=True, normalized=False) for t, k in kinds if k in (_CONTROL, _UNKNOWN)]
+    plain = [AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED]
     backend.add_special_tokens(special)
     backend.add_tokens(plain)
 

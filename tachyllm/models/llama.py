@@ -64,7 +64,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, max_positions: int) -> None:
@@ -85,8 +87,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     # -- loading -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -101,12 +102,15 @@ class LlamaForCausalLM(nn.Module):
             "mlp.gate_proj": ("mlp.gate_up_proj", 0),
             "mlp.up_proj": ("mlp.gate_up_proj", inter),
         }
+        if cfg.tie_word_embeddings:
+            # Materialising the model from the meta device (to_empty) unties shared parameters.
+            self.lm_head.weight = self.embed_tokens.weight
         params = dict(self.named_parameters())
         filled: dict[str, int] = {name: 0 for name in params}
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model.") :]
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy of the embedding
             shard_offset = None
             for src, (dst, off) in fused.items():

@@ -1,0 +1,86 @@
+"""load_checkpoint(path) -> Checkpoint: config, tokenizer and a lazy weight stream from a GGUF file or
+a Hugging Face directory, with every failure reported as one ModelLoadError line naming the path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from tachyllm.config import ModelConfig
+from tachyllm.errors import ModelLoadError, TachyError
+from tachyllm.loading.default_model import default_model_path
+from tachyllm.loading.gguf import load_gguf
+from tachyllm.loading.hf import load_hf
+from tachyllm.loading.tokenizer import Tokenizer
+
+__all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint"]
+
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    # Each call starts a fresh pass; tensors are read (and dequantized) one at a time, with
+    # canonical HF names and nn.Linear [out, in] shapes. lm_head.weight is absent when tied.
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    source: str
+    format: Literal["gguf", "hf"]
+
+
+def load_checkpoint(path: str | None) -> Checkpoint:
+    """Open a model: None = the embedded default, a .gguf file, or a directory with config.json."""
+    source = default_model_path() if path is None else str(path)
+    location = Path(source)
+    if not location.exists():
+        raise ModelLoadError(f"model path does not exist: {source}")
+    try:
+        if location.is_dir():
+            return _load_hf(location, source)
+        if location.suffix.lower() == ".gguf" or _has_gguf_magic(location):
+            return _load_gguf(source)
+    except TachyError as exc:  # our own message (ConfigError included) already names the problem
+        raise ModelLoadError(f"cannot load {source}: {exc}") from exc
+    except Exception as exc:
+        # Parsers fail with struct/Key/Value errors on damaged files; callers get one readable line.
+        raise ModelLoadError(f"cannot load {source}: corrupt or unreadable ({_one_line(exc)})") from exc
+    raise ModelLoadError(f"cannot load {source}: not a GGUF file or a Hugging Face model directory")
+
+
+def _load_gguf(source: str) -> Checkpoint:
+    reader, config, weights = load_gguf(source)
+    return Checkpoint(config, Tokenizer.from_gguf(reader), _guarded(weights, source), source, "gguf")
+
+
+def _load_hf(directory: Path, source: str) -> Checkpoint:
+    config, weights = load_hf(directory)
+    return Checkpoint(config, Tokenizer.from_hf_dir(directory), _guarded(weights, source), source, "hf")
+
+
+def _guarded(
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], source: str
+) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+    """Reading happens later, while the model is built; a damaged tensor must still say which file."""
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            yield from weights()
+        except Exception as exc:
+            raise ModelLoadError(f"cannot read weights from {source}: {_one_line(exc)}") from exc
+
+    return read
+
+
+def _one_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _has_gguf_magic(location: Path) -> bool:
+    with location.open("rb") as handle:
+        return handle.read(4) == _GGUF_MAGIC

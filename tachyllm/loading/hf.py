@@ -1,0 +1,168 @@
+"""Hugging Face model directories: config.json -> ModelConfig, *.safetensors -> lazily read weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tachyllm.config import DTYPES, ModelConfig
+from tachyllm.errors import ModelLoadError
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf(directory: Path) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Config and lazy weights of a Hugging Face directory (the tokenizer is Tokenizer.from_hf_dir)."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError("directory has no config.json (expected a Hugging Face model directory)")
+    cfg = read_json(config_file)
+    # The architecture is checked before looking for weights: it is the more useful complaint.
+    arch = _architecture(cfg)
+    tensors = tensor_files(directory)
+    config = hf_config(directory, cfg, arch, tensors)
+    return config, hf_weights(tensors, config)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def tensor_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, read from the file headers only."""
+    index = directory / _INDEX_FILE
+    if index.is_file():
+        files = sorted({directory / f for f in read_json(index)["weight_map"].values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{_INDEX_FILE} lists missing file(s) {', '.join(missing)}")
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError("no *.safetensors weight files (other formats are not supported)")
+    located = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            located.update((name, file) for name in handle.keys())
+    return located
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    declared = cfg.get("architectures") or []
+    arch = next((HF_ARCHITECTURES[a] for a in declared if a in HF_ARCHITECTURES), None)
+    if not declared and cfg.get("model_type") in HF_ARCHITECTURES.values():
+        arch = cfg["model_type"]  # a bare config saved without a model class
+    if arch is None:
+        shown = ", ".join(declared) or f"model_type {cfg.get('model_type')!r}"
+        raise ModelLoadError(f"unsupported architecture {shown} (supported: {', '.join(HF_ARCHITECTURES)})")
+    return arch
+
+
+def hf_config(directory: Path, cfg: dict[str, Any], arch: str, tensors: dict[str, Path]) -> ModelConfig:
+    _check_complete(cfg["num_hidden_layers"], tensors)
+    hidden = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(cfg)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        # Some checkpoints omit the flag and simply leave lm_head out.
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or "lm_head.weight" not in tensors,
+        # Tensor presence is authoritative: Qwen2 always has q/k/v biases without saying so.
+        attention_bias="model.layers.0.self_attn.q_proj.bias" in tensors,
+        qk_norm="model.layers.0.self_attn.q_norm.weight" in tensors,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(directory, cfg),
+        checkpoint_dtype=_checkpoint_dtype(cfg, tensors),
+    )
+
+
+def hf_weights(tensors: dict[str, Path], config: ModelConfig) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+    by_file: dict[Path, list[str]] = {}
+    for name, file in tensors.items():
+        tied_head = name == "lm_head.weight" and config.tie_word_embeddings
+        # Old checkpoints saved the rotary cache as a buffer; it is recomputed, not loaded.
+        if not tied_head and not name.endswith("rotary_emb.inv_freq"):
+            by_file.setdefault(file, []).append(name)
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for name in names:
+                    yield name, handle.get_tensor(name)
+
+    return weights
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """transformers >= 5 writes rope_parameters (theta included); older configs rope_theta + rope_scaling."""
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = {k: v for k, v in (cfg.get("rope_scaling") or params).items() if k != "rope_theta"}
+    kind = scaling.pop("type", None)
+    scaling.setdefault("rope_type", kind or "default")
+    return theta, None if scaling["rope_type"] == "default" else scaling
+
+
+def _eos_ids(directory: Path, cfg: dict[str, Any]) -> list[int]:
+    """config.json's eos plus generation_config.json's, which often adds the chat end-of-turn token."""
+    ids: list[int] = []
+    sources = [cfg]
+    generation = directory / "generation_config.json"
+    if generation.is_file():
+        sources.append(read_json(generation))
+    for source in sources:
+        value = source.get("eos_token_id")
+        ids.extend([value] if isinstance(value, int) else value or [])
+    return list(dict.fromkeys(ids))
+
+
+def _checkpoint_dtype(cfg: dict[str, Any], tensors: dict[str, Path]) -> torch.dtype:
+    declared = cfg.get("dtype") or cfg.get("torch_dtype")
+    if declared in DTYPES:
+        return DTYPES[declared]
+    # Undeclared: the embedding's storage type is what the weights really are.
+    with safe_open(tensors["model.embed_tokens.weight"], framework="pt") as handle:
+        return _SAFETENSORS_DTYPES.get(handle.get_slice("model.embed_tokens.weight").get_dtype(), torch.float32)
+
+
+def _check_complete(num_layers: int, tensors: dict[str, Path]) -> None:
+    """Fail at load time, not halfway through building the model, on a partial download."""
+    layer_parts = [
+        "input_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    ]
+    required = ["model.embed_tokens.weight", "model.norm.weight"]
+    required += [f"model.layers.{i}.{part}" for i in range(num_layers) for part in layer_parts]
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise ModelLoadError(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")

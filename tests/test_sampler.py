@@ -1,0 +1,125 @@
+"""SamplingParams validation and the vectorised sampler's masks, penalties and randomness."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tachyllm import SamplingParams
+from tachyllm.runner.sampler import Sampler
+
+VOCAB = 8
+
+
+def row(params: SamplingParams, prompt=(1,), output=(), seed=None):
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt) + list(output)
+    return SimpleNamespace(params=params, token_ids=ids, output_token_ids=list(output), num_output_tokens=len(output), generator=gen)
+
+
+def draw(logits: list[float], params: SamplingParams, n: int = 4000) -> torch.Tensor:
+    """Samples n rows at once (one batch) and returns the token counts."""
+    sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
+    batch = torch.tensor([logits] * n)
+    tokens = sampler(batch, [row(params) for _ in range(n)]).token_ids
+    return torch.bincount(torch.tensor(tokens), minlength=VOCAB)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("max_tokens", 0),
+        ("n", 0),
+        ("min_p", -0.1),
+        ("min_p", 1.1),
+        ("repetition_penalty", 0),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -3),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("min_tokens", 100),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop_token_ids", [-1]),
+        ("seed", 1.5),
+        ("max_tokens", 2.5),
+    ],
+)
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_temperature_sampling_follows_softmax():
+    logits = [2.0, 1.0, 0.5, 0.0, -1.0, -1.0, -2.0, -3.0]
+    counts = draw(logits, SamplingParams(temperature=0.7))
+    expected = torch.softmax(torch.tensor(logits) / 0.7, dim=0) * counts.sum()
+    # Chi-square against the exact distribution; 7 degrees of freedom, p = 0.001 critical value 24.3.
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 24.3, (counts, expected)
+
+
+def test_top_k_top_p_min_p_masks():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0, 0, 0, 0]) + 1e-9
+    logits = probs.log().tolist()
+    assert set(draw(logits, SamplingParams(top_k=2)).nonzero().flatten().tolist()) == {0, 1}
+    # The first two tokens already cover 0.8, so the third is outside the nucleus.
+    assert set(draw(logits, SamplingParams(top_p=0.8)).nonzero().flatten().tolist()) == {0, 1}
+    assert set(draw(logits, SamplingParams(top_p=0.81)).nonzero().flatten().tolist()) == {0, 1, 2}
+    # min_p 0.2 keeps tokens with p >= 0.2 * 0.5 = 0.1.
+    assert set(draw(logits, SamplingParams(min_p=0.2)).nonzero().flatten().tolist()) == {0, 1, 2}
+    # top_p keeps at least the top token however small p is.
+    assert set(draw(logits, SamplingParams(top_p=0.01)).nonzero().flatten().tolist()) == {0}
+
+
+def test_penalties_change_greedy_choice():
+    sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
+    logits = torch.tensor([[3.0, 2.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    greedy = dict(temperature=0)
+    assert sampler(logits, [row(SamplingParams(**greedy), output=[0])]).token_ids == [0]
+    # repetition: 3.0 / 1.1 < 2.9 (token 0 appears in the prompt)
+    assert sampler(logits, [row(SamplingParams(repetition_penalty=1.1, **greedy), prompt=[0])]).token_ids == [1]
+    assert sampler(logits, [row(SamplingParams(presence_penalty=0.2, **greedy), output=[0])]).token_ids == [1]
+    assert sampler(logits, [row(SamplingParams(frequency_penalty=0.06, **greedy), output=[0, 0])]).token_ids == [1]
+    # Presence and frequency penalties ignore prompt tokens.
+    assert sampler(logits, [row(SamplingParams(presence_penalty=0.2, **greedy), prompt=[0])]).token_ids == [0]
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids():
+    sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
+    logits = torch.tensor([[0.0, 0, 0, 0, 0, 5.0, 0, 9.0]])
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[5])
+    assert sampler(logits, [row(p, output=[1])]).token_ids == [0]
+    assert sampler(logits, [row(p, output=[1, 2])]).token_ids == [7]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
+    logits = torch.zeros(1, VOCAB)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    alone = [sampler(logits, [row(p, seed=1234)]).token_ids[0] for _ in range(1)]
+    seq = row(p, seed=1234)
+    others = [row(SamplingParams(temperature=1.0)) for _ in range(5)]
+    batched = sampler(torch.zeros(6, VOCAB), others[:3] + [seq] + others[3:]).token_ids[3]
+    assert alone[0] == batched
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
+    logits = torch.randn(2, VOCAB)
+    res = sampler(logits, [row(SamplingParams(temperature=0, logprobs=3)), row(SamplingParams(temperature=0, logprobs=0))])
+    ref = torch.log_softmax(logits, dim=-1)
+    chosen, rank, top_ids, top_lps = res.logprobs[0]
+    assert rank == 1 and abs(chosen - ref[0].max().item()) < 1e-6
+    assert top_ids == ref[0].topk(3).indices.tolist()
+    assert torch.allclose(torch.tensor(top_lps), ref[0].topk(3).values)
+    assert res.logprobs[1][2] == [] and res.logprobs[1][1] == 1
