@@ -91,7 +91,7 @@ def main() -> None:
     hf_1 = hf_single(hf, single, args.new_tokens)
     hf_b = None if args.skip_hf_batch else hf_batch(hf, batch, args.new_tokens)
 
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+    weight_bytes = llm.engine.weight_bytes
     gbs = weight_bytes * ours_1 / 1e9
     print(f"default model, dtype {args.dtype}, {threads} threads, torch {torch.__version__}")
     print(f"| workload | tachyllm | transformers | ratio |")

@@ -175,3 +175,17 @@ def test_cli_generate_streams(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=4 << 20)
     expected = llm.generate("The quick", SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0].text
     assert r.stdout == expected + "\n"
+
+
+def test_cli_chat_repl_answers_each_turn(tiny_model_factory):
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "tachyllm.entrypoints.cli", "--log-level", "WARNING", "chat",
+         "--model", str(tiny_model_factory("llama")), "--temperature", "0", "--max-tokens", "5", "--ignore-eos",
+         "--dtype", "float32", "--kv-cache-memory", "4M"],
+        input="hello\n\nsecond turn\n/exit\n", capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("assistant> ") == 2

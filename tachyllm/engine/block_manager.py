@@ -3,6 +3,10 @@
 Blocks whose reference count drops to zero go to the back of an LRU free list but keep
 their content hash, so a later request with the same prefix can take them back; a block
 is only forgotten when the free list hands it out for new content (lazy eviction).
+
+A hash only locates a candidate block. A hit also requires the block's tokens to be equal and
+its recorded parent to be exactly the block matched one position earlier, so even a colliding
+hash cannot hand out KV computed for another prefix or another position.
 """
 
 from __future__ import annotations
@@ -34,6 +38,14 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None  # the block's tokens, kept to verify prefix hits
+    # identity() of the cached block holding the previous block of the same prefix; None for a
+    # first block. Verified on lookup together with token_ids.
+    parent: tuple[int, int] | None = None
+    generation: int = 0  # bumped each time the block is handed out for new content
+
+    def identity(self) -> tuple[int, int]:
+        """Names this block's current content: a stale parent link (block since reused) never matches."""
+        return (self.block_id, self.generation)
 
 
 class BlockManager:
@@ -78,13 +90,16 @@ class BlockManager:
         max_blocks = (seq.num_tokens - 1) // bs
         hashes = self._full_block_hashes(seq, max_blocks)
         hit: list[int] = []
+        parent = None
         for i in range(max_blocks):
             block_id = self.cached.get(hashes[i])
             if block_id is None:
                 break
-            if self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
+            block = self.blocks[block_id]
+            if block.parent != parent or block.token_ids != tuple(seq.token_ids[i * bs : (i + 1) * bs]):
                 break
             hit.append(block_id)
+            parent = block.identity()
         return hit
 
     # -- allocation ------------------------------------------------------------------------
@@ -116,6 +131,8 @@ class BlockManager:
                     del self.cached[block.hash]
                 block.hash = None
                 block.token_ids = None
+                block.parent = None
+            block.generation += 1
             block.ref_count = 1
             seq.block_table.append(block_id)
         return True
@@ -142,20 +159,54 @@ class BlockManager:
             return
         hashes = self._full_block_hashes(seq, num_full)
         for i in range(seq.num_cached_blocks, num_full):
+            # Blocks past num_cached_blocks were allocated to seq alone and are not registered yet.
             block = self.blocks[seq.block_table[i]]
-            if block.hash is None and hashes[i] not in self.cached:
-                block.hash = hashes[i]
-                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-                self.cached[hashes[i]] = block.block_id
+            parent = self.blocks[seq.block_table[i - 1]].identity() if i else None
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            twin_id = self.cached.get(hashes[i])
+            if twin_id is not None:
+                twin = self.blocks[twin_id]
+                if twin.token_ids == tokens and twin.parent == parent:
+                    # Another sequence computed the same block (e.g. both prefilled one system prompt
+                    # in the same step): share its copy, so that our next blocks chain to it.
+                    self._replace_block(seq, i, twin)
+                    continue
+                # Otherwise the entry is stale (its parent was evicted) or a true collision: ours wins.
+            block.hash, block.token_ids, block.parent = hashes[i], tokens, parent
+            self.cached[hashes[i]] = block.block_id
         seq.num_cached_blocks = num_full
+
+    def _replace_block(self, seq: Sequence, index: int, twin: Block) -> None:
+        """Points seq.block_table[index] at twin, which holds identical KV, and releases seq's own copy."""
+        if twin.ref_count == 0:
+            del self.free[twin.block_id]
+        twin.ref_count += 1
+        own = self.blocks[seq.block_table[index]]
+        seq.block_table[index] = twin.block_id
+        own.ref_count -= 1
+        if own.ref_count == 0:
+            # It holds nothing anyone can look up, so it is the first block worth handing out.
+            self.free[own.block_id] = None
+            self.free.move_to_end(own.block_id, last=False)
 
     # -- testing aid -----------------------------------------------------------------------
     def check_invariants(self, live_seqs: list[Sequence]) -> None:
-        """Every block is free xor referenced, and ref counts equal the block tables holding them."""
+        """Every block is free xor referenced, ref counts equal the block tables holding them, and the
+        registered blocks of each table hold exactly that sequence's prefix, chained in order."""
         counts = [0] * self.num_blocks
+        bs = self.block_size
         for seq in live_seqs:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"seq {seq.seq_id} holds a block twice"
+            assert len(seq.block_table) * bs >= seq.num_computed_tokens, f"seq {seq.seq_id} computed past its table"
             for block_id in seq.block_table:
                 counts[block_id] += 1
+            for i in range(seq.num_cached_blocks):
+                block = self.blocks[seq.block_table[i]]
+                assert block.token_ids == tuple(seq.token_ids[i * bs : (i + 1) * bs]), (
+                    f"seq {seq.seq_id} block {i} (id {block.block_id}) holds other tokens"
+                )
+                parent = self.blocks[seq.block_table[i - 1]].identity() if i else None
+                assert block.parent == parent, f"seq {seq.seq_id} block {i} is chained to another prefix"
         for block in self.blocks:
             assert block.ref_count == counts[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count} != {counts[block.block_id]} tables"

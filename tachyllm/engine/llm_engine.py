@@ -12,6 +12,7 @@ from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.engine.block_manager import BlockManager
 from tachyllm.engine.scheduler import Scheduler
 from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import RequestError
 from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import load_checkpoint
@@ -43,6 +44,8 @@ class LLMEngine:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(ckpt.weights())
         model.init_rotary(self.max_model_len)
+        # Bytes a decode step streams from memory (packing below hides parameters from the module).
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.device.type == "cpu" and onednn_packing_available(self.dtype):
             pack_linears(model)
         self.model = model.eval()
@@ -72,6 +75,7 @@ class LLMEngine:
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
         self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.device)
         self.requests: dict[str, Request] = {}
+        self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
         logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
 
     # -- requests ----------------------------------------------------------------------------
@@ -178,6 +182,7 @@ class LLMEngine:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)
             outputs.append(self._make_output(req))
+        self.stats_logger.maybe_log(self.stats, self.scheduler, self.block_manager, sched.scheduled)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:

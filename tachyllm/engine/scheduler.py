@@ -77,10 +77,15 @@ class Scheduler:
             seq = queue.pop(0)
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
-                # The victim is the lowest-priority, latest-arrived sequence not yet scheduled this step.
-                victim = max([seq, *queue], key=lambda s: s.arrival_order)
-                if victim is not seq:
+                # The victim is the lowest-priority, latest-arrived running sequence, even one already
+                # scheduled this step: decodes go first, so they may be junior to this prefill chunk.
+                victim = max(self.running, key=lambda s: s.arrival_order)
+                if victim in queue:
                     queue.remove(victim)
+                elif victim is not seq:
+                    dropped = next(s for s in out.scheduled if s.seq is victim)
+                    out.scheduled.remove(dropped)
+                    budget += dropped.num_new_tokens
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -97,7 +102,10 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
             num_new = seq.num_tokens - len(prefix) * self.block_manager.block_size
-            if num_new > budget and not self.enable_chunked_prefill:
+            # Without chunked prefill a prompt goes in one step; only a preempted sequence whose prompt
+            # plus output outgrew the whole budget is recomputed in chunks, or it could never resume.
+            can_chunk = self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
+            if num_new > budget and not can_chunk:
                 break
             num_new = min(num_new, budget)
             if not self.block_manager.allocate(seq, num_new, prefix):

@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    from tachyllm.entrypoints.serve import add_serve_parser  # late: serve.py builds on this module
+
+    add_serve_parser(sub)
     return parser
 
 

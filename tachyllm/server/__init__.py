@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server: AsyncEngine (async_engine), the FastAPI app (app), its JSON
+models (protocol) and Prometheus metrics (metrics). `tachy serve` (entrypoints/serve.py) runs it."""

@@ -1,0 +1,333 @@
+"""AsyncEngine: drives one LLMEngine from a background thread and streams its outputs to asyncio tasks.
+
+The LLMEngine is not thread-safe, so exactly one thread (the step loop) ever touches it. Other
+threads only append operations (add, abort) to a list under a lock; the loop applies them between
+steps and hands results back to each caller's event loop with call_soon_threadsafe. When there is
+nothing to do the loop sleeps on a condition variable, so an idle server burns no CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from tachyllm.config import default_threads
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.errors import RequestError, TachyError
+from tachyllm.outputs import RequestOutput, StepStats
+from tachyllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("tachyllm.server")
+
+# Called on the engine thread with every output of an iteration (step outputs and aborts).
+OutputListener = Callable[[list[RequestOutput]], None]
+
+
+class EngineDeadError(TachyError):
+    """The step loop stopped (it failed, or the engine was shut down); no request can run."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after the loop's latest iteration; immutable, so any thread may read it."""
+
+    num_running: int = 0  # requests with a sequence in the running batch
+    num_waiting: int = 0  # requests admitted to the engine but not running
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    stats: StepStats = field(default_factory=StepStats)
+
+
+class RequestStream:
+    """One request's outputs, in order, as an async iterator; close() aborts the request if unfinished.
+
+    Outputs are cumulative (text and token ids so far), so a consumer that fell behind only needs
+    the newest one: __anext__ skips to it.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._done = False  # finished, failed or closed: nothing more to read
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Runs on the consumer's event loop (the engine thread schedules it there)."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not self._queue.empty() and not isinstance(item, BaseException):
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    def close(self) -> None:
+        """Aborts the request unless it already finished; safe to call any number of times."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: str | list[int]
+    params: SamplingParams
+    arrival_time: float
+    priority: int
+    accepted: asyncio.Future  # resolved on stream.loop once the engine took (or refused) the request
+
+
+@dataclass
+class _Abort:
+    request_id: str | None  # None: every request
+
+
+class _Outbox:
+    """Calls to run on event loops, gathered during one iteration and sent one batch per loop."""
+
+    def __init__(self) -> None:
+        self._calls: dict[asyncio.AbstractEventLoop, list[tuple[Callable, tuple]]] = {}
+
+    def post(self, loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
+        self._calls.setdefault(loop, []).append((fn, args))
+
+    def flush(self) -> None:
+        for loop, calls in self._calls.items():
+            try:
+                loop.call_soon_threadsafe(_run_calls, calls)
+            except RuntimeError:  # that loop was closed: its consumers are gone
+                pass
+        self._calls = {}
+
+
+def _run_calls(calls: list[tuple[Callable, tuple]]) -> None:
+    for fn, args in calls:
+        fn(*args)
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled while waiting
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+class AsyncEngine:
+    """Owns an LLMEngine and its step-loop thread; every method may be called from any thread
+    (add_request and generate from a running event loop)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine  # touched by the loop thread only
+        # What the HTTP layer needs, so it never touches the engine itself. The tokenizer is shared
+        # with the loop thread: encoding and decoding leave it unchanged, so that is safe.
+        self.tokenizer = engine.tokenizer
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
+        bm = engine.block_manager
+        self.kv_cache_tokens = bm.num_blocks * bm.block_size
+
+        self._listeners: list[OutputListener] = []
+        self._cond = threading.Condition()
+        self._ops: list[_Add | _Abort] = []  # guarded by _cond
+        self._pending_adds = 0  # adds not yet reflected in _snapshot; guarded by _cond
+        self._snapshot = EngineSnapshot()  # guarded by _cond
+        self._stopping = False  # shutdown() was called; the loop ends after its next iteration
+        self._closed = False  # the loop has ended; guarded by _cond
+        self.error: BaseException | None = None
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="tachy-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread ---------------------------------------------------------------------------
+    def add_output_listener(self, listener: OutputListener) -> None:
+        self._listeners.append(listener)
+
+    async def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> RequestStream:
+        """Queues a request and waits until the engine took it (at most one step): raises
+        RequestError when the engine refuses it, so callers can answer 400 before streaming."""
+        stream = RequestStream(self, request_id)
+        accepted = stream.loop.create_future()
+        self._submit(_Add(stream, prompt, params, time.time(), priority, accepted))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            stream.close()  # queued after the add, so it cannot leave the request behind
+            raise
+        return stream
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt, params, priority)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        self._submit(_Abort(None))
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        with self._cond:
+            return self._snapshot
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running, counting those submitted since the last step."""
+        with self._cond:
+            return self._snapshot.num_waiting + self._pending_adds
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._cond:
+            return self._snapshot.num_running + self._snapshot.num_waiting + self._pending_adds
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Aborts whatever is left, stops the loop and waits for its thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+    def _submit(self, op: _Add | _Abort) -> None:
+        with self._cond:
+            if self._closed:  # the loop is gone: nobody would ever answer an add
+                if isinstance(op, _Add):
+                    raise EngineDeadError("the engine is not running")
+                return
+            if isinstance(op, _Add):
+                self._pending_adds += 1
+            self._ops.append(op)
+            self._cond.notify()
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        # Intra-op thread settings are per thread in some torch builds; set them where the work runs.
+        torch.set_num_threads(self._engine.config.threads or default_threads())
+        engine = self._engine
+        try:
+            while True:
+                with self._cond:
+                    while not (self._ops or self._stopping or engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    ops, self._ops = self._ops, []
+                    stopping = self._stopping
+                outbox = _Outbox()
+                outputs = self._apply(ops, outbox)
+                num_adds = sum(isinstance(op, _Add) for op in ops)
+                # Snapshot and metrics are updated before answers go out, so whoever reacts to an
+                # answer (sends the next request, scrapes /metrics) sees the state that produced it.
+                if stopping:
+                    outputs += self._abort_all()
+                elif ops:
+                    self._publish(num_adds)
+                    num_adds = 0
+                    outbox.flush()  # acceptances go out before the step, not after it
+                if not stopping and engine.has_unfinished_requests():
+                    outputs += engine.step()
+                self._deliver(outputs, outbox)
+                self._publish(num_adds)
+                self._notify_listeners(outputs)
+                outbox.flush()
+                if stopping:
+                    break
+        except Exception as e:  # a bug in the engine: fail every request loudly rather than hang
+            logger.exception("engine loop failed; failing all requests")
+            self.error = e
+        finally:
+            self._fail_remaining()
+
+    def _apply(self, ops: list[_Add | _Abort], outbox: _Outbox) -> list[RequestOutput]:
+        aborted = []
+        for op in ops:
+            if isinstance(op, _Add):
+                rid = op.stream.request_id
+                try:
+                    self._engine.add_request(rid, op.prompt, op.params, op.arrival_time, op.priority)
+                except RequestError as e:
+                    outbox.post(op.stream.loop, _resolve, op.accepted, e)
+                    continue
+                self._streams[rid] = op.stream
+                outbox.post(op.stream.loop, _resolve, op.accepted, None)
+            elif op.request_id is None:
+                aborted += self._abort_all()
+            else:
+                out = self._engine.abort_request(op.request_id)
+                if out is not None:
+                    aborted.append(out)
+        return aborted
+
+    def _abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self._engine.requests) if (out := self._engine.abort_request(rid)) is not None]
+
+    def _deliver(self, outputs: list[RequestOutput], outbox: _Outbox) -> None:
+        for out in outputs:
+            stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is not None:
+                outbox.post(stream.loop, stream.put, out)
+
+    def _publish(self, num_applied_adds: int) -> None:
+        scheduler = self._engine.scheduler
+        running = {s.request.request_id for s in scheduler.running}
+        waiting = {s.request.request_id for s in scheduler.waiting} - running
+        stats = self._engine.stats
+        snapshot = EngineSnapshot(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            kv_cache_usage=self._engine.block_manager.usage,
+            stats=replace(stats, finished_reasons=dict(stats.finished_reasons)),
+        )
+        with self._cond:
+            self._snapshot = snapshot
+            self._pending_adds -= num_applied_adds
+
+    def _notify_listeners(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        for listener in self._listeners:
+            try:
+                listener(outputs)
+            except Exception:  # metrics or logging must never take the engine down
+                logger.exception("output listener failed")
+
+    def _fail_remaining(self) -> None:
+        """Whatever still waits on this loop gets an error instead of waiting forever."""
+        with self._cond:
+            self._closed = True
+            ops, self._ops = self._ops, []
+        error = EngineDeadError(f"the engine stopped: {self.error}" if self.error else "the engine was shut down")
+        outbox = _Outbox()
+        for op in ops:
+            if isinstance(op, _Add):
+                outbox.post(op.stream.loop, _resolve, op.accepted, error)
+        for stream in self._streams.values():
+            outbox.post(stream.loop, stream.put, error)
+        self._streams.clear()
+        outbox.flush()

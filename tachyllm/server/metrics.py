@@ -1,0 +1,165 @@
+"""What the server measures: Prometheus metrics (vLLM's names, prefixed tachy:) and its log lines.
+
+Latency histograms are fed per output on the engine thread, where token times are exact. Counters
+mirror engine.stats: each scrape adds the difference since the previous one, so they are never
+counted twice and the engine keeps a single source of truth. Each ServerMetrics has its own
+registry, so several servers can live in one process (tests) without name clashes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tachyllm.outputs import RequestOutput, StepStats
+from tachyllm.server.async_engine import EngineSnapshot
+
+logger = logging.getLogger("tachyllm.server")
+
+# Seconds, roughly 2.5x apart: from a sub-millisecond CPU decode step to a many-minute request.
+_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0,
+)  # fmt: skip
+
+
+@dataclass
+class _Progress:
+    """How far a running request was at the previous output, for per-token intervals."""
+
+    num_tokens: int = 0
+    last_token_time: float | None = None
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str) -> Histogram:
+            metric = Histogram(f"tachy:{name}", doc, label, registry=self.registry, buckets=_LATENCY_BUCKETS)
+            return metric.labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tachy:{name}", doc, label, registry=self.registry).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tachy:{name}", doc, label, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "Mean time per output token after the first, per request."
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish, per finished request.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode = histogram("request_decode_time_seconds", "First token to last token.")
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter(
+            "tachy:request_success",
+            "Finished requests by finish reason.",
+            [*label, "finished_reason"],
+            registry=self.registry,
+        )
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+
+        self._exported = StepStats()  # counter values already added to the registry
+        self._progress: dict[str, _Progress] = {}  # engine thread only
+
+    # -- engine thread ------------------------------------------------------------------------
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Per-output latencies; an AsyncEngine output listener."""
+        for out in outputs:
+            m = out.metrics
+            progress = self._progress.setdefault(out.request_id, _Progress())
+            new_tokens = m.num_generated_tokens - progress.num_tokens
+            if new_tokens > 0:
+                if progress.num_tokens == 0:
+                    if m.ttft is not None:
+                        self.ttft.observe(m.ttft)
+                    new_tokens -= 1  # the first token has no interval before it
+                if new_tokens > 0 and progress.last_token_time is not None:
+                    gap = (m.last_token_time - progress.last_token_time) / new_tokens
+                    for _ in range(new_tokens):
+                        self.itl.observe(gap)
+                progress.num_tokens, progress.last_token_time = m.num_generated_tokens, m.last_token_time
+            if out.finished:
+                del self._progress[out.request_id]
+                self._observe_finished(out)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        prompt_len, output_len = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+        ttft = "-" if m.ttft is None else f"{m.ttft * 1000:.1f} ms"
+        tpot = "-" if m.mean_tpot is None else f"{m.mean_tpot * 1000:.1f} ms"
+        logger.info(
+            "request %s finished: %s, prompt %d tokens, output %d tokens, ttft %s, tpot %s",
+            out.request_id, reason, prompt_len, output_len, ttft, tpot,
+        )  # fmt: skip
+        if reason == "abort":  # a cut-short request would skew the latency distributions
+            return
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)
+        if m.first_token_time is not None and m.first_scheduled_time is not None:
+            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.first_token_time is not None and m.last_token_time is not None:
+            self.decode.observe(m.last_token_time - m.first_token_time)
+        if m.mean_tpot is not None:
+            self.tpot.observe(m.mean_tpot)
+
+    # -- event loop ---------------------------------------------------------------------------
+    def sync(self, snapshot: EngineSnapshot) -> None:
+        """Brings counters and gauges up to the snapshot; called before each scrape."""
+        now, seen = snapshot.stats, self._exported
+        for metric, attr in (
+            (self.prompt_tokens, "num_prompt_tokens"),
+            (self.generation_tokens, "num_generation_tokens"),
+            (self.preemptions, "num_preemptions"),
+            (self.prefix_queries, "prefix_cache_queries"),
+            (self.prefix_hits, "prefix_cache_hits"),
+        ):
+            delta = getattr(now, attr) - getattr(seen, attr)
+            if delta > 0:
+                metric.inc(delta)
+        for reason, count in now.finished_reasons.items():
+            delta = count - seen.finished_reasons.get(reason, 0)
+            if delta > 0:
+                self._success.labels(self.model_name, reason).inc(delta)
+        self._exported = now
+        self.running.set(snapshot.num_running)
+        self.waiting.set(snapshot.num_waiting)
+        self.kv_usage.set(snapshot.kv_cache_usage)
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        self.sync(snapshot)
+        return generate_latest(self.registry)
+
+
+def log_engine_stats(prev: EngineSnapshot, cur: EngineSnapshot, elapsed: float) -> None:
+    """One periodic line: load, cache use, and throughput and prefix-cache hit rate since `prev`."""
+    elapsed = max(elapsed, 1e-9)
+    prompt_rate = (cur.stats.num_prompt_tokens - prev.stats.num_prompt_tokens) / elapsed
+    gen_rate = (cur.stats.num_generation_tokens - prev.stats.num_generation_tokens) / elapsed
+    queries = cur.stats.prefix_cache_queries - prev.stats.prefix_cache_queries
+    hits = cur.stats.prefix_cache_hits - prev.stats.prefix_cache_hits
+    hit_rate = f"{100 * hits / queries:.1f}%" if queries else "-"
+    logger.info(
+        "engine: running %d, waiting %d, KV cache %.1f%%, prompt %.1f tok/s, generation %.1f tok/s, "
+        "prefix cache hit rate %s",
+        cur.num_running, cur.num_waiting, 100 * cur.kv_cache_usage, prompt_rate, gen_rate, hit_rate,
+    )  # fmt: skip

@@ -1,0 +1,236 @@
+"""The JSON bodies of the HTTP API as pydantic models: OpenAI's shapes, plus vLLM's extensions.
+
+Requests are validated in strict mode (no "5" -> 5 coercion), so a wrong type is a 400 naming the
+field rather than a silent guess. Ranges live here too, as the API's contract; SamplingParams checks
+them again for offline callers. Optional sampling fields accept an explicit null as "default".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tachyllm.sampling_params import MAX_LOGPROBS
+
+NonNegFloat = Annotated[float, Field(ge=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+TopP = Annotated[float, Field(gt=0, le=1)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
+TopK = Annotated[int, Field(ge=-1)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]  # what a torch.Generator accepts, with room for seed + i
+
+
+class Request(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers commonly do: clients send extras.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class SamplingFields(Request):
+    """Fields that completions and chat completions share."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: NonNegFloat | None = None
+    top_p: TopP | None = None
+    n: PositiveInt | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    user: str | None = None
+    # Accepted for compatibility; anything but "no bias" is rejected as unsupported.
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions.
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    repetition_penalty: PositiveFloat | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt | None = None
+    stop_token_ids: list[TokenId] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: NumLogprobs | None = None
+    echo: bool = False
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+
+class ContentPart(Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+
+class TokenizeRequest(Request):
+    """vLLM's /tokenize: either a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(Request):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tachyllm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,273 @@
+"""BlockManager: ref counts, the LRU free list, prefix-cache hits, and a hypothesis state machine.
+
+The state machine drives the real BlockManager with fake sequences and a fake KV cache in which
+every slot records the exact token prefix its KV was computed from. Whatever blocks the manager
+hands out (fresh, shared or cached), every computed position must read back its own prefix; this
+is the "a cached block holds exactly that request's prefix" property, checked on every operation,
+also under a deliberately terrible hash that makes collisions the norm.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+
+from tachyllm.engine import block_manager as bm_module
+from tachyllm.engine.block_manager import BlockManager, hash_block
+from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.outputs import RequestMetrics
+from tachyllm.sampling_params import SamplingParams
+
+
+def make_seq(tokens: list[int], priority: int = 0, arrival: float = 0.0, max_tokens: int = 16) -> Sequence:
+    """A real Sequence without a tokenizer behind it (the block manager and scheduler never detokenize)."""
+    req = Request(f"r{arrival}", None, list(tokens), SamplingParams(max_tokens=max_tokens), RequestMetrics(arrival), priority)
+    seq = Sequence(request=req, index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens), detokenizer=None)
+    req.seqs.append(seq)
+    return seq
+
+
+class FakeKV:
+    """Stands in for the paged KV tensors: slot (block, offset) holds the token prefix whose last
+    token's KV was written there, so reading a sequence back proves which KV it attends to."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.slots: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def write(self, seq: Sequence, start: int, end: int) -> None:
+        bs = self.block_size
+        for p in range(start, end):
+            self.slots[seq.block_table[p // bs]][p % bs] = tuple(seq.token_ids[: p + 1])
+
+    def check(self, seq: Sequence, end: int) -> None:
+        """Positions [0, end) of seq hold KV computed from seq's own tokens."""
+        bs = self.block_size
+        for p in range(end):
+            got = self.slots[seq.block_table[p // bs]][p % bs]
+            assert got == tuple(seq.token_ids[: p + 1]), f"seq {seq.seq_id} position {p} reads KV of {got}"
+
+
+def weak_hash(parent: bytes | None, token_ids, extra_key: bytes) -> bytes:
+    """Two possible values: nearly every lookup collides, across prefixes and positions."""
+    return bytes([sum(token_ids) % 2])
+
+
+# Prompts from a 3-token alphabet with shared heads, so prefixes (and repeated blocks) are common.
+HEADS = [[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1]]
+prompts = st.builds(lambda head, tail: head + tail, st.sampled_from(HEADS), st.lists(st.integers(0, 2), max_size=8)).filter(bool)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Sequences go through match_prefix -> allocate -> compute -> cache_full_blocks, decode single
+    tokens, get preempted (freed and reset) or freed for good, in any order."""
+
+    @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4), caching=st.booleans())
+    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
+        self.bm = BlockManager(num_blocks, block_size, caching)
+        self.kv = FakeKV(num_blocks, block_size)
+        self.live: list[Sequence] = []
+
+    @rule(tokens=prompts)
+    def add(self, tokens: list[int]) -> None:
+        self.live.append(make_seq(tokens))
+
+    @precondition(lambda self: any(s.num_uncomputed_tokens for s in self.live))
+    @rule(index=st.integers(0, 100), chunk=st.integers(1, 6))
+    def compute(self, index: int, chunk: int) -> None:
+        pending = [s for s in self.live if s.num_uncomputed_tokens]
+        seq = pending[index % len(pending)]
+        prefix = []
+        if not seq.block_table:
+            prefix = self.bm.match_prefix(seq)
+            assert len(set(prefix)) == len(prefix)
+            assert len(prefix) * self.bm.block_size < seq.num_tokens  # at least one token is computed
+            for i, block_id in enumerate(prefix):  # a hit holds exactly this sequence's prefix
+                for off in range(self.bm.block_size):
+                    p = i * self.bm.block_size + off
+                    assert self.kv.slots[block_id][off] == tuple(seq.token_ids[: p + 1])
+        start = seq.num_computed_tokens + len(prefix) * self.bm.block_size
+        num_new = min(chunk, seq.num_tokens - start)
+        table_before, free_before = list(seq.block_table), self.bm.num_free_blocks
+        if not self.bm.allocate(seq, num_new, prefix):
+            assert seq.block_table == table_before and self.bm.num_free_blocks == free_before  # all or nothing
+            return
+        assert seq.num_computed_tokens == start
+        assert len(seq.block_table) * self.bm.block_size >= start + num_new
+        self.kv.write(seq, start, start + num_new)
+        seq.num_computed_tokens += num_new
+        self.bm.cache_full_blocks(seq)
+        self.kv.check(seq, seq.num_computed_tokens)
+
+    @precondition(lambda self: any(s.block_table and not s.num_uncomputed_tokens for s in self.live))
+    @rule(index=st.integers(0, 100), token=st.integers(0, 2))
+    def sample(self, index: int, token: int) -> None:
+        done = [s for s in self.live if s.block_table and not s.num_uncomputed_tokens]
+        done[index % len(done)].token_ids.append(token)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def preempt(self, index: int) -> None:
+        seq = self.live[index % len(self.live)]
+        self.bm.free_seq(seq)
+        seq.num_computed_tokens = 0
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def finish(self, index: int) -> None:
+        seq = self.live.pop(index % len(self.live))
+        self.bm.free_seq(seq)
+        assert seq.block_table == []
+
+    @invariant()
+    def blocks_accounted_for(self) -> None:
+        self.bm.check_invariants(self.live)
+        referenced = {b for s in self.live for b in s.block_table}
+        assert len(referenced) + self.bm.num_free_blocks == self.bm.num_blocks
+        assert sum(b.ref_count for b in self.bm.blocks) == sum(len(s.block_table) for s in self.live)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        for seq in self.live:
+            self.bm.free_seq(seq)
+        self.bm.check_invariants([])
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+
+
+MACHINE_SETTINGS = settings(
+    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+)
+
+
+def test_block_manager_state_machine():
+    run_state_machine_as_test(BlockManagerMachine, settings=MACHINE_SETTINGS)
+
+
+def test_block_manager_state_machine_with_colliding_hashes(monkeypatch):
+    monkeypatch.setattr(bm_module, "hash_block", weak_hash)
+    run_state_machine_as_test(BlockManagerMachine, settings=MACHINE_SETTINGS)
+
+
+# -- unit tests --------------------------------------------------------------------------------
+
+
+def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
+    """A sequence whose tokens are all computed (taking whatever prefix hits exist) and cached."""
+    seq = make_seq(tokens)
+    prefix = bm.match_prefix(seq)
+    assert bm.allocate(seq, len(tokens) - len(prefix) * bm.block_size, prefix)
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(seq)
+    return seq
+
+
+def test_finished_blocks_stay_cached_and_are_revived():
+    bm = BlockManager(8, 4)
+    first = computed(bm, list(range(10)))
+    head = first.block_table[:2]
+    bm.free_seq(first)
+    assert bm.num_free_blocks == 8
+    again = make_seq(list(range(8)) + [50, 51])
+    assert bm.match_prefix(again) == head
+    assert bm.allocate(again, 2, head)
+    # The two revived blocks leave the free list along with the one new block.
+    assert bm.num_free_blocks == 5 and again.num_computed_tokens == 8
+    bm.check_invariants([again])
+
+
+def test_at_least_one_token_is_computed():
+    bm = BlockManager(8, 4)
+    bm.free_seq(computed(bm, list(range(8))))
+    assert len(bm.match_prefix(make_seq(list(range(8))))) == 1  # not 2: the last token must run
+    assert len(bm.match_prefix(make_seq(list(range(9))))) == 2
+
+
+def test_eviction_is_lru_and_tail_first():
+    bm = BlockManager(4, 2)
+    old = computed(bm, [1, 2, 3, 4])
+    bm.free_seq(old)
+    new = computed(bm, [5, 6, 7, 8])
+    bm.free_seq(new)
+    # Evicting one block takes the tail of the older prefix, so its head still hits.
+    taker = make_seq([9, 9])
+    assert bm.allocate(taker, 2)
+    assert taker.block_table == [1]  # block 1 held [3, 4]
+    assert bm.match_prefix(make_seq([1, 2, 3, 4, 0])) == [0]
+    assert len(bm.match_prefix(make_seq([5, 6, 7, 8, 0]))) == 2
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(3, 2)
+    holder = computed(bm, [1, 2, 3, 4])
+    seq = make_seq([7, 7, 7, 7])
+    assert not bm.allocate(seq, 4)
+    assert seq.block_table == [] and bm.num_free_blocks == 1
+    bm.free_seq(holder)
+    assert bm.allocate(seq, 4)
+
+
+def test_double_free_is_caught():
+    bm = BlockManager(4, 2)
+    seq = computed(bm, [1, 2, 3])
+    table = list(seq.block_table)
+    bm.free_seq(seq)
+    seq.block_table = table
+    with pytest.raises(AssertionError, match="freed twice"):
+        bm.free_seq(seq)
+
+
+def test_same_block_computed_twice_is_shared():
+    """Two requests prefilling one prompt in the same step end up sharing one copy, and the tail
+    of the second still chains to it, so a later request hits all of it."""
+    bm = BlockManager(12, 2)
+    a, b = make_seq([1, 2, 3, 4, 5]), make_seq([1, 2, 3, 4, 6, 6, 7])
+    for seq in (a, b):
+        assert bm.allocate(seq, seq.num_tokens)
+    for seq in (a, b):
+        seq.num_computed_tokens = seq.num_tokens
+        bm.cache_full_blocks(seq)
+    assert b.block_table[:2] == a.block_table[:2]
+    bm.check_invariants([a, b])
+    assert bm.num_free_blocks == 12 - 3 - 2  # a: 3 blocks, b: 2 of its own
+    hit = bm.match_prefix(make_seq([1, 2, 3, 4, 6, 6, 7, 8]))
+    assert hit == b.block_table[:3]
+
+
+def test_stale_parent_never_matches(monkeypatch):
+    """A cached child whose parent block was evicted and refilled with other tokens does not chain
+    to the new content, even when (as with this parent-blind hash) the lookup key would match."""
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, extra: bytes(tokens))
+    bm = BlockManager(3, 2)
+    bm.free_seq(computed(bm, [1, 2, 3, 4]))  # block 0 = [1, 2] -> block 1 = [3, 4]
+    bm.free.move_to_end(1)  # keep the child, so that the parent is evicted first
+    holder = computed(bm, [5])  # takes block 2
+    bm.free_seq(computed(bm, [8, 8]))  # block 0 now holds [8, 8]
+    assert bm.blocks[1].token_ids == (3, 4)
+    assert bm.match_prefix(make_seq([8, 8, 3, 4, 5])) == [0]
+    bm.check_invariants([holder])
+
+
+def test_extra_key_and_parent_change_the_hash():
+    tokens = [1, 2, 3, 4]
+    assert hash_block(None, tokens, b"bf16") != hash_block(None, tokens, b"f32")
+    assert hash_block(None, tokens, b"") != hash_block(hash_block(None, tokens, b""), tokens, b"")
+
+
+def test_colliding_hash_cannot_reuse_a_block_at_another_position(monkeypatch):
+    """With a hash that ignores the parent, [x x] at position 1 looks like [x x] at position 0;
+    the parent check keeps it out (its KV was computed at other positions)."""
+    monkeypatch.setattr(bm_module, "hash_block", lambda parent, tokens, extra: bytes(tokens))
+    bm = BlockManager(8, 2)
+    bm.free_seq(computed(bm, [7, 7, 1]))
+    hit = bm.match_prefix(make_seq([7, 7, 7, 7, 1]))
+    assert len(hit) == 1
+
+
+def test_caching_off_never_hits():
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    bm.free_seq(computed(bm, [1, 2, 3, 4, 5]))
+    assert bm.match_prefix(make_seq([1, 2, 3, 4, 5])) == []
+    assert bm.cached == {}
