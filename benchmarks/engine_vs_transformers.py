@@ -94,8 +94,8 @@ def main() -> None:
     weight_bytes = llm.engine.weight_bytes
     gbs = weight_bytes * ours_1 / 1e9
     print(f"default model, dtype {args.dtype}, {threads} threads, torch {torch.__version__}")
-    print(f"| workload | tachyllm | transformers | ratio |")
-    print(f"|---|---|---|---|")
+    print("| workload | tachyllm | transformers | ratio |")
+    print("|---|---|---|---|")
     print(f"| single stream decode tok/s ({args.prompt_len} in / {args.new_tokens} out) | {ours_1:.1f} | {hf_1:.1f} | {ours_1 / hf_1:.2f}x |")
     if hf_b is not None:
         print(f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | {hf_b:.1f} | {ours_b / hf_b:.2f}x |")

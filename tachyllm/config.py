@@ -13,6 +13,11 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Weight-only quantization methods (tachyllm/quantization) and KV-cache storage types (kernels/kv_quant.py).
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf")
+QUANT_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
 
 @dataclass
 class ModelConfig:
@@ -64,8 +69,24 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None = OMP_NUM_THREADS or all cores
+    quantization: str | None = None  # weight-only: int8, int4, awq, gguf; None = model dtype
+    quant_group_size: int | None = None  # int4/awq; None = largest of 128/64/32 dividing each layer
+    quant_skip: str | None = None  # comma list (lm_head, attn, mlp, name fragments); None = "lm_head"; "none"
+    kv_cache_dtype: str = "auto"  # auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(
+                f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {self.quantization!r}"
+            )
+        if self.quant_group_size is not None and self.quant_group_size not in QUANT_GROUP_SIZES:
+            raise ConfigError(
+                f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {self.quant_group_size!r}"
+            )
+        if self.quant_group_size is not None and self.quantization not in ("int4", "awq"):
+            raise ConfigError(f"quant_group_size applies to quantization int4 or awq, not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:

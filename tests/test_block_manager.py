@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from tachyllm.engine import block_manager as bm_module
 from tachyllm.engine.block_manager import BlockManager, hash_block
@@ -23,7 +30,9 @@ from tachyllm.sampling_params import SamplingParams
 
 def make_seq(tokens: list[int], priority: int = 0, arrival: float = 0.0, max_tokens: int = 16) -> Sequence:
     """A real Sequence without a tokenizer behind it (the block manager and scheduler never detokenize)."""
-    req = Request(f"r{arrival}", None, list(tokens), SamplingParams(max_tokens=max_tokens), RequestMetrics(arrival), priority)
+    req = Request(
+        f"r{arrival}", None, list(tokens), SamplingParams(max_tokens=max_tokens), RequestMetrics(arrival), priority
+    )
     seq = Sequence(request=req, index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens), detokenizer=None)
     req.seqs.append(seq)
     return seq
@@ -57,7 +66,9 @@ def weak_hash(parent: bytes | None, token_ids, extra_key: bytes) -> bytes:
 
 # Prompts from a 3-token alphabet with shared heads, so prefixes (and repeated blocks) are common.
 HEADS = [[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1]]
-prompts = st.builds(lambda head, tail: head + tail, st.sampled_from(HEADS), st.lists(st.integers(0, 2), max_size=8)).filter(bool)
+prompts = st.builds(
+    lambda head, tail: head + tail, st.sampled_from(HEADS), st.lists(st.integers(0, 2), max_size=8)
+).filter(bool)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -90,10 +101,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert self.kv.slots[block_id][off] == tuple(seq.token_ids[: p + 1])
         start = seq.num_computed_tokens + len(prefix) * self.bm.block_size
         num_new = min(chunk, seq.num_tokens - start)
-        table_before, free_before = list(seq.block_table), self.bm.num_free_blocks
+        table_before, free_before, cached_before = list(seq.block_table), self.bm.num_free_blocks, seq.num_cached_blocks
         if not self.bm.allocate(seq, num_new, prefix):
             assert seq.block_table == table_before and self.bm.num_free_blocks == free_before  # all or nothing
             return
+        assert seq.block_table[: len(table_before)] == table_before
+        assert seq.num_cached_blocks == cached_before + len(prefix)  # registered blocks stay registered
         assert seq.num_computed_tokens == start
         assert len(seq.block_table) * self.bm.block_size >= start + num_new
         self.kv.write(seq, start, start + num_new)
@@ -138,7 +151,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 MACHINE_SETTINGS = settings(
-    max_examples=60, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+    max_examples=200, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
 )
 
 

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from test_block_manager import FakeKV, make_seq, prompts
 
 from tachyllm.engine.block_manager import BlockManager
@@ -49,7 +56,11 @@ def execute(sched: Scheduler, out: SchedulerOutput, kv: FakeKV | None = None) ->
     finished = []
     for seq in sampled:
         last = seq.num_tokens - 1
-        prefix = tuple(seq.token_ids) if kv is None else kv.slots[seq.block_table[last // bm.block_size]][last % bm.block_size]
+        prefix = (
+            tuple(seq.token_ids)
+            if kv is None
+            else kv.slots[seq.block_table[last // bm.block_size]][last % bm.block_size]
+        )
         seq.token_ids.append(next_token(prefix))
         if seq.num_output_tokens >= seq.params.max_tokens:
             sched.finish(seq, "length")
@@ -141,7 +152,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.step()
         assert not self.live and self.sched.num_unfinished == 0
         for seq in self.completed:  # preemption and prefix hits never change what was generated
-            assert seq.output_token_ids == reference_output(seq.token_ids[: seq.num_prompt_tokens], seq.params.max_tokens)
+            assert seq.output_token_ids == reference_output(
+                seq.token_ids[: seq.num_prompt_tokens], seq.params.max_tokens
+            )
         self.bm.check_invariants([])
         assert self.bm.num_free_blocks == self.bm.num_blocks
 
@@ -149,14 +162,18 @@ class SchedulerMachine(RuleBasedStateMachine):
 def test_scheduler_state_machine():
     run_state_machine_as_test(
         SchedulerMachine,
-        settings=settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]),
+        settings=settings(
+            max_examples=300, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much]
+        ),
     )
 
 
 # -- policy unit tests -------------------------------------------------------------------------
 
 
-def make_scheduler(num_blocks: int, block_size: int, budget: int, chunked: bool = True, caching: bool = True, max_num_seqs: int = 8):
+def make_scheduler(
+    num_blocks: int, block_size: int, budget: int, chunked: bool = True, caching: bool = True, max_num_seqs: int = 8
+):
     bm = BlockManager(num_blocks, block_size, caching)
     return Scheduler(bm, max_num_seqs, budget, chunked, StepStats())
 

@@ -28,10 +28,8 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config
 from tachyllm.entrypoints.serve import make_server
 from tachyllm.errors import RequestError
-from tachyllm.outputs import StepStats
 from tachyllm.server.app import build_app
-from tachyllm.server.async_engine import AsyncEngine, EngineSnapshot
-from tachyllm.server.metrics import log_engine_stats
+from tachyllm.server.async_engine import AsyncEngine
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4M", "--log-stats-interval", "0"]
 API_KEY = "test-key"
@@ -396,16 +394,6 @@ def test_request_log_line(client, model_path, caplog):
     assert len(lines) == 1 and "length, prompt 2 tokens, output 3 tokens, ttft" in lines[0] and "tpot" in lines[0]
 
 
-def test_engine_stats_line(caplog):
-    caplog.set_level(logging.INFO, logger="tachyllm.server")
-    stats = StepStats(num_prompt_tokens=100, num_generation_tokens=50, prefix_cache_queries=100, prefix_cache_hits=40)
-    log_engine_stats(EngineSnapshot(), EngineSnapshot(2, 1, 0.25, stats), elapsed=10.0)
-    assert caplog.records[-1].getMessage() == (
-        "engine: running 2, waiting 1, KV cache 25.0%, prompt 10.0 tok/s, generation 5.0 tok/s, "
-        "prefix cache hit rate 40.0%"
-    )
-
-
 def test_client_disconnect_aborts_and_frees_kv(http):
     before = wait_idle(http)
     body = {"prompt": "The quick brown fox", "max_tokens": 480, "stream": True, **GREEDY}
@@ -649,5 +637,5 @@ def test_sigterm_drains_then_exits_zero(model_path):
     assert aborted and all(r[-2]["error"]["code"] == "aborted" for r in aborted)
     assert "shutting down: waiting up to 1.0 s for 10 requests" in log
     assert f"shutdown timeout reached: aborting {len(aborted)} unfinished requests" in log
-    assert "engine: running 1, waiting" in log
+    assert "running 1, waiting" in log and "prefix cache hit rate" in log
     assert log.count("finished: length, prompt") == len(finished) and log.count("finished: abort") == len(aborted)

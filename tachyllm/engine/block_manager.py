@@ -122,7 +122,7 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         seq.num_computed_tokens += len(prefix_blocks) * bs
-        seq.num_cached_blocks = len(prefix_blocks)
+        seq.num_cached_blocks += len(prefix_blocks)  # the table was empty: these are its first blocks
         for _ in range(max(num_new_blocks, 0)):
             block_id, _ = self.free.popitem(last=False)
             block = self.blocks[block_id]

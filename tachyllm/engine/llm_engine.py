@@ -14,10 +14,14 @@ from tachyllm.engine.scheduler import Scheduler
 from tachyllm.engine.sequence import Request, Sequence
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import RequestError
+from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import load_checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from tachyllm.quantization import quantize_model, quantized_weight_bytes
+from tachyllm.quantization.kv_calibration import quantized_kv_caches
+from tachyllm.quantization.policy import parse_skip
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.runner.sampler import Sampler
@@ -46,26 +50,38 @@ class LLMEngine:
         model.init_rotary(self.max_model_len)
         # Bytes a decode step streams from memory (packing below hides parameters from the module).
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if config.quantization:
+            # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
+            gguf_path = ckpt.source if ckpt.format == "gguf" else None
+            quantize_model(model, config.quantization, config.quant_group_size, parse_skip(config.quant_skip), self.tokenizer, gguf_path)
+            self.weight_bytes = quantized_weight_bytes(model)
         if self.device.type == "cpu" and onednn_packing_available(self.dtype):
             pack_linears(model)
         self.model = model.eval()
 
-        block_bytes = kv_cache.bytes_per_block(mc, config.block_size, self.dtype)
+        kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
+        block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
         wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(self.device, wanted)
         num_blocks = cache_bytes // block_bytes
         if num_blocks < 1:
             raise RequestError(f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)")
-        caches = kv_cache.allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, self.device)
+        caches = kv_cache.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, self.device)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20,
-            str(self.dtype).removeprefix("torch."), self.max_model_len,
+            str(kv_dtype).removeprefix("torch."), self.max_model_len,
         )  # fmt: skip
+        if config.kv_cache_dtype != "auto":
+            caches = quantized_kv_caches(model, self.tokenizer, caches)
+            logger.info(
+                "KV cache dtype %s: %.1fx the blocks of %s at the same memory",
+                config.kv_cache_dtype, self.dtype.itemsize / kv_dtype.itemsize, str(self.dtype).removeprefix("torch."),
+            )  # fmt: skip
 
         self.stats = StepStats()
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, extra_key=str(self.dtype).encode()
+            num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key()
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats
@@ -77,6 +93,13 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
         logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
+
+    def _prefix_cache_key(self) -> bytes:
+        """Cached KV blocks are only reusable by an engine that stores K/V the same way."""
+        key = str(self.dtype)
+        if self.config.kv_cache_dtype != "auto":
+            key += f"/kv={self.config.kv_cache_dtype}"
+        return key.encode()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(

@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="disable chunked prefill")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: OMP_NUM_THREADS or all cores)")
+    g.add_argument("--quantization", default=None, help="weight-only quantization: int8, int4, awq, gguf (default: none)")
+    g.add_argument("--quant-group-size", type=int, default=None, help="int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)")
+    g.add_argument("--quant-skip", default=None, help="layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage: auto (model dtype), fp8, fp8_e5m2, int8")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +76,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         seed=args.seed,
         threads=args.threads,
+        quantization=args.quantization,
+        quant_group_size=args.quant_group_size,
+        quant_skip=args.quant_skip,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -178,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     from tachyllm.entrypoints.serve import add_serve_parser  # late: serve.py builds on this module
 
     add_serve_parser(sub)
+    from tachyllm.eval.quality import add_eval_parser  # late: the eval builds on this module too
+
+    add_eval_parser(sub)
+    from tachyllm.bench.cli import add_bench_parser  # late: bench builds on this module too
+
+    add_bench_parser(sub)
     return parser
 
 

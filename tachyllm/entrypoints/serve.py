@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import asyncio
 import os
 import socket
@@ -115,6 +116,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tachyllm.server.app import build_app
     from tachyllm.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine(LLMEngine(engine_config(args)))
+    llm_engine = LLMEngine(engine_config(args))
+    # The engine's own periodic status line is the server's too; 0 turns it off.
+    llm_engine.stats_logger.interval_s = args.log_stats_interval or math.inf
+    engine = AsyncEngine(llm_engine)
     make_server(build_app(engine, args), args).run()
     return 0

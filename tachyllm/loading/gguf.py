@@ -156,6 +156,14 @@ def _check_dequantizable(tensor: ReaderTensor) -> None:
         ) from None
 
 
+def raw_tensors(reader: GGUFReader) -> Iterator[tuple[str, ReaderTensor]]:
+    """(HF name, tensor) with the stored blocks untouched, for loaders that keep weights quantized."""
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        if name is not None:
+            yield name, tensor
+
+
 def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:
     values = dequantize(tensor.data, tensor.tensor_type)
     if not values.flags.writeable:
@@ -163,7 +171,11 @@ def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Ten
         values = values.copy()
     # GGUF lists dimensions fastest-varying first; torch wants them slowest first ([out, in]).
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    weight = torch.from_numpy(values).reshape(shape)
+    return fix_rotary_rows(torch.from_numpy(values).reshape(shape), name, config)
+
+
+def fix_rotary_rows(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:
+    """Undoes llama.cpp's q/k row order; rows may carry any trailing shape (weights, block scales)."""
     if config.architecture == "llama":
         if ".q_proj." in name:
             return _unpermute_rotary(weight, config.num_heads)

@@ -72,13 +72,8 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 offset = len(input_ids) - n
-                if start == 0:
-                    prefills.append(PrefillSpan(offset, offset + n, None, None))
-                else:
-                    context = start + n
-                    slots = self._slots([table], context)[0].to(self.device)
-                    mask = torch.arange(context).unsqueeze(0) <= torch.arange(start, context).unsqueeze(1)
-                    prefills.append(PrefillSpan(offset, offset + n, slots, mask.to(self.device)))
+                slots = None if start == 0 else self._slots([table], start + n)[0].to(self.device)
+                prefills.append(PrefillSpan(offset, offset + n, slots, start))
 
         decode_slots = decode_bias = None
         if decode_tables:

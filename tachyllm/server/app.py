@@ -30,7 +30,7 @@ from tachyllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server import protocol as p
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from tachyllm.server.metrics import ServerMetrics, log_engine_stats
+from tachyllm.server.metrics import ServerMetrics
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -500,16 +500,9 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        stats = (
-            asyncio.create_task(log_stats_every(engine, args.log_stats_interval))
-            if args.log_stats_interval > 0
-            else None
-        )
         try:
             yield
         finally:
-            if stats is not None:
-                stats.cancel()
             await asyncio.to_thread(engine.shutdown)
 
     # No generated docs: the endpoints parse their own bodies, and the docs would sit outside --api-key.
@@ -756,13 +749,3 @@ async def chat_events(
     finally:
         for stream in streams:
             stream.close()
-
-
-async def log_stats_every(engine: AsyncEngine, interval: float) -> None:
-    prev, prev_time = engine.snapshot, time.monotonic()
-    while True:
-        await asyncio.sleep(interval)
-        cur, now = engine.snapshot, time.monotonic()
-        if cur.stats != prev.stats or cur.num_running or cur.num_waiting:  # quiet while idle
-            log_engine_stats(prev, cur, now - prev_time)
-        prev, prev_time = cur, now

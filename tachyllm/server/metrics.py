@@ -148,18 +148,3 @@ class ServerMetrics:
     def render(self, snapshot: EngineSnapshot) -> bytes:
         self.sync(snapshot)
         return generate_latest(self.registry)
-
-
-def log_engine_stats(prev: EngineSnapshot, cur: EngineSnapshot, elapsed: float) -> None:
-    """One periodic line: load, cache use, and throughput and prefix-cache hit rate since `prev`."""
-    elapsed = max(elapsed, 1e-9)
-    prompt_rate = (cur.stats.num_prompt_tokens - prev.stats.num_prompt_tokens) / elapsed
-    gen_rate = (cur.stats.num_generation_tokens - prev.stats.num_generation_tokens) / elapsed
-    queries = cur.stats.prefix_cache_queries - prev.stats.prefix_cache_queries
-    hits = cur.stats.prefix_cache_hits - prev.stats.prefix_cache_hits
-    hit_rate = f"{100 * hits / queries:.1f}%" if queries else "-"
-    logger.info(
-        "engine: running %d, waiting %d, KV cache %.1f%%, prompt %.1f tok/s, generation %.1f tok/s, "
-        "prefix cache hit rate %s",
-        cur.num_running, cur.num_waiting, 100 * cur.kv_cache_usage, prompt_rate, gen_rate, hit_rate,
-    )  # fmt: skip

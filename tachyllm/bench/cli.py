@@ -1,0 +1,203 @@
+"""`tachy bench {serve,throughput,latency,plot}`: argument parsing; the work is in serve.py,
+offline.py and plot.py."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tachyllm.bench.datasets import DATASETS
+from tachyllm.bench.offline import cmd_bench_latency, cmd_bench_throughput
+from tachyllm.bench.plot import cmd_bench_plot
+from tachyllm.bench.serve import cmd_bench_serve
+from tachyllm.entrypoints.cli import add_engine_args
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(part) for part in text.split(",")]
+    if any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be > 0 (or inf), got {text}")
+    return rates
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    values = [int(part) for part in text.split(",")]
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"concurrencies must be >= 1, got {text}")
+    return values
+
+
+def parse_percentiles(text: str) -> list[float]:
+    values = [float(part) for part in text.split(",")]
+    if any(not 0 < p < 100 for p in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in (0, 100), got {text}")
+    return values
+
+
+def add_workload_args(p: argparse.ArgumentParser, datasets: tuple[str, ...]) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default="random", choices=datasets)
+    g.add_argument(
+        "--dataset-path", default=None, help='JSONL for --dataset file: one {"prompt": str, "output_len": int} per line'
+    )
+    g.add_argument(
+        "--num-prompts", type=_positive_int, default=100, help="requests in all (conversation turns count one each)"
+    )
+    g.add_argument(
+        "--input-len",
+        type=_positive_int,
+        default=1024,
+        help="prompt tokens (random; per turn or suffix for the others)",
+    )
+    g.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of each request")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
+
+
+def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (tachy, llama.cpp, vLLM, ...)")
+    g = p.add_argument_group("server")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is accepted)")
+    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model name to request (default: the server's first); also the tokenizer when it is a local path",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="GGUF file or HF directory to count tokens with (default: --model if a path, else the embedded model)",
+    )
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)",
+    )
+    g.add_argument(
+        "--timeout", type=_positive_float, default=600.0, help="seconds one request may take before it counts as failed"
+    )
+    add_workload_args(p, DATASETS)
+    g = p.add_argument_group("workload shapes")
+    g.add_argument(
+        "--prefix-len", type=_positive_int, default=512, help="shared-prefix: tokens of each group's common prefix"
+    )
+    g.add_argument("--num-groups", type=_positive_int, default=4, help="shared-prefix: number of distinct prefixes")
+    g.add_argument("--num-turns", type=_positive_int, default=3, help="conversation: user turns per session")
+    g = p.add_argument_group("load")
+    g.add_argument(
+        "--request-rate",
+        type=parse_rates,
+        default=[float("inf")],
+        help="requests (sessions) per second; a comma list sweeps; inf = all at once",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=_positive_float,
+        default=1.0,
+        help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier, >1 steadier",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=parse_concurrencies,
+        default=None,
+        help="requests in flight at most; a comma list sweeps (default: unlimited)",
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask for exactly --output-len tokens (vLLM's and llama.cpp's ignore_eos)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
+    g.add_argument("--warmup", type=_non_negative_int, default=0, help="unmeasured random requests sent first")
+    g = p.add_argument_group("report")
+    g.add_argument(
+        "--percentiles",
+        type=parse_percentiles,
+        default=[90.0, 99.0],
+        help="comma list besides mean and median (default 90,99)",
+    )
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs a request must all meet to count: ttft:MS tpot:MS e2el:MS",
+    )
+    g.add_argument(
+        "--cost-per-hour",
+        type=_positive_float,
+        default=None,
+        metavar="USD",
+        help="machine price, for $ per 1M output tokens and per 1k requests",
+    )
+    g.add_argument("--result-json", default=None, metavar="FILE", help="write every figure and the settings here")
+    g.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="throughput vs TTFT/TPOT p99 over the sweep's points"
+    )
+    g.add_argument("--label", default=None, help="this run's name in plots (default: MODEL @ URL)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline throughput of LLM.generate on a whole workload")
+    add_workload_args(p, ("random", "file"))
+    p.add_argument("--result-json", default=None, metavar="FILE")
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_args(p)  # its --seed also seeds the prompts
+    p.set_defaults(func=cmd_bench_throughput)
+
+
+def add_latency_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("latency", help="prefill and decode-step latency of one batch, and memory bandwidth")
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--input-len", type=_positive_int, default=128)
+    p.add_argument("--output-len", type=_positive_int, default=64)
+    p.add_argument("--num-iters", type=_positive_int, default=5, help="timed batches")
+    p.add_argument("--num-iters-warmup", type=_non_negative_int, default=1, help="untimed batches first")
+    p.add_argument(
+        "--bandwidth-gbs",
+        type=_positive_float,
+        default=None,
+        help="machine memory bandwidth in GB/s (default: measured with a large copy)",
+    )
+    p.add_argument("--result-json", default=None, metavar="FILE")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_bench_latency)
+
+
+def add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="draw result files of `bench serve` on one throughput-latency chart")
+    p.add_argument("results", nargs="+", metavar="RESULT.json")
+    p.add_argument("--output", "-o", required=True, metavar="FILE.png")
+    p.set_defaults(func=cmd_bench_plot)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark a server (serve) or the engine (throughput, latency)")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_serve_bench_parser(sub)
+    add_throughput_parser(sub)
+    add_latency_parser(sub)
+    add_plot_parser(sub)

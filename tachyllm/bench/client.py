@@ -1,0 +1,189 @@
+"""The HTTP side of `tachy bench serve`: one streaming request at a time over a shared httpx client,
+timestamped on arrival of every server-sent event, and a /metrics scraper."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tachyllm.bench.metrics import CounterKey, RequestResult
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Counter names shared by tachy's and vLLM's /metrics (after the prefix and the _total suffix).
+SCRAPED_COUNTERS = frozenset(
+    {
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+    }
+)
+METRIC_PREFIXES = ("tachy:", "vllm:")
+
+Prompt = str | list[dict[str, str]]  # completion text or chat messages
+
+
+def root_url(base_url: str) -> str:
+    """The server root; a base URL given with OpenAI's /v1 suffix is accepted too."""
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+@dataclass
+class Endpoint:
+    base_url: str
+    kind: str  # completions | chat
+    model: str | None  # None: the first name the server lists
+    api_key: str | None = None
+    ignore_eos: bool = False
+    timeout: float = 600.0  # whole request, seconds
+
+
+class BenchClient:
+    def __init__(self, endpoint: Endpoint, max_connections: int) -> None:
+        if endpoint.kind not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint.kind!r}; choose from {', '.join(ENDPOINTS)}")
+        self.endpoint = endpoint
+        headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
+        self.http = httpx.AsyncClient(
+            base_url=root_url(endpoint.base_url),
+            headers=headers,
+            # The per-request deadline is enforced around the whole stream below; per-read timeouts
+            # would also fire on a long wait in the server's queue.
+            timeout=httpx.Timeout(endpoint.timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def model_name(self) -> str:
+        if self.endpoint.model:
+            return self.endpoint.model
+        response = await self.http.get("/v1/models")
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+
+    def payload(self, model: str, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": max_tokens,  # the older name, which llama.cpp and vLLM both still accept for chat
+            "temperature": 0.0,  # greedy: sampling choices should not vary the load between runs
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        body["messages" if self.endpoint.kind == "chat" else "prompt"] = prompt
+        if self.endpoint.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def send(self, model: str, prompt: Prompt, max_tokens: int) -> RequestResult:
+        """Never raises: a failure is a result with `error` set. prompt_len is left for the caller,
+        which tokenizes after the run rather than while requests are timed."""
+        result = RequestResult(prompt_len=0)
+        result.start = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._stream(model, prompt, max_tokens, result), self.endpoint.timeout)
+        except asyncio.TimeoutError:
+            result.error = f"timed out after {self.endpoint.timeout:g} s"
+        except (httpx.HTTPError, OSError, ValueError) as e:  # ValueError: a malformed JSON event
+            result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        result.end = time.perf_counter()
+        return result
+
+    async def _stream(self, model: str, prompt: Prompt, max_tokens: int, result: RequestResult) -> None:
+        body = self.payload(model, prompt, max_tokens)
+        async with self.http.stream("POST", ENDPOINTS[self.endpoint.kind], json=body) as response:
+            if response.status_code != 200:
+                result.error = (
+                    f"HTTP {response.status_code}: {error_message((await response.aread()).decode(errors='replace'))}"
+                )
+                return
+            pieces: list[str] = []
+            last_event = ""  # named in the error if the stream never carries text
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                if not data:
+                    continue  # blank separators, comments and other SSE fields
+                if data == "[DONE]":
+                    break
+                last_event = data
+                event = json.loads(data)
+                if "error" in event or event.get("object") == "error":  # OpenAI's shape, or vLLM's older one
+                    result.error = error_message(data)
+                    return
+                piece = chunk_text(event)
+                if piece:
+                    pieces.append(piece)
+                    result.chunk_times.append(now)
+                usage = event.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    result.output_len = int(usage["completion_tokens"])
+            result.text = "".join(pieces)
+            if not pieces and result.output_len:
+                # E.g. only special tokens, which servers leave out of the text: nothing to time TTFT by.
+                result.error = (
+                    f"the stream carried no text, though the server reports {result.output_len} output tokens"
+                )
+            elif not pieces:
+                result.error = f"the stream ended without any generated text (last event: {last_event[:300] or 'none'})"
+
+    async def scrape(self) -> dict[CounterKey, float] | None:
+        """The counters this benchmark reports, summed over all other labels; None without /metrics."""
+        try:
+            response = await self.http.get("/metrics", timeout=10.0)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        return parse_counters(response.text)
+
+
+def parse_counters(text: str) -> dict[CounterKey, float] | None:
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:  # not Prometheus text after all
+        return None
+    counters: dict[CounterKey, float] = {}
+    for family in families:
+        for sample in family.samples:
+            prefix = next((p for p in METRIC_PREFIXES if sample.name.startswith(p)), None)
+            if prefix is None or not sample.name.endswith("_total"):
+                continue
+            name = sample.name[len(prefix) : -len("_total")]
+            if name in SCRAPED_COUNTERS:
+                key = (name, sample.labels.get("position"))
+                counters[key] = counters.get(key, 0.0) + sample.value
+    return counters
+
+
+def chunk_text(event: dict[str, Any]) -> str:
+    """The generated text in one completion or chat chunk ('' for role-only and usage chunks)."""
+    parts = []
+    for choice in event.get("choices") or []:
+        if "text" in choice:
+            parts.append(choice.get("text") or "")
+        delta = choice.get("delta") or {}
+        # Reasoning models stream their thinking separately; it is generated text all the same.
+        parts.append((delta.get("reasoning_content") or "") + (delta.get("content") or ""))
+    return "".join(parts)
+
+
+def error_message(body: str) -> str:
+    """OpenAI's {"error": {"message": ...}}, llama.cpp's and vLLM's variants, or the raw body."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.strip()[:500] or "(empty body)"
+    error = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)
+    return str(error)

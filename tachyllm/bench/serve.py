@@ -1,0 +1,299 @@
+"""`tachy bench serve`: drive an OpenAI-compatible server with a workload at a given request rate and
+concurrency, then report latency distributions, throughput, goodput, cost and server-side cache stats.
+
+Each point of a sweep (--request-rate 1,2,inf and/or --max-concurrency 1,8) draws fresh prompts from
+its own seed, so a server with prefix caching does not find a later point's prompts already cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tachyllm.bench.client import ENDPOINTS, BenchClient, Endpoint, Prompt, root_url
+from tachyllm.bench.datasets import DatasetSpec, Session, build_sessions
+from tachyllm.bench.metrics import (
+    SLO_KEYS,
+    BenchMetrics,
+    RequestResult,
+    ServerStats,
+    compute_metrics,
+    percentile_key,
+    server_stats,
+)
+from tachyllm.errors import TachyError
+from tachyllm.loading import Tokenizer, load_checkpoint
+
+
+@dataclass
+class SentRequest:
+    prompt: Prompt
+    result: RequestResult
+
+
+@dataclass
+class PointResult:
+    """One point of a sweep: its load settings and what was measured."""
+
+    request_rate: float
+    max_concurrency: int | None
+    seed: int
+    metrics: BenchMetrics
+    server: ServerStats | None
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["request_rate"] = json_rate(self.request_rate)
+        return out
+
+
+def json_rate(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+# -- argument parsing ----------------------------------------------------------------------------
+
+
+def parse_slos(items: list[str] | None) -> dict[str, float]:
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, _, value = item.partition(":")
+        if key not in SLO_KEYS or not value:
+            raise ValueError(f"--goodput takes KEY:MS with KEY one of {', '.join(SLO_KEYS)}, got {item!r}")
+        slos[key] = float(value)
+    return slos
+
+
+def load_tokenizer(tokenizer: str | None, model: str | None) -> Tokenizer:
+    """--tokenizer, else --model when it names a local checkpoint, else the default model's."""
+    path = tokenizer or (model if model and Path(model).exists() else None)
+    return load_checkpoint(path).tokenizer
+
+
+# -- the load ------------------------------------------------------------------------------------
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
+    """Seconds from the start at which each session begins: gamma-distributed gaps with mean
+    1/rate (shape 1 = Poisson arrivals; smaller shapes are burstier), or all at once for rate inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    return [0.0, *np.cumsum(gaps[:-1]).tolist()]
+
+
+def prompt_length(tokenizer: Tokenizer, prompt: Prompt) -> int:
+    if isinstance(prompt, str):
+        return len(tokenizer.encode(prompt))
+    try:
+        return len(tokenizer.encode(tokenizer.apply_chat_template(prompt), add_special_tokens=False))
+    except TachyError:  # no usable chat template: count the message texts alone
+        return sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in prompt)
+
+
+async def run_load(
+    client: BenchClient,
+    model: str,
+    sessions: list[Session],
+    offsets: list[float],
+    max_concurrency: int | None,
+    progress: bool,
+) -> tuple[list[SentRequest], float, float]:
+    """Sends every session's turns; returns the requests in completion order and the run's start/end."""
+    slots = asyncio.Semaphore(max_concurrency or sys.maxsize)
+    chat = client.endpoint.kind == "chat"
+    sent: list[SentRequest] = []
+    bar = tqdm(total=sum(len(s.turns) for s in sessions), desc="requests", disable=not progress, dynamic_ncols=True)
+    start = time.perf_counter()
+
+    async def run_session(session: Session, offset: float) -> None:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        messages: list[dict[str, str]] = []
+        text = ""
+        for k, turn in enumerate(session.turns):
+            # Later turns resend the whole conversation, with the replies the server actually gave.
+            messages.append({"role": "user", "content": turn.text})
+            text += turn.text
+            prompt: Prompt = list(messages) if chat else text
+            async with slots:  # a slot per request: a session between turns holds none
+                result = await client.send(model, prompt, turn.output_len)
+            sent.append(SentRequest(prompt, result))
+            bar.update(1)
+            if not result.success:
+                for _ in session.turns[k + 1 :]:  # the conversation cannot go on; count what was lost
+                    sent.append(
+                        SentRequest(prompt, RequestResult(0, error="not sent: an earlier turn of its session failed"))
+                    )
+                    bar.update(1)
+                return
+            messages.append({"role": "assistant", "content": result.text})
+            text += result.text
+
+    try:
+        await asyncio.gather(*(run_session(s, at) for s, at in zip(sessions, offsets)))
+    finally:
+        bar.close()
+    return sent, start, time.perf_counter()
+
+
+def count_tokens(sent: list[SentRequest], tokenizer: Tokenizer) -> list[RequestResult]:
+    """Prompt lengths from the tokenizer; output lengths from the tokenizer only where the server
+    sent no usage. Done after the run, so tokenizing never delays a request."""
+    for s in sent:
+        s.result.prompt_len = prompt_length(tokenizer, s.prompt)
+        if s.result.success and s.result.output_len == 0:
+            s.result.output_len = len(tokenizer.encode(s.result.text, add_special_tokens=False))
+    return [s.result for s in sent]
+
+
+async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str, list[PointResult]]:
+    endpoint = Endpoint(args.base_url, args.endpoint, args.model, args.api_key, args.ignore_eos, args.timeout)
+    concurrencies: list[int | None] = list(args.max_concurrency or [None])
+    spec = DatasetSpec(
+        kind=args.dataset,
+        num_prompts=args.num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        prefix_len=args.prefix_len,
+        num_groups=args.num_groups,
+        num_turns=args.num_turns,
+        path=args.dataset_path,
+    )
+    slos = parse_slos(args.goodput)
+    points: list[PointResult] = []
+    max_connections = max(c or args.num_prompts for c in concurrencies)
+    async with contextlib.aclosing(BenchClient(endpoint, max_connections)) as client:
+        model = await client.model_name()
+        if args.warmup:
+            # Random prompts from a seed no measured point uses, so they warm nothing in a prefix cache.
+            warm = DatasetSpec("random", args.warmup, args.input_len, args.output_len)
+            sessions = build_sessions(warm, tokenizer, np.random.default_rng((args.seed, 1)))
+            await run_load(client, model, sessions, [0.0] * len(sessions), concurrencies[0], progress=False)
+        for index, (rate, concurrency) in enumerate((r, c) for r in args.request_rate for c in concurrencies):
+            rng = np.random.default_rng((args.seed, 0, index))
+            sessions = build_sessions(spec, tokenizer, rng)
+            offsets = arrival_offsets(len(sessions), rate, args.burstiness, rng)
+            before = await client.scrape()
+            sent, start, end = await run_load(client, model, sessions, offsets, concurrency, not args.no_progress)
+            after = await client.scrape() if before is not None else None
+            results = count_tokens(sent, tokenizer)
+            metrics = compute_metrics(results, start, end, args.percentiles, slos or None, args.cost_per_hour)
+            stats = server_stats(before, after) if before is not None and after is not None else None
+            point = PointResult(rate, concurrency, args.seed, metrics, stats)
+            print(
+                format_summary(point, f"{root_url(args.base_url)}{ENDPOINTS[args.endpoint]}", model, args.percentiles)
+            )
+            points.append(point)
+    return model, points
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+WIDTH = 60
+
+
+def format_summary(point: PointResult, url: str, model: str, percentiles: list[float]) -> str:
+    m = point.metrics
+    lines = [" Serving Benchmark Result ".center(WIDTH, "=")]
+
+    def row(label: str, value: Any) -> None:
+        text = f"{value:.2f}" if isinstance(value, float) else str(value)
+        lines.append(f"{label:<44}{text:>{WIDTH - 44}}")
+
+    def section(title: str) -> None:
+        lines.append(f" {title} ".center(WIDTH, "-"))
+
+    lines.append(f"{'Endpoint:':<20}{url:>{WIDTH - 20}}")
+    row("Model:", model)
+    row("Request rate (req/s):", "inf" if math.isinf(point.request_rate) else point.request_rate)
+    row("Max concurrency:", point.max_concurrency or "unlimited")
+    row("Successful requests:", m.completed)
+    row("Failed requests:", m.failed)
+    row("Benchmark duration (s):", m.duration_s)
+    row("Total input tokens:", m.total_input_tokens)
+    row("Total generated tokens:", m.total_output_tokens)
+    row("Request throughput (req/s):", m.request_throughput)
+    row("Output token throughput (tok/s):", m.output_throughput)
+    row("Peak output token throughput (tok/s):", m.peak_output_throughput)
+    row("Total token throughput (tok/s):", m.total_token_throughput)
+    if m.goodput is not None:
+        slos = " ".join(f"{k}:{v:g}" for k, v in m.slos_ms.items())
+        row(f"Goodput (req/s) [{slos} ms]:", m.goodput)
+    if m.cost is not None:
+        if m.cost.usd_per_million_output_tokens is not None:
+            row(
+                f"Cost at ${m.cost.usd_per_hour:g}/h ($/1M output tokens):",
+                f"{m.cost.usd_per_million_output_tokens:.4f}",
+            )
+        if m.cost.usd_per_1k_requests is not None:
+            row(f"Cost at ${m.cost.usd_per_hour:g}/h ($/1k requests):", f"{m.cost.usd_per_1k_requests:.4f}")
+    keys = ["mean", "median", *(percentile_key(p) for p in percentiles)]
+    for title, short, dist in (
+        ("Time to First Token", "TTFT", m.ttft_ms),
+        ("Time per Output Token (excl. 1st token)", "TPOT", m.tpot_ms),
+        ("Inter-token Latency", "ITL", m.itl_ms),
+        ("End-to-end Latency", "E2EL", m.e2el_ms),
+    ):
+        section(title)
+        for key in keys:
+            row(f"{key.capitalize() if key in ('mean', 'median') else key.upper()} {short} (ms):", dist.get(key, "-"))
+    s = point.server
+    if s is not None and (s.prefix_cache_hit_rate is not None or s.spec_decode is not None):
+        section("Server (/metrics, this run)")
+        if s.prefix_cache_hit_rate is not None:
+            row("Prefix cache hit rate (%):", 100.0 * s.prefix_cache_hit_rate)
+        if s.spec_decode is not None:
+            sd = s.spec_decode
+            row("Spec decode drafts:", int(sd.drafts))
+            row("Spec decode acceptance rate (%):", "-" if sd.acceptance_rate is None else 100.0 * sd.acceptance_rate)
+            row(
+                "Spec decode mean acceptance length:",
+                "-" if sd.mean_acceptance_length is None else sd.mean_acceptance_length,
+            )
+            for pos, rate in enumerate(sd.acceptance_per_position):
+                row(f"  accepted at position {pos} (%):", 100.0 * rate)
+    lines.append("=" * WIDTH)
+    if m.errors:
+        lines.append("Errors:")
+        lines.extend(f"  {count} x {message}" for message, count in sorted(m.errors.items(), key=lambda e: -e[1]))
+    return "\n".join(lines)
+
+
+def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """The run's settings as given (the API key left out), plus the model the server answered as."""
+    out = {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "bench_command", "command")}
+    out["request_rate"] = [json_rate(r) for r in args.request_rate]
+    out["served_model"] = model
+    out["api_key_sent"] = args.api_key is not None
+    out["label"] = args.label or f"{model} @ {root_url(args.base_url)}"
+    return out
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
+    tokenizer = load_tokenizer(args.tokenizer, args.model)
+    model, points = asyncio.run(run_sweep(args, tokenizer))
+    result = {"settings": settings(args, model), "runs": [p.to_json() for p in points]}
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(f"results written to {args.result_json}")
+    if args.plot:
+        from tachyllm.bench.plot import plot_results  # matplotlib loads only when asked for
+
+        plot_results([result], args.plot)
+        print(f"plot written to {args.plot}")
+    return 0

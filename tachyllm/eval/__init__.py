@@ -1,0 +1,1 @@
+"""Evaluation tools: `tachy eval quality` (quantized configuration vs unquantized reference)."""

@@ -1,0 +1,169 @@
+"""quantize_model: swaps the selected nn.Linear modules of a loaded model for quantized ones
+(gpt-fast style, after load_weights) and logs what changed."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from tachyllm.errors import ConfigError
+from tachyllm.quantization.awq import awq_linear, collect_inputs
+from tachyllm.quantization.calibration import calibration_windows
+from tachyllm.quantization.gguf_packed import packed_gguf_weights
+from tachyllm.quantization.int4 import GROUP_SIZES, Int4Linear, Int4Weight
+from tachyllm.quantization.int8 import Int8Linear
+from tachyllm.quantization.policy import select_linears
+
+logger = logging.getLogger("tachyllm")
+
+AWQ_WINDOWS, AWQ_SEQ_LEN = 8, 256  # ≈2k calibration tokens
+
+# Fused modules and the checkpoint weights stacked into them (gguf-native needs every part packed).
+_FUSED_PARTS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+@dataclass
+class QuantizationResult:
+    quantized: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # module -> why it stayed unquantized
+    bytes_before: int = 0  # weight bytes of the quantized modules before / after
+    bytes_after: int = 0
+
+
+def module_bytes(module: nn.Module) -> int:
+    tensors = list(module.parameters()) + list(module.buffers())
+    if isinstance(module, Int4Linear) and module.input_scale is not None:
+        tensors.append(module.input_scale)
+    if getattr(module, "bias", None) is not None and not isinstance(module, nn.Linear):
+        tensors.append(module.bias)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def group_size_for(name: str, in_features: int, requested: int | None) -> int | None:
+    """The requested group size (error if it does not divide the layer) or, unset, the largest
+    supported one that does (576-wide layers of SmolLM2 get 64); None when no size fits."""
+    if requested is not None:
+        if in_features % requested:
+            raise ConfigError(
+                f"quant_group_size={requested} does not divide layer {name} (in_features={in_features}); "
+                f"accepted: one of {', '.join(map(str, GROUP_SIZES))} dividing every quantized layer, or unset"
+            )
+        return requested
+    return next((g for g in reversed(GROUP_SIZES) if in_features % g == 0), None)
+
+
+def quantize_model(
+    model: nn.Module,
+    method: str,
+    group_size: int | None,
+    skip: tuple[str, ...],
+    tokenizer=None,
+    gguf_path: str | None = None,
+) -> QuantizationResult:
+    targets, skipped = select_linears(model, skip)
+    result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
+    groups: dict[str, int] = {}
+    if method in ("int4", "awq"):
+        for name in targets:
+            g = group_size_for(name, model.get_submodule(name).in_features, group_size)
+            if g is None:
+                result.kept[name] = f"in_features={model.get_submodule(name).in_features} is not a multiple of 32"
+            else:
+                groups[name] = g
+        targets = [n for n in targets if n in groups]
+
+    replacements: dict[str, nn.Module]
+    if method == "int8":
+        replacements = {n: Int8Linear.from_linear(model.get_submodule(n)) for n in targets}
+    elif method == "int4":
+        replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n]) for n in targets}
+    elif method == "awq":
+        replacements = _awq(model, targets, groups, tokenizer)
+    elif method == "gguf":
+        replacements = _gguf(model, targets, gguf_path, result)
+    else:
+        raise ConfigError(f"unknown quantization {method!r}")
+
+    for name, new in replacements.items():
+        old = model.get_submodule(name)
+        result.bytes_before += old.weight.numel() * old.weight.element_size()
+        result.bytes_after += module_bytes(new)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        result.quantized.append(name)
+    _log(method, result, groups)
+    return result
+
+
+def _awq(model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer) -> dict[str, nn.Module]:
+    windows = calibration_windows(model, tokenizer, AWQ_SEQ_LEN, AWQ_WINDOWS)
+    if not windows:
+        raise ConfigError("awq: the calibration text is shorter than one window")
+    inputs = collect_inputs(model, targets, windows)
+    out, plain_total, best_total = {}, 0.0, 0.0
+    for name in targets:
+        out[name], plain, best = awq_linear(model.get_submodule(name), inputs.pop(name), groups[name])
+        plain_total, best_total = plain_total + plain, best_total + best
+    logger.info(
+        "awq: %d calibration tokens; summed layer output MSE %.4g (plain int4) -> %.4g (awq)",
+        sum(map(len, windows)), plain_total, best_total,
+    )  # fmt: skip
+    return out
+
+
+def _gguf(model: nn.Module, targets: list[str], path: str | None, result: QuantizationResult) -> dict[str, nn.Module]:
+    if path is None:
+        raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
+    packed, other = packed_gguf_weights(path, model.config)
+    for name, kind in sorted(other.items()):
+        if name.endswith(".weight") and "norm" not in name:
+            logger.info("gguf: %s is %s, which has no packed mapping: dequantized to %s", name, kind, model.embed_tokens.weight.dtype)
+    out = {}
+    for name in targets:
+        prefix, _, suffix = name.partition("layers.")
+        layer, _, kind = suffix.partition(".")
+        parts = _FUSED_PARTS.get(kind, (kind,)) if suffix else (name,)
+        keys = [f"model.layers.{layer}.{p}.weight" if suffix else f"{p}.weight" for p in parts]
+        if not all(k in packed for k in keys):
+            result.kept[name] = "not stored as Q4_0/Q4_1 in the GGUF file (dequantized)"
+            continue
+        linear = model.get_submodule(name)
+        bias = None if linear.bias is None else linear.bias.detach()
+        out[name] = Int4Linear(Int4Weight.concat([packed[k] for k in keys]), bias)
+    return out
+
+
+def _log(method: str, result: QuantizationResult, groups: dict[str, int]) -> None:
+    sizes = sorted({groups[n] for n in result.quantized if n in groups})
+    logger.info(
+        "quantization %s%s: %d linear layers quantized, weights %.1f MiB -> %.1f MiB",
+        method, f" (group size {'/'.join(map(str, sizes))})" if sizes and method != "gguf" else "",
+        len(result.quantized), result.bytes_before / 2**20, result.bytes_after / 2**20,
+    )  # fmt: skip
+    logger.debug("quantized layers: %s", ", ".join(result.quantized))
+    reasons: dict[str, list[str]] = {}
+    for name, why in result.kept.items():
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():
+        logger.info("left unquantized (%s): %s", why, _summarise(names))
+
+
+def _summarise(names: list[str]) -> str:
+    return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} ... ({len(names)} layers)"
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes a decode step streams: parameters plus the quantized modules' buffers."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Int4Linear | Int8Linear):
+            total += module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters())
+    return total
+
+
+

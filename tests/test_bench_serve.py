@@ -1,0 +1,231 @@
+"""`tachy bench` end to end: against a fake OpenAI-compatible server with known chunk timing, against
+our own server on a tiny model, and the offline throughput/latency commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.entrypoints.cli import build_parser, engine_config, main
+from tachyllm.entrypoints.serve import make_server
+from tachyllm.server.app import build_app
+from tachyllm.server.async_engine import AsyncEngine
+
+FIRST_CHUNK_S, CHUNK_GAP_S, CHUNKS = 0.2, 0.1, 4
+
+
+def fake_app(seen_auth: list[str | None]) -> FastAPI:
+    """Streams CHUNKS one-token chunks: the first after FIRST_CHUNK_S, the others CHUNK_GAP_S apart.
+    A prompt containing 'refuse' gets a 400; 'midway' fails after one chunk; 'silent' streams no text."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen_auth.append(request.headers.get("authorization"))
+        body = await request.json()
+        if "refuse" in body["prompt"]:
+            return JSONResponse({"error": {"message": "prompt refused", "type": "invalid_request_error"}}, 400)
+
+        async def events():
+            await asyncio.sleep(FIRST_CHUNK_S)
+            if "silent" in body["prompt"]:  # tokens that decode to no text, e.g. special tokens only
+                yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 2}})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            for i in range(CHUNKS):
+                if i:
+                    await asyncio.sleep(CHUNK_GAP_S)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f' t{i}'}]})}\n\n"
+                if "midway" in body["prompt"]:
+                    yield 'data: {"error": {"message": "engine died", "type": "internal_error"}}\n\n'
+                    break
+            else:
+                usage = {"prompt_tokens": 3, "completion_tokens": CHUNKS, "total_tokens": 3 + CHUNKS}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@contextmanager
+def serving(server: uvicorn.Server) -> Iterator[str]:
+    """Runs a uvicorn server in a thread (port 0 = a free one); yields its base URL."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def run_bench(tmp_path: Path, *flags: str) -> dict:
+    out = tmp_path / "result.json"
+    assert main(["bench", "serve", "--no-progress", "--result-json", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def write_prompts(path: Path, prompts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"prompt": p, "output_len": 4}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_fake_server_known_timing(tmp_path, model_path, capsys):
+    seen_auth: list[str | None] = []
+    server = uvicorn.Server(uvicorn.Config(fake_app(seen_auth), host="127.0.0.1", port=0, log_config=None))
+    prompts = write_prompts(
+        tmp_path / "p.jsonl", ["hello there", "refuse this", "go midway", "general kenobi", "silent one"]
+    )
+    with serving(server) as url:
+        result = run_bench(
+            tmp_path, "--base-url", f"{url}/v1", "--tokenizer", model_path, "--api-key", "sk-test",
+            "--dataset", "file", "--dataset-path", prompts, "--num-prompts", "5", "--goodput", "ttft:5000",
+            "--request-rate", "200,inf", "--plot", str(tmp_path / "sweep.png"),
+        )  # fmt: skip
+    assert seen_auth and set(seen_auth) == {"Bearer sk-test"}
+    assert result["settings"]["served_model"] == "fake-model" and "api_key" not in result["settings"]
+    assert [run["request_rate"] for run in result["runs"]] == [200.0, "inf"]
+    m = result["runs"][1]["metrics"]
+    assert (m["completed"], m["failed"]) == (2, 3)
+    assert m["errors"] == {
+        "HTTP 400: prompt refused": 1,
+        "engine died": 1,
+        "the stream carried no text, though the server reports 2 output tokens": 1,
+    }
+    assert m["total_output_tokens"] == 2 * CHUNKS  # from the usage chunk
+    # Client-side times can only be later than the server's schedule, and not by much.
+    assert FIRST_CHUNK_S <= m["ttft_ms"]["median"] / 1000 < FIRST_CHUNK_S + 0.3
+    assert CHUNK_GAP_S * 0.9 <= m["itl_ms"]["median"] / 1000 < CHUNK_GAP_S + 0.1
+    assert CHUNK_GAP_S * 0.9 <= m["tpot_ms"]["mean"] / 1000 < CHUNK_GAP_S + 0.1
+    assert m["good_requests"] == 2
+    assert result["runs"][1]["server"] is None  # no /metrics on this server
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
+    assert (
+        main(
+            [
+                "bench",
+                "plot",
+                str(tmp_path / "result.json"),
+                str(tmp_path / "result.json"),
+                "-o",
+                str(tmp_path / "two.png"),
+            ]
+        )
+        == 0
+    )
+    assert (tmp_path / "two.png").stat().st_size > 0
+
+
+RESULT_FIELDS = {
+    "completed", "failed", "errors", "duration_s", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "output_throughput", "total_token_throughput", "peak_output_throughput",
+    "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "slos_ms", "good_requests", "goodput", "cost",
+}  # fmt: skip
+
+
+def test_against_our_server(tmp_path, model_path, capsys):
+    args = build_parser().parse_args(
+        ["serve", "--model", model_path, "--port", "0", "--dtype", "float32", "--kv-cache-memory", "4M",
+         "--log-stats-interval", "0", "--api-key", "secret"]
+    )  # fmt: skip
+    server = make_server(build_app(AsyncEngine(LLMEngine(engine_config(args))), args), args)
+    common = ["--model", model_path, "--input-len", "16", "--output-len", "6", "--ignore-eos"]
+    with serving(server) as url:
+        result = run_bench(
+            tmp_path, "--base-url", url, "--api-key", "secret", *common, "--num-prompts", "6", "--warmup", "2",
+            "--max-concurrency", "3", "--goodput", "ttft:10000", "tpot:10000", "--cost-per-hour", "2",
+            "--percentiles", "50,90,99",
+        )  # fmt: skip
+        summary = capsys.readouterr().out
+        run = result["runs"][0]
+        m = run["metrics"]
+        assert set(m) == RESULT_FIELDS
+        assert (m["completed"], m["failed"], m["total_output_tokens"]) == (6, 0, 36)
+        assert m["total_input_tokens"] >= 6 * 12
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(m[key]) == {"mean", "median", "p50", "p90", "p99"} and m[key]["p99"] > 0
+        assert m["good_requests"] == 6 and m["cost"]["usd_per_million_output_tokens"] > 0
+        assert run["max_concurrency"] == 3 and run["request_rate"] == "inf"
+        assert run["server"]["prefix_cache_queries"] > 0 and run["server"]["prefix_cache_hit_rate"] is not None
+        assert run["server"]["spec_decode"] is None
+        assert "Successful requests:" in summary and "P99 TTFT (ms):" in summary and "Prefix cache hit rate" in summary
+
+        # Multi-turn chat: later turns resend the history, so they are longer; all succeed.
+        chat = run_bench(
+            tmp_path, "--base-url", url, "--api-key", "secret", *common, "--endpoint", "chat",
+            "--dataset", "conversation", "--num-turns", "2", "--num-prompts", "4", "--request-rate", "20",
+        )  # fmt: skip
+        assert chat["runs"][0]["metrics"]["completed"] == 4
+        assert chat["runs"][0]["metrics"]["total_input_tokens"] > 4 * 16
+
+        # A wrong key and an over-long prompt fail, each counted with the server's message.
+        wrong = run_bench(tmp_path, "--base-url", url, "--api-key", "wrong", *common, "--num-prompts", "2")
+        assert wrong["runs"][0]["metrics"]["failed"] == 2
+        (message,) = wrong["runs"][0]["metrics"]["errors"]
+        assert message.startswith("HTTP 401:")
+        prompts = write_prompts(tmp_path / "p.jsonl", ["hello", "word " * 2000])
+        mixed = run_bench(
+            tmp_path, "--base-url", url, "--api-key", "secret", *common, "--dataset", "file",
+            "--dataset-path", prompts, "--num-prompts", "2",
+        )  # fmt: skip
+        m = mixed["runs"][0]["metrics"]
+        assert (m["completed"], m["failed"]) == (1, 1)
+        (message,) = m["errors"]
+        assert message.startswith("HTTP 400:") and "context limit" in message
+
+
+def test_offline_throughput_and_latency(tmp_path, model_path, capsys):
+    engine = ["--model", model_path, "--dtype", "float32", "--kv-cache-memory", "4M"]
+    out = tmp_path / "tput.json"
+    flags = ["--num-prompts", "4", "--input-len", "16", "--output-len", "5", "--no-progress", "--result-json", str(out)]
+    assert main(["bench", "throughput", *flags, *engine]) == 0
+    r = json.loads(out.read_text())["result"]
+    assert (r["num_requests"], r["total_input_tokens"], r["total_output_tokens"]) == (4, 64, 20)
+    assert r["output_throughput"] > 0 and r["peak_rss_mib"] > 0
+
+    out = tmp_path / "lat.json"
+    flags = [
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--num-iters",
+        "2",
+        "--result-json",
+        str(out),
+    ]
+    assert main(["bench", "latency", *flags, "--bandwidth-gbs", "10", *engine]) == 0
+    r = json.loads(out.read_text())["result"]
+    assert r["prefill_ms"]["median"] > 0 and r["decode_step_ms"]["p99"] >= r["decode_step_ms"]["median"]
+    assert r["machine_bandwidth_gbs"] == 10 and r["bandwidth_source"] == "given"
+    assert r["achieved_bandwidth_gbs"] == pytest.approx(r["weight_bytes"] * r["decode_steps_per_s"] / 1e9)
+    assert "decode step" in capsys.readouterr().out
