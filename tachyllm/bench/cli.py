@@ -10,28 +10,7 @@ from tachyllm.bench.datasets import DATASETS
 from tachyllm.bench.offline import cmd_bench_latency, cmd_bench_throughput
 from tachyllm.bench.plot import cmd_bench_plot
 from tachyllm.bench.serve import cmd_bench_serve
-from tachyllm.entrypoints.cli import add_engine_args
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+from tachyllm.entrypoints.cli import add_engine_args, non_negative_int, positive_float, positive_int
 
 
 def parse_rates(text: str) -> list[float]:
@@ -62,15 +41,15 @@ def add_workload_args(p: argparse.ArgumentParser, datasets: tuple[str, ...]) -> 
         "--dataset-path", default=None, help='JSONL for --dataset file: one {"prompt": str, "output_len": int} per line'
     )
     g.add_argument(
-        "--num-prompts", type=_positive_int, default=100, help="requests in all (conversation turns count one each)"
+        "--num-prompts", type=positive_int, default=100, help="requests in all (conversation turns count one each)"
     )
     g.add_argument(
         "--input-len",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         help="prompt tokens (random; per turn or suffix for the others)",
     )
-    g.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of each request")
+    g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of each request")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
 
 
@@ -95,15 +74,15 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)",
     )
     g.add_argument(
-        "--timeout", type=_positive_float, default=600.0, help="seconds one request may take before it counts as failed"
+        "--timeout", type=positive_float, default=600.0, help="seconds one request may take before it counts as failed"
     )
     add_workload_args(p, DATASETS)
     g = p.add_argument_group("workload shapes")
     g.add_argument(
-        "--prefix-len", type=_positive_int, default=512, help="shared-prefix: tokens of each group's common prefix"
+        "--prefix-len", type=positive_int, default=512, help="shared-prefix: tokens of each group's common prefix"
     )
-    g.add_argument("--num-groups", type=_positive_int, default=4, help="shared-prefix: number of distinct prefixes")
-    g.add_argument("--num-turns", type=_positive_int, default=3, help="conversation: user turns per session")
+    g.add_argument("--num-groups", type=positive_int, default=4, help="shared-prefix: number of distinct prefixes")
+    g.add_argument("--num-turns", type=positive_int, default=3, help="conversation: user turns per session")
     g = p.add_argument_group("load")
     g.add_argument(
         "--request-rate",
@@ -113,7 +92,7 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--burstiness",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="gamma shape of arrival gaps: 1 = Poisson, <1 burstier, >1 steadier",
     )
@@ -129,7 +108,7 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="ask for exactly --output-len tokens (vLLM's and llama.cpp's ignore_eos)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
-    g.add_argument("--warmup", type=_non_negative_int, default=0, help="unmeasured random requests sent first")
+    g.add_argument("--warmup", type=non_negative_int, default=0, help="unmeasured random requests sent first")
     g = p.add_argument_group("report")
     g.add_argument(
         "--percentiles",
@@ -146,7 +125,7 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--cost-per-hour",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="USD",
         help="machine price, for $ per 1M output tokens and per 1k requests",
@@ -171,14 +150,14 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("latency", help="prefill and decode-step latency of one batch, and memory bandwidth")
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--input-len", type=_positive_int, default=128)
-    p.add_argument("--output-len", type=_positive_int, default=64)
-    p.add_argument("--num-iters", type=_positive_int, default=5, help="timed batches")
-    p.add_argument("--num-iters-warmup", type=_non_negative_int, default=1, help="untimed batches first")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--input-len", type=positive_int, default=128)
+    p.add_argument("--output-len", type=positive_int, default=64)
+    p.add_argument("--num-iters", type=positive_int, default=5, help="timed batches")
+    p.add_argument("--num-iters-warmup", type=non_negative_int, default=1, help="untimed batches first")
     p.add_argument(
         "--bandwidth-gbs",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="machine memory bandwidth in GB/s (default: measured with a large copy)",
     )

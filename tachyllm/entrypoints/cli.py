@@ -13,6 +13,24 @@ from tachyllm.errors import TachyError
 from tachyllm.sampling_params import SamplingParams
 
 
+def at_least(kind: type, minimum: float, inclusive: bool = True):
+    """An argparse type: a number of `kind` that is >= minimum (> minimum when not inclusive)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (value >= minimum if inclusive else value > minimum):  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = at_least(int, 1)
+non_negative_int = at_least(int, 0)
+positive_float = at_least(float, 0, inclusive=False)
+non_negative_float = at_least(float, 0)
+
+
 def _int_or_none(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 

@@ -13,26 +13,12 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.cli import add_engine_args, engine_config
+from tachyllm.entrypoints.cli import add_engine_args, engine_config, non_negative_float, positive_int
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from tachyllm.server.app import ServerState
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -50,15 +36,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="require 'Authorization: Bearer KEY' on the API (default: $TACHY_API_KEY; unset = open)",
     )  # fmt: skip
     g.add_argument(
-        "--max-queue-len", type=_positive_int, default=None,
+        "--max-queue-len", type=positive_int, default=None,
         help="answer 503 while this many requests wait to run (default: unlimited)",
     )  # fmt: skip
     g.add_argument(
-        "--shutdown-timeout", type=_non_negative_float, default=30.0,
+        "--shutdown-timeout", type=non_negative_float, default=30.0,
         help="on SIGTERM/SIGINT, seconds to let admitted requests finish before aborting them",
     )  # fmt: skip
     g.add_argument(
-        "--log-stats-interval", type=_non_negative_float, default=10.0,
+        "--log-stats-interval", type=non_negative_float, default=10.0,
         help="seconds between engine stats log lines; 0 = never",
     )  # fmt: skip
     add_engine_args(serve)
