@@ -59,13 +59,15 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if nd:
         group = num_heads // num_kv_heads
-        kc = kv_read(k_flat, meta.decode_slots, q.dtype)  # [B, T, kvh, hd]
-        vc = kv_read(v_flat, meta.decode_slots, q.dtype)
+        # Head-major copies ([B, kvh, T, hd]) make both matmuls run on contiguous matrices (~2x faster).
+        kc = kv_read(k_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
+        vc = kv_read(v_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
         # Query head h reads KV head h // group, so heads are grouped kv-major.
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        scores = torch.matmul(qd, kc.permute(0, 2, 3, 1)).float() * scale  # [B, kvh, group, T]
+        # Scaling the few query values is cheaper than scaling the score matrix.
+        qd = q[:nd].view(nd, num_kv_heads, group, head_dim) * scale
+        scores = torch.matmul(qd, kc.transpose(2, 3)).float()  # [B, kvh, group, T]
         probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(q.dtype)
-        out[:nd] = torch.matmul(probs, vc.permute(0, 2, 1, 3)).view(nd, num_heads, head_dim)
+        out[:nd] = torch.matmul(probs, vc).view(nd, num_heads, head_dim)
 
     for span in meta.prefills:
         if span.context_slots is None:
@@ -83,18 +85,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cach
     length, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    kt = k.permute(1, 2, 0)  # [kvh, hd, T]
-    vt = v.permute(1, 0, 2)  # [kvh, T, hd]
+    kh = k.transpose(0, 1).contiguous()  # [kvh, T, hd]: contiguous matrices for the matmuls
+    vh = v.transpose(0, 1).contiguous()
     out = torch.empty_like(q)
     for i0 in range(0, length, QUERY_TILE):
         i1 = min(i0 + QUERY_TILE, length)
-        rows, visible = (i1 - i0) * group, num_cached + i1
+        rows, first, visible = (i1 - i0) * group, num_cached + i0, num_cached + i1
         # Rows ordered (query, group) so that row r is query i0 + r // group of its KV head.
         qt = q[i0:i1].view(i1 - i0, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, rows, head_dim)
-        scores = torch.matmul(qt, kt[:, :, :visible]).float() * scale  # [kvh, rows, visible]
-        positions = torch.arange(num_cached + i0, num_cached + i1, device=q.device).repeat_interleave(group)
-        future = torch.arange(visible, device=q.device).unsqueeze(0) > positions.unsqueeze(1)
-        probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1).to(q.dtype)
-        o = torch.matmul(probs, vt[:, :visible])  # [kvh, rows, hd]
+        scores = torch.matmul(qt * scale, kh[:, :visible].transpose(1, 2)).float()  # [kvh, rows, visible]
+        # Keys before the tile's first query are visible to all its rows: only the tail needs a mask.
+        positions = torch.arange(first, visible, device=q.device).repeat_interleave(group)
+        future = torch.arange(first, visible, device=q.device).unsqueeze(0) > positions.unsqueeze(1)
+        scores[..., first:].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o = torch.matmul(probs, vh[:, :visible])  # [kvh, rows, hd]
         out[i0:i1] = o.view(num_kv_heads, i1 - i0, group, head_dim).transpose(0, 1).reshape(i1 - i0, num_heads, head_dim)
     return out
