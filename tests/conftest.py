@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # Tiny test models gain nothing from a second thread, and OpenMP threads spin badly when another
@@ -119,3 +123,19 @@ def default_model_path() -> str:
     from tachyllm.loading.default_model import default_model_path as path
 
     return path()
+
+
+@contextmanager
+def serving(server) -> Iterator[str]:
+    """Runs a uvicorn server in a thread (port 0 = a free one); yields its base URL."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)

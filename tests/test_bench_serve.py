@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from conftest import serving
 
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config, main
@@ -62,22 +60,6 @@ def fake_app(seen_auth: list[str | None]) -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
-
-
-@contextmanager
-def serving(server: uvicorn.Server) -> Iterator[str]:
-    """Runs a uvicorn server in a thread (port 0 = a free one); yields its base URL."""
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
 
 
 @pytest.fixture(scope="module")

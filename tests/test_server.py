@@ -23,6 +23,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import serving
+
 from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config
@@ -40,19 +42,8 @@ def running_server(model: str, *flags: str) -> Iterator[str]:
     """A real uvicorn server in a thread, on a free port; yields its base URL."""
     args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
     app = build_app(AsyncEngine(LLMEngine(engine_config(args))), args)
-    server = make_server(app, args)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with serving(make_server(app, args)) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
