@@ -6,24 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tachyllm.config import EngineConfig
-from tachyllm.engine.llm_engine import LLMEngine
+from test_quantization import engine_for, teacher_forced_top1
+
 from tachyllm.kernels.kv_quant import KV_STORAGE, QuantizedKV, qmax
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, paged_attention
 from tachyllm.eval.greedy import agreement, greedy_tokens as greedy
-from tachyllm.eval.quality import compare, eval_engine, heldout_windows
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys", "0123456789 numbers"]
 
-
-def engine_for(path: str | None, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, max_num_seqs=4, max_model_len=256, threads=1, **kwargs))
-
-
-def teacher_forced_top1(path: str, **kwargs) -> float:
-    ref = eval_engine(EngineConfig(model=path, threads=1), 64)
-    engine = eval_engine(EngineConfig(model=path, threads=1, **kwargs), 64)
-    return compare(engine, ref, heldout_windows(ref, 64, 4), ("config", "reference")).top1_agreement
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 
