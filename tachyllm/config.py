@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tachyllm.errors import ConfigError
+from tachyllm.spec_decode.config import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -73,8 +74,12 @@ class EngineConfig:
     quant_group_size: int | None = None  # int4/awq; None = largest of 128/64/32 dividing each layer
     quant_skip: str | None = None  # comma list (lm_head, attn, mlp, name fragments); None = "lm_head"; "none"
     kv_cache_dtype: str = "auto"  # auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8
+    # vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4}; see spec_decode/config.py
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ConfigError(
                 f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or unset), got {self.quantization!r}"

@@ -41,6 +41,11 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    # Speculative decoding (vLLM's definitions): verification steps that carried draft tokens, the
+    # draft tokens proposed, and those the target accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -87,3 +92,32 @@ class StepStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     finished_reasons: dict[str, int] = field(default_factory=dict)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    # [i] = drafts whose token at position i (0-based) was accepted; acceptance at i = this / drafts
+    # that reached position i, and accepted / draft tokens overall.
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+    spec_draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_draft_tokens
+        self.spec_num_accepted_tokens += num_accepted
+        grow = num_draft_tokens - len(self.spec_draft_tokens_per_pos)
+        if grow > 0:
+            self.spec_draft_tokens_per_pos += [0] * grow
+            self.spec_accepted_per_pos += [0] * grow
+        for i in range(num_draft_tokens):
+            self.spec_draft_tokens_per_pos[i] += 1
+        for i in range(num_accepted):
+            self.spec_accepted_per_pos[i] += 1
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """1 + accepted / drafts: tokens gained per verification step, the bonus token included."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None

@@ -63,7 +63,7 @@ def test_paged_attention_on_quantized_cache_is_close_to_plain(name):
     out = paged_attention(q, k, v, kc, vc, meta, HEAD_DIM**-0.5)
     assert float((out - ref).norm() / ref.norm()) < 0.05
     # Decode path: one more query token reading the quantized context.
-    meta_d = AttentionMetadata(torch.tensor([n]), 1, torch.arange(n + 1).unsqueeze(0), torch.zeros(1, 1, 1, n + 1), [])
+    meta_d = AttentionMetadata(torch.tensor([n]), 1, torch.arange(n + 1).unsqueeze(0), torch.zeros(1, 1, 1, 1, n + 1), [])
     out_d = paged_attention(q[:1], k[:1], v[:1], kc, vc, meta_d, HEAD_DIM**-0.5)
     assert torch.isfinite(out_d).all()
 

@@ -29,7 +29,7 @@ from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config
 from tachyllm.entrypoints.serve import make_server
-from tachyllm.errors import RequestError
+from tachyllm.errors import ConfigError, RequestError
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
 
@@ -630,3 +630,20 @@ def test_sigterm_drains_then_exits_zero(model_path):
     assert f"shutdown timeout reached: aborting {len(aborted)} unfinished requests" in log
     assert "running 1, waiting" in log and "prefix cache hit rate" in log
     assert log.count("finished: length, prompt") == len(finished) and log.count("finished: abort") == len(aborted)
+
+
+def test_speculative_decoding_metrics_and_bad_config(model_path):
+    spec = '{"method": "draft_model", "model": "self:layers=1", "num_speculative_tokens": 3, "adaptive": false}'
+    with running_server(model_path, "--speculative-config", spec) as base, httpx.Client(base_url=base) as http:
+        body = {"model": model_path, "prompt": "def add(a, b):", "max_tokens": 12, **GREEDY}
+        assert http.post("/v1/completions", json=body).status_code == 200
+        m = wait_idle(http)
+        drafts = m[("tachy:spec_decode_num_drafts_total", ())]
+        draft_tokens = m[("tachy:spec_decode_num_draft_tokens_total", ())]
+        accepted = m[("tachy:spec_decode_num_accepted_tokens_total", ())]
+        assert drafts > 0 and drafts <= draft_tokens <= 3 * drafts
+        per_pos = sum(v for (name, _), v in m.items() if name == "tachy:spec_decode_num_accepted_tokens_per_pos_total")
+        assert per_pos == accepted
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "eagle"}'])
+    with pytest.raises(ConfigError, match="needs 'method' and 'num_speculative_tokens'"):
+        engine_config(args)

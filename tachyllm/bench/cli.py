@@ -161,7 +161,18 @@ def add_latency_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="machine memory bandwidth in GB/s (default: measured with a large copy)",
     )
-    p.add_argument("--result-json", default=None, metavar="FILE")
+    p.add_argument("--result-json", default=None, metavar="FILE", help="settings and figures (and --profile's)")
+    g = p.add_argument_group("profile")
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="afterwards, profile decode steps of one more batch: time per step in matmuls, attention, "
+        "other ops, sampling, scheduling, Python; top ops",
+    )
+    g.add_argument("--profile-steps", type=positive_int, default=10, help="decode steps under the profiler")
+    g.add_argument(
+        "--profile-warmup-steps", type=non_negative_int, default=5, help="decode steps run first, unprofiled"
+    )
     add_engine_args(p)
     p.set_defaults(func=cmd_bench_latency)
 

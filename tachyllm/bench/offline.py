@@ -23,6 +23,7 @@ import torch
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.bench.datasets import random_token_ids, read_prompt_file, sample_lengths
+from tachyllm.bench.profile import format_profile, profile_decode
 from tachyllm.entrypoints.cli import engine_config
 
 
@@ -211,7 +212,14 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         f"  bandwidth    {achieved:.1f} GB/s achieved ({weight_bytes / 1e6:.1f} MB of weights per step) of "
         f"{machine:.1f} GB/s {result.bandwidth_source} = {100 * result.bandwidth_utilization:.1f}%"
     )
-    write_json(args.result_json, {"settings": run_settings(args), "result": dataclasses.asdict(result)})
+    document = {"settings": run_settings(args), "result": dataclasses.asdict(result)}
+    if getattr(args, "profile", False):
+        # A fresh batch of the same shape, so the profiled steps decode what the timed ones did.
+        batch = [random_token_ids(llm.get_tokenizer(), args.input_len, rng) for _ in range(args.batch_size)]
+        profiled = profile_decode(llm.engine, batch, args.profile_steps, args.profile_warmup_steps)
+        print(format_profile(profiled))
+        document["profile"] = dataclasses.asdict(profiled)
+    write_json(args.result_json, document)
     return 0
 
 

@@ -149,6 +149,17 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Releases the blocks past the first num_tokens positions of seq (they held the KV of rejected
+        draft tokens). Such blocks were allocated to seq alone and never registered in the cache."""
+        keep = max(cdiv(num_tokens, self.block_size), seq.num_cached_blocks)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.ref_count == 1 and block.hash is None, f"trimmed block {block.block_id} is shared"
+            block.ref_count = 0
+            self.free[block.block_id] = None
+            self.free.move_to_end(block.block_id, last=False)  # holds nothing reusable
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Registers blocks that the last step filled completely, so other requests can reuse them."""
         if not self.enable_prefix_caching:

@@ -15,17 +15,15 @@ from tachyllm.engine.sequence import Request, Sequence
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
-from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import load_checkpoint
-from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
-from tachyllm.quantization import quantize_model, quantized_weight_bytes
 from tachyllm.quantization.kv_calibration import quantized_kv_caches
-from tachyllm.quantization.policy import parse_skip
 from tachyllm.runner import kv_cache
+from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.runner.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
+from tachyllm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("tachyllm")
 
@@ -43,21 +41,11 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(mc)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_weights(ckpt.weights())
-        model.init_rotary(self.max_model_len)
-        # Bytes a decode step streams from memory (packing below hides parameters from the module).
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        if config.quantization:
-            # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
-            gguf_path = ckpt.source if ckpt.format == "gguf" else None
-            quantize_model(model, config.quantization, config.quant_group_size, parse_skip(config.quant_skip), self.tokenizer, gguf_path)
-            self.weight_bytes = quantized_weight_bytes(model)
-        if self.device.type == "cpu" and onednn_packing_available(self.dtype):
-            pack_linears(model)
-        self.model = model.eval()
+        self.model, self.weight_bytes = build_model(
+            ckpt, self.dtype, self.device, self.max_model_len,
+            config.quantization, config.quant_group_size, config.quant_skip,
+        )  # fmt: skip
+        model = self.model
 
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
         block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
@@ -90,6 +78,12 @@ class LLMEngine:
         self.eos_token_ids = eos
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
         self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.device)
+        self.speculator = None
+        if config.speculative_config is not None:
+            self.speculator = Speculator(
+                config.speculative_config, self.model, ckpt, sampler, num_blocks, config.block_size,
+                self.max_model_len, self.dtype, self.device,
+            )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
         logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
@@ -181,6 +175,8 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
@@ -188,17 +184,40 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.seq.request.metrics.first_scheduled_time is None:
                 s.seq.request.metrics.first_scheduled_time = now
-        sampled_seqs, result = self.runner.execute(sched)
+        t0 = time.perf_counter()
+        results = self.runner.execute(sched)
+        step_seconds = time.perf_counter() - t0
         for s in sched.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(s.seq)
+            if not s.spec_token_ids:
+                s.seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.cache_full_blocks(s.seq)
         self.stats.num_steps += 1
 
         now = time.time()
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(sampled_seqs):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i], now)
+        spec_outcomes = []
+        for r in results:
+            seq = r.seq
+            if r.num_draft_tokens:
+                # KV is valid for the last token and the accepted drafts; the rest is rolled back.
+                seq.num_computed_tokens += 1 + r.num_accepted
+                spec_outcomes.append((r.num_draft_tokens, r.num_accepted))
+                self.stats.record_spec(r.num_draft_tokens, r.num_accepted)
+                m = seq.request.metrics
+                m.spec_num_drafts += 1
+                m.spec_num_draft_tokens += r.num_draft_tokens
+                m.spec_num_accepted_tokens += r.num_accepted
+            for token, logprob in zip(r.token_ids, r.logprobs):
+                self._append_token(seq, token, logprob, now)
+                if seq.is_finished:
+                    break
+            if r.num_draft_tokens and not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_tokens)
+                self.block_manager.cache_full_blocks(seq)
             touched[seq.request.request_id] = seq.request
+        if self.speculator is not None:
+            self.speculator.observe(sched, step_seconds, spec_outcomes)
+            Speculator.clear([s.seq for s in sched.scheduled] + sched.preempted)
         outputs = []
         for req in touched.values():
             if req.finished:

@@ -20,12 +20,18 @@ from tachyllm.outputs import StepStats
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # tokens in this step's forward, draft tokens included
+    # Draft tokens verified this step after the sequence's last token (speculative decoding).
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return self.num_new_tokens - len(self.spec_token_ids)
 
     @property
     def completes(self) -> bool:
         """After this step every token of the sequence has KV, so its last position is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_real_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -76,6 +82,13 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = min(seq.num_uncomputed_tokens, budget)
+            spec = self._fit_spec_tokens(seq, budget)
+            if spec:
+                if self.block_manager.allocate(seq, 1 + len(spec)):
+                    out.scheduled.append(ScheduledSeq(seq, 1 + len(spec), spec))
+                    budget -= 1 + len(spec)
+                    continue
+                seq.clear_spec()  # no room for the drafts: decode one token, preempting if need be
             while not self.block_manager.allocate(seq, num_new):
                 # The victim is the lowest-priority, latest-arrived running sequence, even one already
                 # scheduled this step: decodes go first, so they may be junior to this prefill chunk.
@@ -87,6 +100,7 @@ class Scheduler:
                     out.scheduled.remove(dropped)
                     budget += dropped.num_new_tokens
                 self._preempt(victim)
+                victim.clear_spec()
                 out.preempted.append(victim)
                 if victim is seq:
                     break
@@ -120,6 +134,17 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def _fit_spec_tokens(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens of a decoding sequence that fit the token budget next to its own token."""
+        if not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
+            return []
+        room = budget - 1
+        if room < len(seq.spec_token_ids):
+            seq.spec_token_ids = seq.spec_token_ids[:room]
+            if seq.spec_draft_probs is not None:
+                seq.spec_draft_probs = seq.spec_draft_probs[:room]
+        return seq.spec_token_ids
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)

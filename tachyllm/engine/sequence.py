@@ -45,6 +45,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""  # detokenized output, truncated at a stop string when one matched
+    # Speculative decoding: tokens proposed for this step (after the last token) and, for a sampled
+    # draft model, the draft's distribution each was drawn from ([len, vocab]); cleared every step.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -65,6 +69,10 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    def clear_spec(self) -> None:
+        self.spec_token_ids = []
+        self.spec_draft_probs = None
 
     @property
     def is_finished(self) -> bool:

@@ -54,6 +54,9 @@ class _Totals:
     queries: int = 0
     hits: int = 0
     preemptions: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
 
 
 @dataclass
@@ -88,18 +91,27 @@ class StatsLogger:
             return False
         last = self._last
         queries, hits = stats.prefix_cache_queries - last.queries, stats.prefix_cache_hits - last.hits
+        spec = ""
+        drafts = stats.spec_num_drafts - last.spec_drafts
+        if drafts:
+            accepted = stats.spec_num_accepted_tokens - last.spec_accepted
+            spec = (
+                f", spec decode acceptance {_rate(accepted, stats.spec_num_draft_tokens - last.spec_draft_tokens)}"
+                f" mean length {1 + accepted / drafts:.2f} ({drafts} drafts)"
+            )
         logger.info(
             "running %d, waiting %d, KV usage %.1f%%, prompt %.1f tok/s, generation %.1f tok/s, "
-            "prefix cache hit rate %s (interval) %s (total), preemptions %d (total %d)",
+            "prefix cache hit rate %s (interval) %s (total), preemptions %d (total %d)%s",
             len(scheduler.running), len(scheduler.waiting), 100 * block_manager.usage,
             (self.num_prefill_tokens - last.prompt_tokens) / elapsed,
             (stats.num_generation_tokens - last.generation_tokens) / elapsed,
             _rate(hits, queries), _rate(stats.prefix_cache_hits, stats.prefix_cache_queries),
-            stats.num_preemptions - last.preemptions, stats.num_preemptions,
+            stats.num_preemptions - last.preemptions, stats.num_preemptions, spec,
         )  # fmt: skip
         self._last = _Totals(
             now, self.num_prefill_tokens, stats.num_generation_tokens,
             stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
+            stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
         )  # fmt: skip
         return True
 
@@ -108,7 +120,7 @@ class StatsLogger:
         prompt whose rest after a cache hit is one token). Everything else is a decode."""
         for s in scheduled:
             last_position = s.seq.num_computed_tokens - 1
-            if s.num_new_tokens > 1 or last_position < s.seq.num_prompt_tokens:
+            if s.num_real_tokens > 1 or last_position < s.seq.num_prompt_tokens:
                 self.num_prefill_tokens += s.num_new_tokens
 
     def _observe_new_requests(self, scheduled: list[ScheduledSeq]) -> None:

@@ -7,6 +7,8 @@ import logging
 import sys
 from collections.abc import Iterator
 
+import torch
+
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import TachyError
@@ -62,6 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=None, help="int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)")
     g.add_argument("--quant-skip", default=None, help="layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)")
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage: auto (model dtype), fp8, fp8_e5m2, int8")
+    g.add_argument(
+        "--speculative-config", default=None,
+        help='speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} or '
+        '{"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
+    )  # fmt: skip
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -98,6 +105,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quant_group_size=args.quant_group_size,
         quant_skip=args.quant_skip,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -213,7 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def limit_interop_threads() -> None:
+    """One inter-op thread. Intra-op threads (OpenMP, `--threads`) do the compute; the inter-op pool
+    only serves torch.jit.fork-style tasks, which tachy never issues, so more of them could only
+    compete for cores with the compute threads and, under `tachy serve`, the HTTP event loop. It can
+    be set only before the first parallel work of the process, hence here; in a process that already
+    did some (tests calling main() again), it stays as it is."""
+    if torch.get_num_interop_threads() != 1:
+        try:
+            torch.set_num_interop_threads(1)
+        except RuntimeError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    limit_interop_threads()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:

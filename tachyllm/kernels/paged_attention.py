@@ -1,8 +1,9 @@
 """Attention over a flattened token batch whose K/V live in a paged cache.
 
-The batch is laid out decodes first (one query token per sequence), then prefill chunks.
-Decodes are computed together as a grouped matmul + softmax over their gathered, padded
-contexts; each prefill chunk is a causal grouped matmul + softmax over query tiles. Both beat
+The batch is laid out decodes first, then prefill chunks. A decode is a sequence's last token,
+possibly followed by draft tokens to verify (speculative decoding): a few queries at the end of
+its context. Decodes are computed together as a grouped matmul + softmax over their gathered,
+padded contexts, with their queries padded to the longest decode's; each prefill chunk is a causal grouped matmul + softmax over query tiles. Both beat
 SDPA's CPU paths for these shapes (SDPA with a mask and grouped KV heads was ~5x slower per layer
 for a chunk with cached context, see docs/scheduler.md).
 """
@@ -33,10 +34,16 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot where each token's K/V is written
-    num_decode_tokens: int
+    num_decode_tokens: int  # leading tokens of the batch that belong to decodes
     decode_slots: torch.Tensor | None  # [num_decodes, max_context] flat slots (padding slots are masked)
-    decode_bias: torch.Tensor | None  # [num_decodes, 1, 1, max_context] 0 or -inf
+    # [num_decodes, 1, queries, 1, max_context]: 0 where query j of a decode may see a context slot, else -inf
+    decode_bias: torch.Tensor | None
     prefills: list[PrefillSpan]
+    decode_queries: int = 1  # queries per decode after padding
+    # When decodes have different numbers of queries: the batch row of each padded query
+    # ([num_decodes * decode_queries]), and the padded row of each real decode token.
+    decode_query_rows: torch.Tensor | None = None
+    decode_output_rows: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -48,7 +55,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    head_dim = q.shape[2]
     num_kv_heads = k.shape[1]
     k_flat = kv_flat(k_cache, num_kv_heads, head_dim)
     v_flat = kv_flat(v_cache, num_kv_heads, head_dim)
@@ -58,16 +65,7 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        group = num_heads // num_kv_heads
-        # Head-major copies ([B, kvh, T, hd]) make both matmuls run on contiguous matrices (~2x faster).
-        kc = kv_read(k_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
-        vc = kv_read(v_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
-        # Query head h reads KV head h // group, so heads are grouped kv-major.
-        # Scaling the few query values is cheaper than scaling the score matrix.
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim) * scale
-        scores = torch.matmul(qd, kc.transpose(2, 3)).float()  # [B, kvh, group, T]
-        probs = torch.softmax(scores + meta.decode_bias, dim=-1).to(q.dtype)
-        out[:nd] = torch.matmul(probs, vc).view(nd, num_heads, head_dim)
+        out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale)
 
     for span in meta.prefills:
         if span.context_slots is None:
@@ -77,6 +75,37 @@ def paged_attention(
             vs = kv_read(v_flat, span.context_slots, q.dtype)
         out[span.start : span.end] = causal_attention(q[span.start : span.end], ks, vs, span.num_cached, scale)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_flat: torch.Tensor | QuantizedKV,
+    v_flat: torch.Tensor | QuantizedKV,
+    meta: AttentionMetadata,
+    num_kv_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // num_kv_heads
+    batch, queries = meta.decode_slots.shape[0], meta.decode_queries
+    # Head-major copies ([B, kvh, T, hd]) make both matmuls run on contiguous matrices (~2x faster).
+    kc = kv_read(k_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
+    vc = kv_read(v_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
+    qd = q[: meta.num_decode_tokens] if meta.decode_query_rows is None else q.index_select(0, meta.decode_query_rows)
+    # Query head h reads KV head h // group, so heads are grouped kv-major; a decode's queries and
+    # groups share one matrix row range. Scaling the few query values is cheaper than the scores.
+    qd = qd.view(batch, queries, num_kv_heads, group, head_dim)
+    if queries > 1:
+        qd = qd.transpose(1, 2)
+    qd = qd.reshape(batch, num_kv_heads, queries * group, head_dim) * scale
+    scores = torch.matmul(qd, kc.transpose(2, 3)).float()  # [B, kvh, queries * group, T]
+    scores = scores.view(batch, num_kv_heads, queries, group, -1) + meta.decode_bias
+    probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv_heads, queries * group, -1)
+    o = torch.matmul(probs, vc).view(batch, num_kv_heads, queries, group, head_dim)
+    if queries > 1:
+        o = o.transpose(1, 2)
+    o = o.reshape(batch * queries, num_heads, head_dim)
+    return o if meta.decode_output_rows is None else o.index_select(0, meta.decode_output_rows)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:

@@ -11,17 +11,17 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
 from gguf import GGUFReader
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from tachyllm.errors import ConfigError, ModelLoadError, RequestError
 from tachyllm.loading.gguf import gguf_value
+
+if TYPE_CHECKING:  # jinja2 (~80 ms to import) loads with the first chat template
+    import jinja2
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -129,6 +129,26 @@ class Tokenizer:
             chat_template=_hf_chat_template(directory, config),
         )
 
+    def to_state(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer with from_state (JSON-serializable)."""
+        return {
+            "backend": self._backend.to_str(),
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "add_bos": self.add_bos,
+            "chat_template": self.chat_template,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Tokenizer:
+        return cls(
+            Backend.from_str(state["backend"]),
+            bos_token_id=state["bos_token_id"],
+            eos_token_id=state["eos_token_id"],
+            add_bos=state["add_bos"],
+            chat_template=state["chat_template"],
+        )
+
     # -- text <-> ids ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -141,6 +161,10 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        return self._backend.get_vocab(with_added_tokens=True)
 
     def id_to_token(self, token_id: int) -> str:
         """The vocabulary entry for `token_id`, as stored (byte-level tokens keep their Ġ spelling)."""
@@ -165,6 +189,8 @@ class Tokenizer:
 
         Extra keyword arguments become template variables (e.g. Qwen3's enable_thinking).
         """
+        import jinja2
+
         try:
             return self._compiled_template.render(
                 messages=messages,
@@ -180,6 +206,10 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         if self.chat_template is None:
             raise ConfigError("this model has no chat template; send a plain-text prompt instead of chat messages")
         # Same environment settings as transformers, so templates render identically.
@@ -316,4 +346,6 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2
+
     raise jinja2.TemplateError(message)

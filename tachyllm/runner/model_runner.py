@@ -1,9 +1,12 @@
 """Turns a SchedulerOutput into one forward pass over a flattened token batch, then samples.
 
-The batch is ordered decodes first, then prefill chunks, with no padding between sequences.
+The batch is ordered decodes first (a sequence's last token, plus any draft tokens to verify),
+then prefill chunks, with no padding between sequences.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -11,7 +14,22 @@ from tachyllm.engine.scheduler import SchedulerOutput, ScheduledSeq
 from tachyllm.engine.sequence import Sequence
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan
 from tachyllm.models.llama import LlamaForCausalLM
-from tachyllm.runner.sampler import SampleResult, Sampler
+from tachyllm.runner.sampler import Sampler
+from tachyllm.spec_decode.rejection import verify
+
+LogprobInfo = tuple[float, int, list[int], list[float]]
+
+
+@dataclass
+class SeqStepResult:
+    """The tokens one sequence gained this step: one sampled token, or for a speculating sequence
+    its accepted draft tokens followed by the target's own next token."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[LogprobInfo | None]
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
 
 
 class ModelRunner:
@@ -30,21 +48,48 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[list[Sequence], SampleResult | None]:
-        """Runs the step; returns the sequences that got a new token and the sampling result."""
-        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens > 1)
-        input_ids, positions, meta = self._prepare(ordered)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows, seqs, end = [], [], 0
+    def execute(self, sched: SchedulerOutput) -> list[SeqStepResult]:
+        """Runs the step; returns what each sequence that reached its next token gained."""
+        ordered = _decode_first(sched.scheduled)
+        hidden = self._forward(ordered)
+        plain_rows, plain_seqs, spec_rows, spec = [], [], [], []
+        end = 0
         for s in ordered:
             end += s.num_new_tokens
-            if s.completes:
-                rows.append(end - 1)
-                seqs.append(s.seq)
-        if not rows:
-            return [], None
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        return seqs, self.sampler(logits, seqs)
+            if s.spec_token_ids:
+                spec_rows += range(end - s.num_new_tokens, end)  # every position is checked
+                spec.append(s)
+            elif s.completes:
+                plain_rows.append(end - 1)
+                plain_seqs.append(s.seq)
+        if not plain_rows and not spec_rows:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
+        results = []
+        if plain_seqs:
+            sampled = self.sampler(logits[: len(plain_rows)], plain_seqs)
+            results += [
+                SeqStepResult(seq, [token], [logprob])
+                for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs)
+            ]
+        if spec:
+            for s, (tokens, logprobs) in zip(spec, verify(self.sampler, logits[len(plain_rows) :], spec)):
+                results.append(SeqStepResult(s.seq, tokens, logprobs, len(s.spec_token_ids), len(tokens) - 1))
+        return results
+
+    @torch.inference_mode()
+    def last_token_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits of each sequence's last scheduled position, in the given order (a draft model's step)."""
+        ordered = _decode_first(scheduled)
+        hidden = self._forward(ordered)
+        ends = torch.tensor([s.num_new_tokens for s in ordered]).cumsum(0) - 1
+        logits = self.model.compute_logits(hidden[ends.to(self.device)])
+        order = {id(s): i for i, s in enumerate(ordered)}
+        return logits[torch.tensor([order[id(s)] for s in scheduled], device=self.device)]
+
+    def _forward(self, ordered: list[ScheduledSeq]) -> torch.Tensor:
+        input_ids, positions, meta = self._prepare(ordered)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _slots(self, block_tables: list[list[int]], num_slots: int) -> torch.Tensor:
         """Flat cache slots of positions [0, num_slots) for each block table, as [len(tables), num_slots]."""
@@ -59,37 +104,58 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_tables, decode_lens = [], []
+        decode_tables, decode_starts, decode_counts = [], [], []
         prefills: list[PrefillSpan] = []
         for s in ordered:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             table = seq.block_table
-            input_ids += seq.token_ids[start : start + n]
+            input_ids += seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
             positions += range(start, start + n)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if n == 1:
+            if s.num_real_tokens == 1:
                 decode_tables.append(table)
-                decode_lens.append(start + 1)
+                decode_starts.append(start)
+                decode_counts.append(n)
             else:
                 offset = len(input_ids) - n
                 slots = None if start == 0 else self._slots([table], start + n)[0].to(self.device)
                 prefills.append(PrefillSpan(offset, offset + n, slots, start))
 
-        decode_slots = decode_bias = None
-        if decode_tables:
-            max_len = max(decode_lens)
-            decode_slots = self._slots(decode_tables, max_len).to(self.device)
-            lens = torch.tensor(decode_lens).unsqueeze(1)
-            bias = torch.zeros(len(decode_lens), max_len).masked_fill(torch.arange(max_len).unsqueeze(0) >= lens, float("-inf"))
-            decode_bias = bias.view(len(decode_lens), 1, 1, max_len).to(self.device)
-
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decode_tables),
-            decode_slots=decode_slots,
-            decode_bias=decode_bias,
+            num_decode_tokens=sum(decode_counts),
+            decode_slots=None,
+            decode_bias=None,
             prefills=prefills,
         )
+        if decode_tables:
+            self._decode_metadata(meta, decode_tables, decode_starts, decode_counts)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
+
+    def _decode_metadata(
+        self, meta: AttentionMetadata, tables: list[list[int]], starts: list[int], counts: list[int]
+    ) -> None:
+        """Context slots and masks of the decodes; query j of a decode starting at position p sees
+        positions <= p + j (padding queries repeat the decode's last one)."""
+        queries = max(counts)
+        starts_t, counts_t = torch.tensor(starts), torch.tensor(counts)
+        max_len = int((starts_t + counts_t).max())
+        meta.decode_slots = self._slots(tables, max_len).to(self.device)
+        j = torch.arange(queries).unsqueeze(0)
+        last_visible = starts_t.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)  # [B, queries]
+        hidden_slot = torch.arange(max_len).view(1, 1, -1) > last_visible.unsqueeze(-1)
+        bias = torch.zeros(len(tables), queries, max_len).masked_fill(hidden_slot, float("-inf"))
+        meta.decode_bias = bias.view(len(tables), 1, queries, 1, max_len).to(self.device)
+        meta.decode_queries = queries
+        if min(counts) != queries:
+            first_row = counts_t.cumsum(0) - counts_t
+            padded = first_row.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)
+            real = (j < counts_t.unsqueeze(1)).flatten()
+            meta.decode_query_rows = padded.flatten().to(self.device)
+            meta.decode_output_rows = torch.arange(len(tables) * queries)[real].to(self.device)
+
+
+def _decode_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+    return sorted(scheduled, key=lambda s: s.num_real_tokens > 1)

@@ -36,34 +36,75 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         num_logprobs = [s.params.logprobs for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
-
-        logits = self._suppress_stops_before_min_tokens(logits, seqs)
-        if any(s.params.uses_penalties for s in seqs):
-            logits = self._apply_penalties(logits, seqs)
-
-        greedy = all(s.params.greedy for s in seqs)
+        logits = self.process(logits, seqs)
         tokens = logits.argmax(dim=-1)
-        if not greedy:
-            sampled = self._sample(logits, seqs)
+        if not all(s.params.greedy for s in seqs):
+            sampled = self.draw(self.probs(logits, seqs), seqs)
             is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
             tokens = torch.where(is_greedy, tokens, sampled)
+        logprob_rows = self.logprob_rows(raw_logprobs, tokens, seqs) if raw_logprobs is not None else [None] * len(seqs)
+        return SampleResult(tokens.tolist(), logprob_rows)
 
-        token_list = tokens.tolist()
-        logprob_rows: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            k = max(n or 0 for n in num_logprobs)
-            chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-            ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-            top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-            chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-            top_ids_l = top_ids.tolist() if k else None
-            top_lp_l = top_lp.tolist() if k else None
-            for i, n in enumerate(num_logprobs):
-                if n is not None:
-                    ids = top_ids_l[i][:n] if n else []
-                    lps = top_lp_l[i][:n] if n else []
-                    logprob_rows[i] = (chosen_l[i], ranks_l[i], ids, lps)
-        return SampleResult(token_list, logprob_rows)
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens, penalties."""
+        logits = self._suppress_stops_before_min_tokens(logits[:, : self.vocab_size], seqs)
+        if any(s.params.uses_penalties for s in seqs):
+            logits = self._apply_penalties(logits, seqs)
+        return logits
+
+    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution a sampling request draws from: processed logits under temperature,
+        top-k / top-p and min-p (greedy rows are treated as temperature 1)."""
+        dev = logits.device
+        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev).unsqueeze(1)
+        logits = logits / temperature
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(k != -1 for k in top_k) or any(p < 1 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [s.params.min_p for s in seqs]
+        if any(m > 0 for m in min_p):
+            threshold = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
+        return probs
+
+    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """One token per row from (unnormalised) probs, with each seeded sequence's own noise stream."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                generator=self.generator
+            )
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def uniform(self, count: int, seq: Sequence) -> torch.Tensor:
+        """count uniforms in [0, 1) from the sequence's own stream (or the engine's)."""
+        return torch.rand(count, generator=seq.generator or self.generator, device=self.device)
+
+    def logprob_rows(
+        self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
+    ) -> list[tuple[float, int, list[int], list[float]] | None]:
+        """Per row that asked for logprobs: the chosen token's logprob and rank, and the top-N."""
+        num_logprobs = [s.params.logprobs for s in seqs]
+        rows: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(seqs)
+        k = max(n or 0 for n in num_logprobs)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        top_ids_l = top_ids.tolist() if k else None
+        top_lp_l = top_lp.tolist() if k else None
+        for i, n in enumerate(num_logprobs):
+            if n is not None:
+                ids = top_ids_l[i][:n] if n else []
+                lps = top_lp_l[i][:n] if n else []
+                rows[i] = (chosen_l[i], ranks_l[i], ids, lps)
+        return rows
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols = [], []
@@ -97,28 +138,6 @@ class Sampler:
         logits = torch.where(seen, penalised, logits)
         # OpenAI presence / frequency penalties count output tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0)
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        dev = logits.device
-        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev).unsqueeze(1)
-        logits = logits / temperature
-        top_k = [s.params.top_k for s in seqs]
-        top_p = [s.params.top_p for s in seqs]
-        if any(k != -1 for k in top_k) or any(p < 1 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [s.params.min_p for s in seqs]
-        if any(m > 0 for m in min_p):
-            threshold = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(generator=self.generator)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        return (probs / noise).argmax(dim=-1)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -302,7 +302,12 @@ class AsyncEngine:
             num_running=len(running),
             num_waiting=len(waiting),
             kv_cache_usage=self._engine.block_manager.usage,
-            stats=replace(stats, finished_reasons=dict(stats.finished_reasons)),
+            stats=replace(
+                stats,
+                finished_reasons=dict(stats.finished_reasons),
+                spec_accepted_per_pos=list(stats.spec_accepted_per_pos),
+                spec_draft_tokens_per_pos=list(stats.spec_draft_tokens_per_pos),
+            ),
         )
         with self._cond:
             self._snapshot = snapshot

@@ -64,6 +64,15 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Sequences preempted for lack of KV blocks.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verification steps that carried draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.")
+        self._spec_accepted_per_pos = Counter(
+            "tachy:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the draft (0 = first).",
+            [*label, "position"],
+            registry=self.registry,
+        )
         self._success = Counter(
             "tachy:request_success",
             "Finished requests by finish reason.",
@@ -132,10 +141,17 @@ class ServerMetrics:
             (self.preemptions, "num_preemptions"),
             (self.prefix_queries, "prefix_cache_queries"),
             (self.prefix_hits, "prefix_cache_hits"),
+            (self.spec_drafts, "spec_num_drafts"),
+            (self.spec_draft_tokens, "spec_num_draft_tokens"),
+            (self.spec_accepted, "spec_num_accepted_tokens"),
         ):
             delta = getattr(now, attr) - getattr(seen, attr)
             if delta > 0:
                 metric.inc(delta)
+        for position, count in enumerate(now.spec_accepted_per_pos):
+            before = seen.spec_accepted_per_pos[position] if position < len(seen.spec_accepted_per_pos) else 0
+            if count > before:
+                self._spec_accepted_per_pos.labels(self.model_name, str(position)).inc(count - before)
         for reason, count in now.finished_reasons.items():
             delta = count - seen.finished_reasons.get(reason, 0)
             if delta > 0:

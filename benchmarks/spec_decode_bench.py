@@ -1,0 +1,147 @@
+"""Speculative decoding on the default model: tokens/s with and without speculation, acceptance
+rate and mean acceptance length, per task, proposer and k; batch 1 and batch 32.
+
+    .venv/bin/python benchmarks/spec_decode_bench.py [--threads 2] [--max-tokens 128] [--json out.json]
+
+Tasks: "grounded" asks to rewrite a code snippet with one change (the answer quotes its input,
+where n-gram lookup shines); "chat" asks open questions (nothing to look up; a draft model has to
+guess). Greedy, ignore_eos off (answers end where the model ends them; tokens/s counts what was
+generated). Every configuration runs in the same process, one after the other, so ratios are
+comparable on a shared machine. Batch 32 runs the adaptive switch (the default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+from tachyllm import LLM, SamplingParams
+
+SNIPPETS = [
+    "def count_down(n):\n    result = []\n    i = n\n    while i > 0:\n        result.append(i)\n        i -= 1\n    return result\n",
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    if len(values) == 0:\n        return 0\n    return total / len(values)\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n        self.count += 1\n\n    def reset(self):\n        self.count = 0\n",
+    "def read_lines(path):\n    lines = []\n    with open(path) as f:\n        for line in f:\n            lines.append(line.strip())\n    return lines\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, n):\n        if n % d == 0:\n            return False\n    return True\n",
+    "def merge(a, b):\n    out = dict(a)\n    for key, value in b.items():\n        out[key] = value\n    return out\n",
+    "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n        else:\n            print(i)\n",
+    "def flatten(nested):\n    flat = []\n    for item in nested:\n        if isinstance(item, list):\n            flat.extend(flatten(item))\n        else:\n            flat.append(item)\n    return flat\n",
+]
+CHANGES = [
+    "Rename the function to a better name and change nothing else",
+    "Add a docstring and change nothing else",
+    "Add type hints and change nothing else",
+    "Rewrite it with one small improvement, keeping the rest identical",
+]
+TOPICS = [
+    "how vaccines train the immune system", "why the sky is blue", "tips for learning to cook",
+    "the history of the printing press", "how to start running as a beginner", "what a black hole is",
+    "how bees make honey", "the water cycle", "how to write a good cover letter", "why sleep matters",
+    "how a bicycle stays upright", "the causes of the seasons", "how to care for a houseplant",
+    "what inflation is", "how computers store numbers", "the life of a star", "how to make friends in a new city",
+    "why leaves change colour in autumn", "how rainbows form", "how to plan a small garden",
+    "what photosynthesis does", "how to save money on groceries", "how tides work", "the rules of chess",
+    "how to stay focused while studying", "how volcanoes erupt", "what a healthy breakfast looks like",
+    "how the internet routes messages", "why cats purr", "how to learn a new language", "how glass is made",
+    "the benefits of walking",
+]  # fmt: skip
+
+
+def grounded_prompts() -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": f"{change}:\n\n```python\n{snippet}```"}]
+        for change in CHANGES for snippet in SNIPPETS
+    ]  # fmt: skip
+
+
+def chat_prompts() -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Explain {topic} in a few paragraphs."}] for topic in TOPICS]
+
+
+CONFIGS = {
+    "none": None,
+    "ngram k=2": {"method": "ngram", "num_speculative_tokens": 2},
+    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram k=8": {"method": "ngram", "num_speculative_tokens": 8},
+    "self:int4 k=2": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 2},
+    "self:int4 k=4": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 4},
+}
+
+
+@dataclass
+class Row:
+    config: str
+    task: str
+    batch: int
+    tokens: int
+    seconds: float
+    tok_per_s: float
+    speedup: float
+    acceptance_rate: float | None
+    mean_acceptance_length: float | None
+
+
+def run(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int) -> tuple[int, float, int, int, int]:
+    """Generates for every prompt, `batch` at a time; returns tokens, seconds and spec counters."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    stats = llm.engine.stats
+    before = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        outs = llm.chat(prompts[i : i + batch], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    seconds = time.perf_counter() - t0
+    after = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(after, before))
+    return tokens, seconds, drafts, draft_tokens, accepted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per task at batch 1")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    tasks = {"grounded": grounded_prompts(), "chat": chat_prompts()}
+    rows: list[Row] = []
+    baseline: dict[tuple[str, int], float] = {}
+    for name in args.configs.split(","):
+        spec = CONFIGS[name]
+        llm = LLM(threads=args.threads, speculative_config=spec)
+        llm.chat(tasks["chat"][0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+        for task, prompts in tasks.items():
+            for batch, subset in ((1, prompts[: args.batch1_prompts]), (32, prompts[:32])):
+                tokens, seconds, drafts, draft_tokens, accepted = run(llm, subset, batch, args.max_tokens)
+                rate = tokens / seconds
+                if spec is None:
+                    baseline[(task, batch)] = rate
+                row = Row(
+                    name, task, batch, tokens, round(seconds, 2), round(rate, 1),
+                    round(rate / baseline[(task, batch)], 2),
+                    round(accepted / draft_tokens, 3) if draft_tokens else None,
+                    round(1 + accepted / drafts, 2) if drafts else None,
+                )  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{name:14s} {task:8s} b={batch:<3d} {rate:7.1f} tok/s  x{row.speedup:<5}"
+                    f" acceptance {row.acceptance_rate}  mean length {row.mean_acceptance_length}",
+                    flush=True,
+                )
+        del llm
+    print("\n| config | task | batch | tok/s | speedup | acceptance rate | mean acceptance length |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r.config} | {r.task} | {r.batch} | {r.tok_per_s} | {r.speedup}x | {r.acceptance_rate} | {r.mean_acceptance_length} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

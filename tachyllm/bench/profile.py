@@ -1,0 +1,362 @@
+"""`tachy bench latency --profile`: where the time of a decode step goes.
+
+One batch is prefilled and run through a few untimed decode steps, then a few more decode steps run
+under torch.profiler (CPU activity). The engine is not changed for this: for the duration of the
+profile, its phases are wrapped in `record_function` ranges, and put back afterwards:
+
+    tachy::step            each engine.step() (the driver loop here)
+    tachy::schedule        engine.scheduler.schedule
+    tachy::prepare_inputs  engine.runner._prepare (the step's input tensors and attention metadata)
+    tachy::forward         the model's forward (embedding, layers, final norm; not the LM head)
+    tachy::attention       paged_attention as the model calls it (tachyllm.models.llama.paged_attention)
+    tachy::sample          engine.runner.sampler
+
+The step's wall time is then split into categories that add up to it exactly:
+
+    matmul        ops outside the ranges above, other than attention, that are matrix products
+                  (linear, mm, addmm, bmm, matmul, oneDNN linear, packed int4/int8 products), LM head included
+    attention     the whole paged_attention call: K/V cache write, gather, grouped matmuls, softmax, its Python
+    other_ops     the remaining ops of the forward and the logits (norms, rotary, activations, adds, copies)
+    python_forward  the forward's time outside any op: Python and dispatch between the ops
+    prepare_inputs, sampling, scheduling   the whole range (ops and Python)
+    python_other  what is left of the step: output processing, detokenization, engine bookkeeping
+
+An op nested in another op counts once, in its outermost op. Times are those of the profiled steps,
+which the profiler itself slows down (each recorded op costs a few microseconds); the same steps'
+time without the profiler is reported alongside.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+logger = logging.getLogger("tachyllm")
+
+STEP = "tachy::step"
+SCHEDULE = "tachy::schedule"
+PREPARE = "tachy::prepare_inputs"
+FORWARD = "tachy::forward"
+ATTENTION = "tachy::attention"
+SAMPLE = "tachy::sample"
+RANGES = (STEP, SCHEDULE, PREPARE, FORWARD, ATTENTION, SAMPLE)
+
+# Categories in print order, with their labels; their ms add up to the step's.
+CATEGORIES = {
+    "matmul": "matmuls (linear, mm, oneDNN, int4/int8 packed)",
+    "attention": "attention (paged_attention, whole call)",
+    "other_ops": "other ops (norms, rotary, activations, adds)",
+    "python_forward": "Python / dispatch in model forward",
+    "prepare_inputs": "input preparation (runner._prepare)",
+    "sampling": "sampling (runner.sampler)",
+    "scheduling": "scheduling (scheduler.schedule)",
+    "python_other": "Python / other (outputs, detokenize, engine)",
+}
+# Parts of the attention row; not added to the total again.
+ATTENTION_PARTS = {
+    "matmul": "matmuls",
+    "softmax": "softmax",
+    "other_ops": "other ops (cache write, gather, copies)",
+    "python": "Python / dispatch",
+}
+
+MATMUL_OPS = {
+    "linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "mv", "dot", "einsum", "_addmm_activation",
+    "_int_mm", "_weight_int8pack_mm", "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu",
+    "_weight_int4pack_mm_with_scales_and_zeros", "_linear_pointwise", "mkldnn_linear", "_mkl_linear",
+    "mkldnn_linear_pointwise",
+}  # fmt: skip
+TOP_OPS = 15
+
+
+def is_matmul(op_name: str) -> bool:
+    """aten::mm, mkldnn::_linear_pointwise, aten::_weight_int4pack_mm_for_cpu, ... by the name after '::'."""
+    base = op_name.rsplit("::", 1)[-1]
+    return base in MATMUL_OPS or "pack_mm" in base or base.endswith("_linear")
+
+
+def is_softmax(op_name: str) -> bool:
+    return "softmax" in op_name.rsplit("::", 1)[-1]
+
+
+@dataclass
+class OpStat:
+    name: str
+    calls_per_step: float
+    self_ms_per_step: float
+    percent_of_step: float
+
+
+@dataclass
+class StepProfile:
+    num_steps: int  # profiled decode steps
+    step_ms: float  # mean wall time of a profiled step
+    categories_ms: dict[str, float]  # per step; keys of CATEGORIES; they add up to step_ms
+    attention_ms: dict[str, float]  # the attention category split into ATTENTION_PARTS
+    ops_per_step: float  # every op the profiler saw, nested ones included
+    top_level_ops_per_step: float
+    top_ops: list[OpStat] = field(default_factory=list)  # by self CPU time
+    batch_size: int = 0
+    warmup_steps: int = 0
+    unprofiled_step_ms: float | None = None  # median wall time of the warm-up decode steps (no profiler)
+    device: str = "cpu"
+
+    def percent(self, ms: float) -> float:
+        return 100.0 * ms / self.step_ms if self.step_ms > 0 else 0.0
+
+
+# -- instrumentation ----------------------------------------------------------------------------
+
+
+def _ranged(fn: Callable, label: str) -> Callable:
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+class _RangedCall:
+    """Stands in for a callable object (the sampler): its calls run in a range, its attributes are its own."""
+
+    def __init__(self, target: Any, label: str) -> None:
+        self._target = target
+        self._label = label
+
+    def __call__(self, *args, **kwargs):
+        with record_function(self._label):
+            return self._target(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
+@contextmanager
+def instrumented(engine) -> Iterator[None]:
+    """Wraps the engine's phases in record_function ranges until the block ends, however it ends."""
+    from tachyllm.models import llama
+
+    undo: list[Callable[[], None]] = []
+
+    def patch_method(obj: Any, name: str, label: str) -> None:
+        """Shadows a bound method with an instance attribute; undone by removing the attribute
+        (or putting back the instance's own one, if it had one)."""
+        if obj is None or not callable(getattr(obj, name, None)):
+            return
+        own = vars(obj).get(name, _MISSING)
+        setattr(obj, name, _ranged(getattr(obj, name), label))
+        undo.append(lambda: delattr(obj, name) if own is _MISSING else setattr(obj, name, own))
+
+    def patch_attr(obj: Any, name: str, value: Any) -> None:
+        original = getattr(obj, name)
+        setattr(obj, name, value)
+        undo.append(lambda: setattr(obj, name, original))
+
+    runner = getattr(engine, "runner", None)
+    try:
+        patch_method(engine.scheduler, "schedule", SCHEDULE)
+        patch_method(runner, "_prepare", PREPARE)
+        patch_method(getattr(runner, "model", None), "forward", FORWARD)
+        if getattr(runner, "sampler", None) is not None:
+            patch_attr(runner, "sampler", _RangedCall(runner.sampler, SAMPLE))
+        if callable(getattr(llama, "paged_attention", None)):
+            patch_attr(llama, "paged_attention", _ranged(llama.paged_attention, ATTENTION))
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
+_MISSING = object()
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup_steps: int = 5) -> StepProfile:
+    """Prefills `prompts` as one batch, runs `warmup_steps` decode steps, then profiles `num_steps`
+    decode steps. The engine must have no other requests; it has none when this returns."""
+    from tachyllm.sampling_params import SamplingParams
+
+    if num_steps < 1:
+        raise ValueError(f"profile needs at least one decode step, got {num_steps}")
+    if engine.has_unfinished_requests():
+        raise ValueError("profile_decode needs an idle engine")
+    # Enough tokens that no request finishes before the profile ends, even one whose prefill ended
+    # a few (chunked-prefill) steps before the others'; whatever is left is aborted at the end.
+    budget = max(1, engine.config.max_num_batched_tokens)
+    prefill_steps = -(-sum(len(p) for p in prompts) // budget) + 1
+    room = engine.max_model_len - max(len(p) for p in prompts)
+    if room < 1 + warmup_steps + num_steps:
+        raise ValueError(
+            f"the profile needs prompt + {1 + warmup_steps + num_steps} tokens within max_model_len "
+            f"({engine.max_model_len}): use a shorter --input-len or fewer profile steps"
+        )
+    max_tokens = min(room, 1 + warmup_steps + num_steps + prefill_steps)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    device = engine.device
+    try:
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, params)
+        started: set[str] = set()
+        while len(started) < len(ids) and engine.has_unfinished_requests():
+            outputs = engine.step()
+            started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+        warm = []
+        for _ in range(warmup_steps):
+            _synchronize(device)
+            t0 = time.perf_counter()
+            engine.step()
+            _synchronize(device)
+            warm.append(time.perf_counter() - t0)
+        activities = [ProfilerActivity.CPU]
+        with instrumented(engine), profile(activities=activities) as prof:
+            for _ in range(num_steps):
+                with record_function(STEP):
+                    engine.step()
+                    _synchronize(device)
+        if len(engine.requests) != len(ids):
+            logger.warning(
+                "profile: %d of %d requests ended early; the batch shrank", len(ids) - len(engine.requests), len(ids)
+            )
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    result = analyze(prof.events(), num_steps)
+    result.batch_size = len(prompts)
+    result.warmup_steps = warmup_steps
+    result.unprofiled_step_ms = statistics.median(warm) * 1e3 if warm else None
+    result.device = str(device)
+    return result
+
+
+# -- the analysis -------------------------------------------------------------------------------
+
+
+def analyze(events, num_steps: int) -> StepProfile:
+    """Splits the time of the tachy::step ranges among CATEGORIES (see the module docstring)."""
+    us = {k: 0.0 for k in CATEGORIES}
+    att = {k: 0.0 for k in ATTENTION_PARTS}
+    step_us = forward_us = forward_inner_us = 0.0
+    attention_in_forward_us = 0.0
+    ops = top_level = 0
+    self_us: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    for e in events:
+        dur = e.time_range.elapsed_us()
+        # The nearest enclosing range of ours, whether an op encloses this event, and the step.
+        region, inside_op, in_step, in_forward = None, False, e.name == STEP, False
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name in RANGES:
+                region = region or parent.name
+                in_step = in_step or parent.name == STEP
+                in_forward = in_forward or parent.name == FORWARD
+            elif region is None:
+                inside_op = True  # an op between this event and the nearest range
+            parent = parent.cpu_parent
+        if not in_step:
+            continue
+        name = e.name
+        if name in RANGES:
+            if name == STEP:
+                step_us += dur
+            elif name == SCHEDULE:
+                us["scheduling"] += dur
+            elif name == PREPARE:
+                us["prepare_inputs"] += dur
+            elif name == SAMPLE:
+                us["sampling"] += dur
+            elif name == FORWARD:
+                forward_us += dur
+            elif name == ATTENTION:
+                us["attention"] += dur
+                if in_forward:
+                    attention_in_forward_us += dur
+            continue
+
+        ops += 1
+        self_us[name] = self_us.get(name, 0.0) + e.self_cpu_time_total
+        calls[name] = calls.get(name, 0) + 1
+        if inside_op:
+            continue
+        top_level += 1
+        if region in (STEP, FORWARD):
+            us["matmul" if is_matmul(name) else "other_ops"] += dur
+            if region == FORWARD:
+                forward_inner_us += dur
+        elif region == ATTENTION:
+            att["matmul" if is_matmul(name) else "softmax" if is_softmax(name) else "other_ops"] += dur
+        # ops inside schedule / prepare / sample are part of those ranges' time already
+
+    us["python_forward"] = max(0.0, forward_us - forward_inner_us - attention_in_forward_us)
+    att["python"] = max(0.0, us["attention"] - att["matmul"] - att["softmax"] - att["other_ops"])
+    attributed = sum(v for k, v in us.items() if k != "python_other")
+    us["python_other"] = max(0.0, step_us - attributed)
+
+    per_step = 1e-3 / num_steps  # us in all -> ms per step
+    step_ms = step_us * per_step
+    top = sorted(self_us, key=self_us.get, reverse=True)[:TOP_OPS]
+    return StepProfile(
+        num_steps=num_steps,
+        step_ms=step_ms,
+        categories_ms={k: v * per_step for k, v in us.items()},
+        attention_ms={k: v * per_step for k, v in att.items()},
+        ops_per_step=ops / num_steps,
+        top_level_ops_per_step=top_level / num_steps,
+        top_ops=[
+            OpStat(
+                n,
+                calls[n] / num_steps,
+                self_us[n] * per_step,
+                100.0 * self_us[n] * per_step / step_ms if step_ms else 0.0,
+            )
+            for n in top
+        ],
+    )
+
+
+def format_profile(p: StepProfile) -> str:
+    lines = [
+        f"Decode-step profile: batch {p.batch_size}, {p.num_steps} steps under torch.profiler"
+        + f" after {p.warmup_steps} warm-up steps",
+        f"  step {p.step_ms:.2f} ms profiled"
+        + (f" ({p.unprofiled_step_ms:.2f} ms without the profiler)" if p.unprofiled_step_ms is not None else "")
+        + f"; {p.ops_per_step:.0f} ops per step, {p.top_level_ops_per_step:.0f} outermost",
+    ]
+    if p.device != "cpu":
+        lines.append(f"  note: on {p.device} the op times are CPU-side (launch) times, not kernel times")
+    width = max(len(label) for label in CATEGORIES.values()) + 2
+    lines.append(f"  {'where':<{width}} {'ms/step':>9} {'% step':>7}")
+    for key, label in CATEGORIES.items():
+        ms = p.categories_ms[key]
+        lines.append(f"  {label:<{width}} {ms:9.2f} {p.percent(ms):6.1f}%")
+        if key == "attention":
+            for part, part_label in ATTENTION_PARTS.items():
+                ms = p.attention_ms[part]
+                lines.append(f"    {part_label:<{width - 2}} {ms:9.2f} {p.percent(ms):6.1f}%")
+    lines.append(f"  {'total':<{width}} {p.step_ms:9.2f} {100.0 if p.step_ms else 0.0:6.1f}%")
+    name_width = max([len(o.name) for o in p.top_ops] + [len("op")]) + 2
+    lines.append(f"  Top {len(p.top_ops)} ops by self CPU time")
+    lines.append(f"  {'op':<{name_width}} {'calls/step':>10} {'self ms/step':>12} {'% step':>7}")
+    for o in p.top_ops:
+        lines.append(
+            f"  {o.name:<{name_width}} {o.calls_per_step:10.1f} {o.self_ms_per_step:12.2f} {o.percent_of_step:6.1f}%"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""build_model: a loaded checkpoint -> a ready LlamaForCausalLM (weights, rotary table,
+optional weight-only quantization, CPU weight packing), and the bytes a decode step streams."""
+
+from __future__ import annotations
+
+import torch
+
+from tachyllm.kernels.linear import onednn_packing_available, pack_linears
+from tachyllm.loading import Checkpoint
+from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.quantization import quantize_model, quantized_weight_bytes
+from tachyllm.quantization.policy import parse_skip
+
+
+def build_model(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    quantization: str | None = None,
+    quant_group_size: int | None = None,
+    quant_skip: str | None = None,
+) -> tuple[LlamaForCausalLM, int]:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.config)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_weights(ckpt.weights())
+    model.init_rotary(max_model_len)
+    # Bytes a decode step streams from memory (packing below hides parameters from the module).
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if quantization:
+        # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
+        gguf_path = ckpt.source if ckpt.format == "gguf" else None
+        quantize_model(model, quantization, quant_group_size, parse_skip(quant_skip), ckpt.tokenizer, gguf_path)
+        weight_bytes = quantized_weight_bytes(model)
+    if device.type == "cpu" and onednn_packing_available(dtype):
+        pack_linears(model)
+    return model.eval(), weight_bytes

@@ -1,0 +1,82 @@
+"""SpeculativeConfig: vLLM's `speculative_config` dict, validated.
+
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "draft_model", "model": PATH | "self:int4" | "self:layers=N", "num_speculative_tokens": 4}
+
+Common keys: "disable_by_batch_size" (no speculation while more sequences than this are running)
+and "adaptive" (default true: speculate, and pick how many tokens, only where the measured costs
+and acceptance say it is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tachyllm.errors import ConfigError
+
+METHODS = ("ngram", "draft_model")
+_SELF_LAYERS = re.compile(r"self:layers=(\d+)")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None  # draft_model only
+    prompt_lookup_max: int = 4  # ngram only
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | str) -> SpeculativeConfig:
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(options, dict):
+            raise ConfigError(f"speculative_config must be a dict / JSON object, got {type(options).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
+        if "method" not in options and options.get("model"):
+            options = {**options, "method": "draft_model"}  # vLLM infers the method from a model
+        if "method" not in options or "num_speculative_tokens" not in options:
+            raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        config = cls(**options)
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        if self.disable_by_batch_size is not None and (not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1):
+            raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (is_int(lo) and is_int(hi) and 1 <= lo <= hi):
+                raise ConfigError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError("speculative_config: method 'draft_model' needs 'model' (a path, 'self:int4' or 'self:layers=N')")
+            if self.model.startswith("self:") and self.model != "self:int4" and self.self_layers is None:
+                raise ConfigError(f"unknown self-draft {self.model!r}; accepted: 'self:int4', 'self:layers=N'")
+
+    @property
+    def self_layers(self) -> int | None:
+        match = _SELF_LAYERS.fullmatch(self.model or "")
+        return int(match.group(1)) if match else None

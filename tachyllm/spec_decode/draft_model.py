@@ -1,0 +1,183 @@
+"""A draft model that proposes k tokens per sequence, run in-process with its own paged KV cache.
+
+Each target sequence being speculated has a shadow Sequence here with the same token ids: the
+draft's KV covers the first num_computed_tokens of it. Every proposal round first lets the draft
+catch up on the tokens the target accepted since the last round (one forward over all of them),
+then runs k - 1 single-token steps. Rejected drafts are rolled back by truncating the shadow to the
+prefix it still shares with the target and releasing the blocks past it.
+
+Drafts available without a second file: "self:layers=N" (the target's first N layers, its final
+norm and head, sharing the target's weights) and "self:int4" (the target re-loaded with int4
+weights, LM head included: a GGUF file's own 4-bit blocks packed as they are, anything else
+quantized group-wise round-to-nearest).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tachyllm.engine.block_manager import BlockManager, cdiv
+from tachyllm.engine.scheduler import ScheduledSeq
+from tachyllm.engine.sequence import Sequence
+from tachyllm.errors import ConfigError
+from tachyllm.loading import Checkpoint, Tokenizer, load_checkpoint
+from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.runner import kv_cache
+from tachyllm.runner.model_loader import build_model
+from tachyllm.runner.model_runner import ModelRunner
+from tachyllm.runner.sampler import Sampler
+
+logger = logging.getLogger("tachyllm")
+
+
+def build_draft_model(
+    spec_model: str, target: LlamaForCausalLM, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_len: int
+) -> LlamaForCausalLM:
+    """The draft for a speculative_config 'model' entry; a foreign checkpoint must share the tokenizer."""
+    if spec_model == "self:int4":
+        # A GGUF file's own 4-bit weights are packed as they are (the draft then differs from the
+        # target only by rounding); other checkpoints are quantized round-to-nearest.
+        method = "gguf" if ckpt.format == "gguf" else "int4"
+        draft, _ = build_model(ckpt, dtype, device, max_len, method, None, "none")
+        return draft
+    if spec_model.startswith("self:layers="):
+        return _truncated(target, int(spec_model.removeprefix("self:layers=")))
+    draft_ckpt = load_checkpoint(spec_model)
+    check_same_vocabulary(ckpt.tokenizer, draft_ckpt.tokenizer, spec_model)
+    draft, _ = build_model(draft_ckpt, dtype, device, max_len)
+    return draft
+
+
+def _truncated(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    total = target.config.num_layers
+    if not 1 <= num_layers < total:
+        raise ConfigError(f"speculative_config 'self:layers=N' needs 1 <= N < {total} (the target's layers), got {num_layers}")
+    draft = copy.copy(target)  # a new module object whose submodules are the target's own
+    draft._modules = dict(target._modules)
+    draft._modules["layers"] = nn.ModuleList(list(target.layers)[:num_layers])
+    draft.config = copy.copy(target.config)
+    draft.config.num_layers = num_layers
+    return draft
+
+
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, name: str) -> None:
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])[:3]
+        raise ConfigError(
+            f"draft model {name} does not share the target's vocabulary ({len(draft_vocab)} vs {len(target_vocab)} "
+            f"tokens; e.g. {differing}); speculative decoding needs the same tokenizer"
+        )
+
+
+@dataclass(eq=False)
+class _Shadow:
+    seq: Sequence  # the draft's copy: same token ids as the target's, own block table
+    synced: int = 0  # target tokens known to equal the shadow's at the last sync
+
+
+class DraftModelProposer:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        sampler: Sampler,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        caches = kv_cache.allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+        logger.info(
+            "draft model: %d layers, KV cache %d blocks (%.1f MiB)", model.config.num_layers, num_blocks,
+            num_blocks * kv_cache.bytes_per_block(model.config, block_size, dtype) / 2**20,
+        )  # fmt: skip
+        # Prefix caching stays off: rolled-back drafts would leave registered blocks behind.
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.runner = ModelRunner(model, caches, block_size, sampler, device)
+        self.sampler = sampler
+        self.vocab_size = sampler.vocab_size
+        self.shadows: dict[int, _Shadow] = {}
+        self.last_elapsed = 0.0
+
+    def release_finished(self, running: list[Sequence]) -> None:
+        """Frees the draft KV of sequences that stopped running (finished, aborted or preempted)."""
+        live = {s.seq_id for s in running}
+        for seq_id in [i for i in self.shadows if i not in live]:
+            self.block_manager.free_seq(self.shadows.pop(seq_id).seq)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
+        """Sets seq.spec_token_ids (ks[i] tokens) and, for sampling requests, seq.spec_draft_probs."""
+        t0 = time.perf_counter()
+        active = [(seq, self._sync(seq), k) for seq, k in zip(seqs, ks)]
+        drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
+        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in seqs}
+        for step in range(max(ks, default=0)):
+            active = [(seq, sh, k) for seq, sh, k in active if step < k]
+            scheduled = []
+            for seq, shadow, _ in list(active):
+                n = shadow.seq.num_uncomputed_tokens
+                if not self.block_manager.allocate(shadow.seq, n):  # draft cache full: this one stops here
+                    active.remove((seq, shadow, _))
+                    continue
+                scheduled.append(ScheduledSeq(shadow.seq, n))
+            if not scheduled:
+                break
+            logits = self.runner.last_token_logits(scheduled)
+            shadows = [s.seq for s in scheduled]
+            for s in scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+            tokens, dists = self._sample(logits, shadows)
+            for i, (seq, shadow, _) in enumerate(active):
+                shadow.seq.token_ids.append(tokens[i])
+                drafts[seq.seq_id].append(tokens[i])
+                if dists is not None and not seq.params.greedy:
+                    probs[seq.seq_id].append(dists[i])
+        for seq in seqs:
+            seq.spec_token_ids = drafts[seq.seq_id]
+            seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
+        self.last_elapsed = time.perf_counter() - t0
+
+    def _sync(self, seq: Sequence) -> _Shadow:
+        """The shadow of seq, truncated to the prefix it shares with the target and extended to match."""
+        shadow = self.shadows.get(seq.seq_id)
+        if shadow is None:
+            shadow = _Shadow(Sequence(seq.request, seq.index, [], seq.num_prompt_tokens, seq.detokenizer, seq.generator))
+            self.shadows[seq.seq_id] = shadow
+        own, target = shadow.seq.token_ids, seq.token_ids
+        common = shadow.synced
+        limit = min(len(own), len(target))
+        while common < limit and own[common] == target[common]:
+            common += 1
+        shadow.seq.token_ids = list(target)
+        shadow.synced = len(target)
+        if shadow.seq.num_computed_tokens > common:
+            shadow.seq.num_computed_tokens = common
+            self.block_manager.trim(shadow.seq, common)
+        return shadow
+
+    def _sample(self, logits: torch.Tensor, shadows: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+        """Greedy requests take the draft's argmax; sampling requests draw from the draft's own
+        distribution under their parameters and keep it (q) for the rejection test."""
+        processed = self.sampler.process(logits, shadows)
+        tokens = processed.argmax(dim=-1)
+        if all(s.params.greedy for s in shadows):
+            return tokens.tolist(), None
+        dists = self.sampler.probs(processed, shadows)
+        dists = dists / dists.sum(dim=-1, keepdim=True)
+        if dists.shape[1] < self.vocab_size:  # a draft with fewer embedding rows never proposes the rest
+            dists = torch.nn.functional.pad(dists, (0, self.vocab_size - dists.shape[1]))
+        sampled = self.sampler.draw(dists, shadows)
+        is_greedy = torch.tensor([s.params.greedy for s in shadows], device=logits.device)
+        return torch.where(is_greedy, tokens, sampled).tolist(), dists
+
+
+def draft_blocks(target_blocks: int, block_size: int, max_model_len: int) -> int:
+    """The draft holds as many tokens as the target's cache, and at least one full-length sequence."""
+    return max(target_blocks, cdiv(max_model_len, block_size))

@@ -1,0 +1,139 @@
+"""Verification of draft tokens against the target model's distributions, losslessly.
+
+For a sequence with drafts d_1..d_k, the target's forward gives k + 1 rows: row j is the target's
+next-token distribution p_j after the sequence and d_1..d_j. Going left to right:
+
+- greedy requests accept d_{j+1} while it equals the target's argmax of row j; the first mismatch
+  is replaced by that argmax, and if all k are accepted row k adds a bonus token. The output is
+  the target's greedy output, token for token;
+- sampling requests use modified rejection sampling: accept d_{j+1} with probability
+  min(1, p_j(d) / q_j(d)), where q_j is the distribution the draft was drawn from (a one-hot for a
+  deterministic proposal such as n-gram lookup); on the first rejection draw the replacement from
+  normalize(max(0, p_j - q_j)); if all are accepted draw the bonus from p_k. Each emitted token is
+  then distributed exactly as p_j, so the output distribution equals the target's.
+
+p_j is exactly what the sampler would draw from without speculation: min_tokens masking,
+penalties over the history including d_1..d_j, temperature, top-k, top-p, min-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tachyllm.engine.scheduler import ScheduledSeq
+from tachyllm.engine.sequence import Sequence
+from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling_params import SamplingParams
+
+LogprobInfo = tuple[float, int, list[int], list[float]]
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """A sequence as seen by the target row that follows its first `num_drafts` draft tokens: the
+    sampler reads history (penalties, min_tokens) from here."""
+
+    seq: Sequence
+    drafts: list[int]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.seq.params
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.seq.generator
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.seq.output_token_ids + self.drafts
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.seq.num_output_tokens + len(self.drafts)
+
+
+def draft_rows(seq: Sequence, drafts: list[int]) -> list[DraftRow]:
+    return [DraftRow(seq, drafts[:j]) for j in range(len(drafts) + 1)]
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> list[tuple[list[int], list[LogprobInfo | None]]]:
+    """logits: [sum(k_i + 1), vocab], the rows of each speculating sequence in order. Returns, per
+    sequence, the emitted tokens (accepted drafts + one target token) and their logprob entries."""
+    rows = [row for s in spec for row in draft_rows(s.seq, s.spec_token_ids)]
+    logits = logits[:, : sampler.vocab_size]
+    want_logprobs = any(s.seq.params.logprobs is not None for s in spec)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    processed = sampler.process(logits, rows)
+    greedy_tokens = processed.argmax(dim=-1).tolist()
+    sampling = [i for i, s in enumerate(spec) if not s.seq.params.greedy]
+    probs = None
+    if sampling:
+        sampling_rows = [r for i in sampling for r in draft_rows(spec[i].seq, spec[i].spec_token_ids)]
+        index = torch.tensor([_row_range(spec, i) for i in sampling], device=logits.device).flatten()
+        probs = sampler.probs(processed[index], sampling_rows)
+        del sampling_rows
+
+    results, emitted_rows = [], []
+    first_row, sampled_offset = 0, 0
+    for i, s in enumerate(spec):
+        drafts, k = s.spec_token_ids, len(s.spec_token_ids)
+        if s.seq.params.greedy:
+            target = greedy_tokens[first_row : first_row + k + 1]
+            accepted = 0
+            while accepted < k and drafts[accepted] == target[accepted]:
+                accepted += 1
+            tokens = drafts[:accepted] + [target[accepted]]
+        else:
+            p = probs[sampled_offset : sampled_offset + k + 1]
+            sampled_offset += k + 1
+            tokens = _rejection_sample(sampler, s.seq, drafts, p, s.seq.spec_draft_probs)
+        results.append(tokens)
+        emitted_rows.append(first_row)
+        first_row += k + 1
+
+    out = []
+    for i, (s, tokens) in enumerate(zip(spec, results)):
+        logprobs: list[LogprobInfo | None] = [None] * len(tokens)
+        if s.seq.params.logprobs is not None:
+            start = emitted_rows[i]
+            chosen = torch.tensor(tokens, device=logits.device)
+            row_views = rows[start : start + len(tokens)]
+            logprobs = sampler.logprob_rows(raw_logprobs[start : start + len(tokens)], chosen, row_views)
+        out.append((tokens, logprobs))
+    return out
+
+
+def _row_range(spec: list[ScheduledSeq], i: int) -> list[int]:
+    first = sum(len(s.spec_token_ids) + 1 for s in spec[:i])
+    return list(range(first, first + len(spec[i].spec_token_ids) + 1))
+
+
+def _rejection_sample(
+    sampler: Sampler, seq: Sequence, drafts: list[int], p: torch.Tensor, q: torch.Tensor | None
+) -> list[int]:
+    """p: [k + 1, vocab] target distributions (unnormalised after min-p); q: [k, vocab] draft
+    distributions, or None for a deterministic proposal."""
+    k = len(drafts)
+    p = p / p.sum(dim=-1, keepdim=True)
+    draft_ids = torch.tensor(drafts, device=p.device)
+    p_draft = p[:k].gather(1, draft_ids.unsqueeze(1)).squeeze(1)
+    q_draft = torch.ones_like(p_draft) if q is None else q[:k].gather(1, draft_ids.unsqueeze(1)).squeeze(1)
+    # u < p/q accepts with probability min(1, p/q); q(d) > 0 because d was drawn from q.
+    accept = (sampler.uniform(k, seq) * q_draft < p_draft).tolist()
+    accepted = accept.index(False) if False in accept else k
+    if accepted == k:
+        return drafts + [int(sampler.draw(p[k : k + 1], [seq])[0])]
+    q_row = torch.zeros_like(p[accepted]) if q is None else q[accepted]
+    if q is None:
+        q_row[drafts[accepted]] = 1.0
+    residual = (p[accepted] - q_row).clamp_min(0)
+    if not residual.sum() > 0:  # p == q up to rounding: the rejection had probability ~0
+        residual = p[accepted]
+    return drafts[:accepted] + [int(sampler.draw(residual.unsqueeze(0), [seq])[0])]

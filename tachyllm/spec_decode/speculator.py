@@ -1,0 +1,110 @@
+"""Speculator: the engine's hook for speculative decoding. Before scheduling it gives decoding
+sequences draft tokens (how many: the adaptive controller); after the step it feeds the measured
+step time and each verification's outcome back to the controller."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tachyllm.engine.scheduler import Scheduler, SchedulerOutput
+from tachyllm.engine.sequence import Sequence
+from tachyllm.loading import Checkpoint
+from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.runner.sampler import Sampler
+from tachyllm.spec_decode.adaptive import AdaptiveController
+from tachyllm.spec_decode.config import SpeculativeConfig
+from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
+from tachyllm.spec_decode.ngram import NgramProposer
+
+logger = logging.getLogger("tachyllm")
+
+
+class Speculator:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: LlamaForCausalLM,
+        ckpt: Checkpoint,
+        sampler: Sampler,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.ngram: NgramProposer | None = None
+        self.draft: DraftModelProposer | None = None
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            model = build_draft_model(config.model, target, ckpt, dtype, device, max_model_len)
+            self.draft = DraftModelProposer(
+                model, draft_blocks(num_blocks, block_size, max_model_len), block_size, sampler, dtype, device
+            )
+        self.controller = AdaptiveController(
+            config.num_speculative_tokens, config.adaptive, config.disable_by_batch_size,
+            proposal_cost_per_token=self.draft is not None,
+        )  # fmt: skip
+        self._proposed = 0  # sequences given drafts in the current step
+        self._k = 0
+        self._proposal_seconds = 0.0
+        logger.info(
+            "speculative decoding: %s, up to %d tokens per step, adaptive %s%s", config.method if self.ngram else config.model,
+            config.num_speculative_tokens, "on" if config.adaptive else "off",
+            f", off above {config.disable_by_batch_size} running" if config.disable_by_batch_size else "",
+        )  # fmt: skip
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Sets spec_token_ids on the running sequences that will decode this step."""
+        running = scheduler.running
+        self.clear(running)
+        if self.draft is not None:
+            self.draft.release_finished(running)
+        self._proposed, self._k = 0, 0
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        # Drafts past max_tokens or the context limit could never be used.
+        caps = [min(self.config.num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
+                    self.max_model_len - s.num_tokens) for s in decoding]  # fmt: skip
+        candidates = [(s, cap) for s, cap in zip(decoding, caps) if cap >= 1]
+        if not candidates:
+            return
+        prefill_tokens = sum(s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1)
+        base_tokens = len(decoding) + min(prefill_tokens, scheduler.max_num_batched_tokens - len(decoding))
+
+        t0 = time.perf_counter()
+        lookups: dict[int, list[int]] = {}
+        if self.ngram is not None:
+            for seq, cap in candidates:
+                drafts = self.ngram.propose(seq, cap)
+                if drafts:
+                    lookups[seq.seq_id] = drafts
+            candidates = [(s, cap) for s, cap in candidates if s.seq_id in lookups]
+        k = self.controller.choose(len(candidates), len(decoding), base_tokens, len(running))
+        if k == 0:
+            return
+        self._proposed, self._k = len(candidates), k
+        if self.ngram is not None:
+            for seq, _ in candidates:
+                seq.spec_token_ids = lookups[seq.seq_id][:k]
+            self._proposal_seconds = time.perf_counter() - t0
+        else:
+            self.draft.propose([s for s, _ in candidates], [min(k, cap) for _, cap in candidates])
+            self._proposal_seconds = self.draft.last_elapsed
+
+    def observe(self, sched: SchedulerOutput, step_seconds: float, outcomes: list[tuple[int, int]]) -> None:
+        """outcomes: (draft tokens, accepted) of each verification this step."""
+        self.controller.record_step(sched.num_batched_tokens, step_seconds)
+        if self._proposed:
+            self.controller.record_proposal(self._proposed, self._k, self._proposal_seconds)
+        for num_drafts, num_accepted in outcomes:
+            self.controller.record_acceptance(num_drafts, num_accepted)
+
+    @staticmethod
+    def clear(seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            seq.clear_spec()

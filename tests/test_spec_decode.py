@@ -1,0 +1,409 @@
+"""Speculative decoding: configuration, proposers, lossless verification (greedy identity and
+distribution preservation), KV rollback, metrics and the adaptive switch."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
+
+from tachyllm import LLM, SamplingParams
+from tachyllm.engine.scheduler import ScheduledSeq
+from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.errors import ConfigError, ModelLoadError
+from tachyllm.outputs import RequestMetrics, StepStats
+from tachyllm.runner import kv_cache
+from tachyllm.runner.sampler import Sampler
+from tachyllm.spec_decode import rejection
+from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, AdaptiveController
+from tachyllm.spec_decode.config import SpeculativeConfig
+from tachyllm.spec_decode.ngram import NgramProposer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+
+
+def draft(model: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "adaptive": False}
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+def test_config_accepts_vllm_shapes_and_json():
+    c = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min, c.adaptive) == ("ngram", 5, 3, 2, True)
+    c = SpeculativeConfig.from_dict({"model": "self:layers=4", "num_speculative_tokens": 2})
+    assert c.method == "draft_model" and c.self_layers == 4
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no 'model'"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "draft_model", "model": "self:int2", "num_speculative_tokens": 2}, "unknown self-draft"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "unknown key"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_config_rejects_bad_values(options, message):
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.from_dict(options)
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_model_factory, tmp_path):
+    from conftest import make_tiny_model
+
+    target = tiny_model_factory("llama")
+    other = make_tiny_model(tmp_path / "other", "llama")
+    vocab = (other / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|im_stop|>"')
+    (other / "tokenizer.json").write_text(vocab)
+    with pytest.raises(ConfigError, match="does not share the target's vocabulary"):
+        tiny_llm(target, speculative_config=draft(str(other)))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        tiny_llm(target, speculative_config=draft(str(tmp_path / "missing")))
+    with pytest.raises(ConfigError, match="1 <= N < 2"):
+        tiny_llm(target, speculative_config=draft("self:layers=2"))
+
+
+# -- n-gram proposer -----------------------------------------------------------------------------
+
+
+def seq_of(tokens: list[int], params: SamplingParams | None = None, num_prompt: int | None = None) -> Sequence:
+    req = Request("r", None, tokens, params or SamplingParams(), RequestMetrics(0.0))
+    return Sequence(req, 0, list(tokens), len(tokens) if num_prompt is None else num_prompt, None)
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    ngram = NgramProposer(1, 3)
+    # suffix [7, 8, 9] occurred at 1..3 (followed by 4, 5) and [8, 9] later at 6..7 (followed by 1)
+    assert ngram.propose(seq_of([0, 7, 8, 9, 4, 5, 8, 9, 1, 7, 8, 9]), 2) == [4, 5]
+    assert ngram.propose(seq_of([3, 8, 9, 2, 6, 8, 9]), 5) == [2, 6, 8, 9]
+    assert ngram.propose(seq_of([1, 2, 3, 4]), 3) == []
+    assert NgramProposer(2, 2).propose(seq_of([5, 1, 5]), 3) == []  # only a 1-token match
+
+
+# -- greedy identity on tiny models ---------------------------------------------------------------
+
+
+def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], error_rate: float = 0.3) -> None:
+    """Replaces n-gram lookup by proposals from a reference run's output, each token corrupted with
+    probability error_rate: random tiny models rarely repeat their prompt, and this exercises
+    acceptance, partial rejection and rollback at every position."""
+    rng = random.Random(5)
+
+    def propose(seq: Sequence, k: int) -> list[int]:
+        reference = references[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+        upcoming = reference[seq.num_output_tokens : seq.num_output_tokens + k]
+        return [t if rng.random() > error_rate else (t + 1) % 300 for t in upcoming]
+
+    llm.engine.speculator.ngram.propose = propose
+
+
+def with_oracle(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> LLM:
+    oracle_drafts(llm, {tuple(p): e for p, e in zip(prompts, expected)})
+    return llm
+
+
+@pytest.mark.parametrize("spec", [NGRAM, draft("self:layers=1"), draft("self:int4", k=2)], ids=["ngram", "layers", "int4"])
+def test_greedy_output_is_identical_with_speculation(tiny_model_factory, spec):
+    # hidden 128 so that int4 groups divide every layer
+    path = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
+    first, second = random_prompts(1, 4, shared=12, tail=(2, 9)), random_prompts(1, 8, shared=12, tail=(2, 9))[4:]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    base = tiny_llm(path)
+    expected = token_ids(run(base, first, params)) + token_ids(run(base, second, params, prefix="b"))
+    llm = tiny_llm(path, speculative_config=spec)
+    if spec is NGRAM:
+        with_oracle(llm, first + second, expected)
+    # The second wave hits the prefix cache that the first wave filled.
+    outputs = run(llm, first, params) + run(llm, second, params, prefix="b")
+    assert token_ids(outputs) == expected
+    stats = llm.engine.stats
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.prefix_cache_hits > 0
+    per_request = sum(o.metrics.spec_num_accepted_tokens for o in outputs)
+    assert per_request == stats.spec_num_accepted_tokens
+
+
+def test_greedy_identity_with_preemption_and_batch_one(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    max_len, block_size = 64, 4
+    prompts = random_prompts(4, 12, shared=0, tail=(8, 30))
+    params = [SamplingParams(max_tokens=max_len - len(p), **GREEDY) for p in prompts]
+    expected = token_ids(run(tiny_llm(path, max_model_len=max_len), prompts, params))
+    block_bytes = kv_cache.bytes_per_block(tiny_llm(path).engine.model_config, block_size, torch.float32)
+    for spec in (NGRAM, draft("self:layers=1")):
+        small = tiny_llm(path, max_model_len=max_len, kv_cache_memory=3 * (max_len // block_size) * block_bytes, speculative_config=spec)
+        alone = tiny_llm(path, max_model_len=max_len, speculative_config=spec)
+        if spec is NGRAM:
+            with_oracle(small, prompts, expected), with_oracle(alone, prompts, expected)
+        assert token_ids(run(small, prompts, params)) == expected
+        assert small.engine.stats.num_preemptions > 0 and small.engine.stats.spec_num_accepted_tokens > 0
+        assert token_ids(run(alone, prompts[:1], params[:1])) == expected[:1]
+        assert alone.engine.stats.spec_num_accepted_tokens > 0
+
+
+def test_non_speculating_requests_share_the_batch(tiny_model_factory):
+    """Penalties, min_tokens, logprobs and short requests next to speculating ones; drafts only
+    for some sequences in a step (the others have no proposal), and a sampling request."""
+    path = tiny_model_factory("llama")
+    prompts = random_prompts(5, 5, shared=0, tail=(5, 12))
+    params = [
+        SamplingParams(max_tokens=20, **GREEDY),
+        SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.3, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=20, temperature=0, min_tokens=5),
+        SamplingParams(max_tokens=3, **GREEDY),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True),
+    ]
+    base = run(tiny_llm(path), prompts, params)
+    llm = tiny_llm(path, speculative_config=NGRAM)
+    references = {tuple(p): e for p, e in zip(prompts, token_ids(base))}
+    del references[tuple(prompts[0])]  # this one never gets a proposal
+    oracle = llm.engine.speculator.ngram
+
+    def propose(seq: Sequence, k: int) -> list[int]:
+        reference = references.get(tuple(seq.token_ids[: seq.num_prompt_tokens]))
+        return [] if reference is None else reference[seq.num_output_tokens : seq.num_output_tokens + k]
+
+    oracle.propose = propose
+    spec = run(llm, prompts, params)
+    assert token_ids(spec)[:4] == token_ids(base)[:4]
+    assert len(spec[4].outputs[0].token_ids) == 20  # sampled: same length, its own tokens
+    for b, s in zip(base[1].outputs[0].logprobs, spec[1].outputs[0].logprobs):
+        assert b.keys() == s.keys()
+        for tok in b:
+            assert s[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4) and s[tok].rank == b[tok].rank
+    assert [o.outputs[0].finish_reason for o in spec] == [o.outputs[0].finish_reason for o in base]
+    assert spec[0].metrics.spec_num_drafts == 0 and spec[1].metrics.spec_num_accepted_tokens > 0
+
+
+# -- distribution preservation --------------------------------------------------------------------
+
+VOCAB = 8
+
+
+def markov(seed: int, sharpness: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(VOCAB, VOCAB, generator=g) * sharpness  # logits of next token given previous
+
+
+def emitted_pairs(
+    params: SamplingParams, target: torch.Tensor, proposal: torch.Tensor | None, trials: int, k: int, broken: str = ""
+) -> np.ndarray:
+    """Counts of the first two emitted tokens over `trials` verifications after token 0. proposal:
+    draft logits (a draft model) or None (a deterministic proposal: token (t + 1) % VOCAB)."""
+    sampler = Sampler(VOCAB, [], torch.device("cpu"), seed=1)
+    counts = np.zeros((VOCAB, VOCAB), dtype=np.int64)
+    g = torch.Generator().manual_seed(2)
+    draft_sampler = Sampler(VOCAB, [], torch.device("cpu"), seed=3)
+    for _ in range(trials):
+        seq = seq_of([0], params, num_prompt=1)
+        drafts, q_rows, last = [], [], 0
+        for j in range(k):
+            if proposal is None:
+                token = (last + 1) % VOCAB
+            else:
+                rows = rejection.draft_rows(seq, drafts)[-1:]
+                q = draft_sampler.probs(draft_sampler.process(proposal[last].unsqueeze(0), rows), rows)
+                q = q / q.sum()
+                token = int(torch.multinomial(q[0], 1, generator=g))
+                q_rows.append(q[0])
+            drafts.append(token)
+            last = token
+        seq.spec_token_ids = drafts
+        seq.spec_draft_probs = torch.stack(q_rows) if q_rows else None
+        logits = target[[0] + drafts]  # row j: next-token logits after token 0 and drafts[:j]
+        if broken == "accept-all":
+            tokens = drafts + [0]
+        else:
+            tokens, _ = rejection.verify(sampler, logits, [ScheduledSeq(seq, k + 1, drafts)])[0]
+        if len(tokens) < 2:  # rejected at the first position: the second token is drawn anew from the target
+            row = rejection.draft_rows(seq, tokens)[-1:]
+            second = sampler.draw(sampler.probs(sampler.process(target[tokens[0]].unsqueeze(0), row), row), row)
+            tokens = tokens + [int(second)]
+        counts[tokens[0], tokens[1]] += 1
+    return counts
+
+
+def expected_pairs(params: SamplingParams, target: torch.Tensor) -> np.ndarray:
+    sampler = Sampler(VOCAB, [], torch.device("cpu"), seed=0)
+    seq = seq_of([0], params, num_prompt=1)
+
+    def dist(history: list[int]) -> torch.Tensor:  # next-token distribution after 0 + history
+        row = rejection.draft_rows(seq, history)[-1:]
+        p = sampler.probs(sampler.process(target[([0] + history)[-1]].unsqueeze(0), row), row)[0]
+        return (p / p.sum()).double()
+
+    first = dist([])
+    return torch.stack([first[a] * dist([a]) for a in range(VOCAB)]).numpy()  # P(a, b) = p(a | 0) p(b | 0 a)
+
+
+def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's test over the cells with non-zero expected probability (cells with zero
+    probability must be empty: any count there is an outright failure)."""
+    n = counts.sum()
+    if counts[probs == 0].sum():
+        return 0.0
+    mask = probs > 0
+    expected = probs[mask] * n
+    stat = float(((counts[mask] - expected) ** 2 / expected).sum())
+    dof = int(mask.sum()) - 1
+    # Wilson-Hilferty approximation of the chi-square tail, accurate for these degrees of freedom.
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.5),
+    ],
+    ids=["plain", "top-k", "top-p", "min-p+penalty"],
+)
+@pytest.mark.parametrize("proposer", ["draft", "deterministic"])
+def test_rejection_sampling_preserves_the_target_distribution(params, proposer):
+    target = markov(0, 1.5)
+    proposal = markov(1, 1.0) if proposer == "draft" else None
+    counts = emitted_pairs(params, target, proposal, trials=6000, k=3)
+    p = chi_square_p_value(counts, expected_pairs(params, target))
+    assert p > SIGNIFICANCE, f"chi-square p = {p:.2e}: emitted tokens are not distributed as the target's"
+
+
+@pytest.mark.parametrize("broken", ["accept-all", "residual-is-p"])
+def test_a_broken_acceptance_rule_fails_the_same_test(broken, monkeypatch):
+    params = SamplingParams(temperature=1.0)
+    target, proposal = markov(0, 1.5), markov(1, 1.0)
+    if broken == "residual-is-p":
+        # Resample from p instead of max(0, p - q) after a rejection: biased towards the draft.
+        real = rejection._rejection_sample
+
+        def biased(sampler, seq, drafts, p, q):
+            return real(sampler, seq, drafts, p, None if q is None else torch.zeros_like(q) + 1e-9)
+
+        monkeypatch.setattr(rejection, "_rejection_sample", biased)
+    counts = emitted_pairs(params, target, proposal, trials=6000, k=3, broken=broken)
+    assert chi_square_p_value(counts, expected_pairs(params, target)) < SIGNIFICANCE
+
+
+def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factory):
+    """Two-sample test on the engine: many seeded requests, with and without a draft model, on a
+    tiny model with a narrowed vocabulary (top_k=6). The first token comes from the prefill; the
+    second and third from one verification step (the draft token or its replacement, and the bonus)."""
+    path = tiny_model_factory("llama")
+    prompt = [11, 12, 13, 14]
+    params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s) for s in range(1500)]
+
+    def pairs(llm: LLM) -> dict[tuple[int, ...], int]:
+        outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+        counts: dict[tuple[int, ...], int] = {}
+        for o in outs:
+            key = tuple(o.outputs[0].token_ids[1:])
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    plain = pairs(tiny_llm(path, max_num_seqs=256))
+    spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=draft("self:layers=1", k=1))
+    spec = pairs(spec_llm)
+    assert spec_llm.engine.stats.spec_num_draft_tokens > 0
+    keys = sorted(set(plain) | set(spec))
+    table = np.array([[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]], dtype=float)
+    table = table[:, table.sum(axis=0) >= 10]  # pool rare cells out, as the test requires
+    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    assert 0.5 * math.erfc(z / math.sqrt(2)) > SIGNIFICANCE
+
+
+# -- metrics, rollback, adaptive switch ------------------------------------------------------------
+
+
+def test_metrics_follow_vllm_definitions():
+    stats = StepStats()
+    stats.record_spec(4, 4)
+    stats.record_spec(4, 1)
+    stats.record_spec(2, 0)
+    assert (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens) == (3, 10, 5)
+    assert stats.spec_accepted_per_pos == [2, 1, 1, 1]
+    assert stats.spec_acceptance_rate == pytest.approx(0.5)
+    assert stats.spec_mean_acceptance_length == pytest.approx(1 + 5 / 3)
+
+
+def test_rejected_drafts_leave_no_blocks_behind(tiny_model_factory):
+    """Drafts that are always wrong: every step allocates blocks for them and rolls back."""
+    path = tiny_model_factory("llama")
+    llm = tiny_llm(path, speculative_config={**NGRAM, "num_speculative_tokens": 8})
+    proposer = llm.engine.speculator.ngram
+    proposer.propose = lambda seq, k: [1] * k  # token 1 never follows here under greedy (checked below)
+    prompts = random_prompts(8, 5, shared=0, tail=(4, 12))
+    params = [SamplingParams(max_tokens=30, **GREEDY) for _ in prompts]
+    expected = token_ids(run(tiny_llm(path), prompts, params))
+    assert all(1 not in t for t in expected)
+    assert token_ids(run(llm, prompts, params)) == expected  # run() checks invariants every step
+    stats = llm.engine.stats
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens == 0
+
+
+def test_disable_by_batch_size(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    llm = tiny_llm(path, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    llm.engine.speculator.ngram.propose = lambda seq, k: [7] * k
+    prompts = random_prompts(6, 6, shared=0, tail=(4, 9))
+    run(llm, prompts, [SamplingParams(max_tokens=8, **GREEDY) for _ in prompts])
+    assert llm.engine.stats.spec_num_drafts == 0
+    run(llm, prompts[:1], SamplingParams(max_tokens=8, **GREEDY), prefix="one")  # alone: speculates
+    assert llm.engine.stats.spec_num_drafts > 0
+
+
+def test_adaptive_controller_speculates_only_where_it_pays():
+    c = AdaptiveController(max_k=4)
+    assert c.choose(1, 1, 1, 1) == 0  # the plain step is measured first
+    c.record_step(1, 0.010)
+    assert c.choose(1, 1, 1, 1) == 1  # then each unmeasured size once
+    # Memory-bound small steps: 5 tokens cost what 1 does; high acceptance -> full k.
+    for n in range(1, 6):
+        c.record_step(n, 0.010)
+    for _ in range(20):
+        c.record_acceptance(4, 4)
+    assert c.choose(1, 1, 1, 1) == 4
+    # Compute-bound large batch: cost linear in tokens -> no speculation ...
+    big = AdaptiveController(max_k=4)
+    for n in (32, 64, 96, 128, 160):
+        big.record_step(n, 0.001 * n)
+    for _ in range(20):
+        big.record_acceptance(4, 1)
+    decisions = [big.choose(32, 32, 32, 32) for _ in range(PROBE_INTERVAL + 1)]
+    # ... except a one-token probe every PROBE_INTERVAL steps, to keep acceptance current.
+    assert decisions.count(0) == PROBE_INTERVAL and decisions[-1] == 1
+    # A draft model's own cost counts against it.
+    c.record_proposal(1, 4, 4 * 0.02)
+    assert c.choose(1, 1, 1, 1) == 0
+
+
+@pytest.mark.slow
+def test_real_model_greedy_identity(default_model_path):
+    prompt = [{"role": "user", "content": "Rewrite with a for loop, changing nothing else:\n\ndef total(xs):\n    s = 0\n    i = 0\n    while i < len(xs):\n        s += xs[i]\n        i += 1\n    return s\n"}]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    base = LLM(dtype="float32").chat(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    for spec in (NGRAM, draft("self:int4", k=3)):
+        llm = LLM(dtype="float32", speculative_config=spec)
+        out = llm.chat(prompt, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == base
+        assert out.metrics.spec_num_accepted_tokens > 0
