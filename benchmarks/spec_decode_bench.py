@@ -6,8 +6,9 @@ rate and mean acceptance length, per task, proposer and k; batch 1 and batch 32.
 Tasks: "grounded" asks to rewrite a code snippet with one change (the answer quotes its input,
 where n-gram lookup shines); "chat" asks open questions (nothing to look up; a draft model has to
 guess). Greedy, ignore_eos off (answers end where the model ends them; tokens/s counts what was
-generated). Every configuration runs in the same process, one after the other, so ratios are
-comparable on a shared machine. Batch 32 runs the adaptive switch (the default).
+generated). Every configuration is loaded in the same process and they take turns on each
+workload for --rounds rounds (median reported), so ratios are comparable on a shared machine. The
+adaptive switch is on (the default) everywhere.
 """
 
 from __future__ import annotations
@@ -104,37 +105,41 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per task at batch 1")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the median is reported")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     tasks = {"grounded": grounded_prompts(), "chat": chat_prompts()}
-    rows: list[Row] = []
-    baseline: dict[tuple[str, int], float] = {}
-    for name in args.configs.split(","):
-        spec = CONFIGS[name]
-        llm = LLM(threads=args.threads, speculative_config=spec)
+    names = args.configs.split(",")
+    # Every engine is loaded first and the configurations take turns on each workload, round after
+    # round, so that drift in the machine's speed hits them all alike.
+    engines = {name: LLM(threads=args.threads, speculative_config=CONFIGS[name]) for name in names}
+    for llm in engines.values():
         llm.chat(tasks["chat"][0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    samples: dict[tuple[str, str, int], list[tuple[int, float, int, int, int]]] = {}
+    for _ in range(args.rounds):
         for task, prompts in tasks.items():
             for batch, subset in ((1, prompts[: args.batch1_prompts]), (32, prompts[:32])):
-                tokens, seconds, drafts, draft_tokens, accepted = run(llm, subset, batch, args.max_tokens)
-                rate = tokens / seconds
-                if spec is None:
-                    baseline[(task, batch)] = rate
-                row = Row(
-                    name, task, batch, tokens, round(seconds, 2), round(rate, 1),
-                    round(rate / baseline[(task, batch)], 2),
-                    round(accepted / draft_tokens, 3) if draft_tokens else None,
-                    round(1 + accepted / drafts, 2) if drafts else None,
-                )  # fmt: skip
-                rows.append(row)
-                print(
-                    f"{name:14s} {task:8s} b={batch:<3d} {rate:7.1f} tok/s  x{row.speedup:<5}"
-                    f" acceptance {row.acceptance_rate}  mean length {row.mean_acceptance_length}",
-                    flush=True,
-                )
-        del llm
-    print("\n| config | task | batch | tok/s | speedup | acceptance rate | mean acceptance length |")
+                for name, llm in engines.items():
+                    samples.setdefault((name, task, batch), []).append(run(llm, subset, batch, args.max_tokens))
+    rows: list[Row] = []
+    baseline: dict[tuple[str, int], float] = {}
+    for (name, task, batch), runs in samples.items():
+        runs.sort(key=lambda r: r[0] / r[1])
+        tokens, seconds, drafts, draft_tokens, accepted = runs[len(runs) // 2]  # median rate
+        rate = tokens / seconds
+        if CONFIGS[name] is None:
+            baseline[(task, batch)] = rate
+        rows.append(Row(
+            name, task, batch, tokens, round(seconds, 2), round(rate, 1), 0.0,
+            round(accepted / draft_tokens, 3) if draft_tokens else None,
+            round(1 + accepted / drafts, 2) if drafts else None,
+        ))  # fmt: skip
+    for r in rows:
+        base = baseline.get((r.task, r.batch))
+        r.speedup = round(r.tok_per_s / base, 2) if base else float("nan")
+    print("| config | task | batch | tok/s | speedup | acceptance rate | mean acceptance length |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r.config} | {r.task} | {r.batch} | {r.tok_per_s} | {r.speedup}x | {r.acceptance_rate} | {r.mean_acceptance_length} |")

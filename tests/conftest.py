@@ -13,6 +13,15 @@ from pathlib import Path
 # Tiny test models gain nothing from a second thread, and OpenMP threads spin badly when another
 # process holds a core. Tests that time or exercise the real model pass threads= explicitly.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The checkpoint cache (tachyllm/loading/cache.py) goes to a directory removed after the session,
+# never into the user's ~/.cache; set TACHY_CACHE_DIR to keep one between runs (or to off).
+if "TACHY_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TACHY_CACHE_DIR"] = tempfile.mkdtemp(prefix="tachy-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TACHY_CACHE_DIR"], ignore_errors=True)
 
 import pytest
 import torch

@@ -19,7 +19,7 @@ from tachyllm.outputs import RequestMetrics, StepStats
 from tachyllm.runner import kv_cache
 from tachyllm.runner.sampler import Sampler
 from tachyllm.spec_decode import rejection
-from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, AdaptiveController
+from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, REFRESH_INTERVAL, AdaptiveController, CostModel
 from tachyllm.spec_decode.config import SpeculativeConfig
 from tachyllm.spec_decode.ngram import NgramProposer
 
@@ -376,25 +376,64 @@ def test_adaptive_controller_speculates_only_where_it_pays():
     c = AdaptiveController(max_k=4)
     assert c.choose(1, 1, 1, 1) == 0  # the plain step is measured first
     c.record_step(1, 0.010)
-    assert c.choose(1, 1, 1, 1) == 1  # then each unmeasured size once
+    assert c.choose(1, 1, 1, 1) == 2 and c.probing  # then the draft's one-token forward, once
+    c.record_proposal(1, 0.0)
     # Memory-bound small steps: 5 tokens cost what 1 does; high acceptance -> full k.
     for n in range(1, 6):
         c.record_step(n, 0.010)
     for _ in range(20):
         c.record_acceptance(4, 4)
     assert c.choose(1, 1, 1, 1) == 4
+    # ... except for a plain step now and then, which keeps the baseline current.
+    assert [c.choose(1, 1, 1, 1) for _ in range(REFRESH_INTERVAL)].count(0) == 1
+    # Poor acceptance: not worth 10% more time per verified token.
+    for n in range(1, 6):
+        for _ in range(20):
+            c.record_step(n, 0.010 * (1 + 0.1 * (n - 1)))
+    for _ in range(60):
+        c.record_acceptance(4, 0)
+    assert c.choose(1, 1, 1, 1) == 0
+    # A draft model's own cost counts against it.
+    d = AdaptiveController(max_k=4)
+    for n in range(1, 6):
+        d.record_step(n, 0.010)
+    for _ in range(20):
+        d.record_acceptance(4, 4)
+    d.record_proposal(2, 0.012)  # a catch-up forward over two tokens
+    d.record_proposal(1, 0.012)
+    assert d.choose(1, 1, 1, 1) == 0
+    for _ in range(20):  # cheaper draft forwards (averaged in)
+        d.record_proposal(1, 0.001)
+        d.record_proposal(2, 0.001)
+    assert d.choose(1, 1, 1, 1) == 4
+    d.record_proposal(300, 0.5)  # a draft's prefill of a new prompt is not a per-step cost
+    assert d.choose(1, 1, 1, 1) == 4
+
     # Compute-bound large batch: cost linear in tokens -> no speculation ...
     big = AdaptiveController(max_k=4)
     for n in (32, 64, 96, 128, 160):
         big.record_step(n, 0.001 * n)
+    big.record_proposal(32, 0.0)
     for _ in range(20):
         big.record_acceptance(4, 1)
     decisions = [big.choose(32, 32, 32, 32) for _ in range(PROBE_INTERVAL + 1)]
-    # ... except a one-token probe every PROBE_INTERVAL steps, to keep acceptance current.
-    assert decisions.count(0) == PROBE_INTERVAL and decisions[-1] == 1
-    # A draft model's own cost counts against it.
-    c.record_proposal(1, 4, 4 * 0.02)
-    assert c.choose(1, 1, 1, 1) == 0
+    # ... except a probe (one sequence) every PROBE_INTERVAL steps, to keep the estimates current.
+    assert decisions.count(0) == PROBE_INTERVAL and decisions[-1] == 2 and big.probing
+    # Sizes never measured are judged by cautious bounds, not tried blindly.
+    assert big.choose(20, 20, 20, 20) == 0
+    # Probes that keep finding no gain come less and less often.
+    more = [big.choose(32, 32, 32, 32) for _ in range(8 * PROBE_INTERVAL)]
+    assert [i for i, k in enumerate(more) if k] == [2 * PROBE_INTERVAL - 1, 6 * PROBE_INTERVAL]  # gaps 2x, 4x
+
+
+def test_cost_model_bounds_outside_the_measured_range():
+    cost = CostModel()
+    assert cost.estimate(8, high=True) is None
+    cost.record(10, 0.010)
+    cost.record(40, 0.020)
+    assert cost.estimate(25, high=True) == pytest.approx(0.015)  # interpolated
+    assert cost.estimate(80, high=True) == pytest.approx(0.040) and cost.estimate(80, high=False) == pytest.approx(0.020)
+    assert cost.estimate(5, high=True) == pytest.approx(0.010) and cost.estimate(5, high=False) == pytest.approx(0.005)
 
 
 @pytest.mark.slow

@@ -29,6 +29,12 @@ class PrefillSpan:
     # is the sequence's entire context so far and can attend to its own fresh K/V directly.
     context_slots: torch.Tensor | None
     num_cached: int  # tokens of context before this chunk (its first query's position)
+    # A long prompt prefilled in chunks keeps a contiguous head-major copy of its K/V
+    # ([layers, 2, kv_heads, capacity, head_dim]) that each chunk appends to, so a chunk does not
+    # gather its whole context from the paged cache in every layer. `buffer_filled` tokens of it
+    # are valid before this chunk (fewer than num_cached when it starts after a prefix-cache hit).
+    buffer: torch.Tensor | None = None
+    buffer_filled: int = 0
 
 
 @dataclass
@@ -54,6 +60,7 @@ def paged_attention(
     v_cache: torch.Tensor | QuantizedKV,
     meta: AttentionMetadata,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
     head_dim = q.shape[2]
     num_kv_heads = k.shape[1]
@@ -68,13 +75,34 @@ def paged_attention(
         out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale)
 
     for span in meta.prefills:
+        qs = q[span.start : span.end]
+        if span.buffer is not None:
+            kh, vh = _append_to_buffer(span, layer, k, v, k_flat, v_flat)
+            out[span.start : span.end] = _causal_head_major(qs, kh, vh, span.num_cached, scale)
+            continue
         if span.context_slots is None:
             ks, vs = k[span.start : span.end], v[span.start : span.end]
         else:
             ks = kv_read(k_flat, span.context_slots, q.dtype)
             vs = kv_read(v_flat, span.context_slots, q.dtype)
-        out[span.start : span.end] = causal_attention(q[span.start : span.end], ks, vs, span.num_cached, scale)
+        out[span.start : span.end] = causal_attention(qs, ks, vs, span.num_cached, scale)
     return out
+
+
+def _append_to_buffer(
+    span: PrefillSpan, layer: int, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes this chunk's K/V (and, the first time, the cached context) into the sequence's
+    contiguous buffer; returns head-major views of its whole context."""
+    kb, vb = span.buffer[layer, 0], span.buffer[layer, 1]
+    end = span.num_cached + span.end - span.start
+    if span.buffer_filled < span.num_cached:
+        slots = span.context_slots[span.buffer_filled : span.num_cached]
+        kb[:, span.buffer_filled : span.num_cached] = k_flat[slots].transpose(0, 1)
+        vb[:, span.buffer_filled : span.num_cached] = v_flat[slots].transpose(0, 1)
+    kb[:, span.num_cached : end] = k[span.start : span.end].transpose(0, 1)
+    vb[:, span.num_cached : end] = v[span.start : span.end].transpose(0, 1)
+    return kb[:, :end], vb[:, :end]
 
 
 def _decode_attention(
@@ -111,11 +139,15 @@ def _decode_attention(
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
     """q: [L, heads, hd] at positions num_cached .. num_cached + L - 1; k, v: [num_cached + L, kv_heads, hd].
     Query i sees keys j <= num_cached + i. Each query tile reads only the keys it can see."""
+    # [kvh, T, hd]: contiguous matrices for the matmuls
+    return _causal_head_major(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), num_cached, scale)
+
+
+def _causal_head_major(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
+    """causal_attention with K/V given head-major: kh, vh [kv_heads, num_cached + L, hd]."""
     length, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = kh.shape[0]
     group = num_heads // num_kv_heads
-    kh = k.transpose(0, 1).contiguous()  # [kvh, T, hd]: contiguous matrices for the matmuls
-    vh = v.transpose(0, 1).contiguous()
     out = torch.empty_like(q)
     for i0 in range(0, length, QUERY_TILE):
         i1 = min(i0 + QUERY_TILE, length)

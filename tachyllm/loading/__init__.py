@@ -1,8 +1,10 @@
 """load_checkpoint(path) -> Checkpoint: config, tokenizer and a lazy weight stream from a GGUF file or
-a Hugging Face directory, with every failure reported as one ModelLoadError line naming the path."""
+a Hugging Face directory, with every failure reported as one ModelLoadError line naming the path.
+A GGUF file's parsed and dequantized contents are cached on disk (cache.py; TACHY_CACHE_DIR)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,12 +14,15 @@ import torch
 
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError, TachyError
+from tachyllm.loading import cache
 from tachyllm.loading.default_model import default_model_path
-from tachyllm.loading.gguf import load_gguf
+from tachyllm.loading.gguf import load_gguf, raw_tensors
 from tachyllm.loading.hf import load_hf
 from tachyllm.loading.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint"]
+
+logger = logging.getLogger("tachyllm")
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -53,8 +58,21 @@ def load_checkpoint(path: str | None) -> Checkpoint:
 
 
 def _load_gguf(source: str) -> Checkpoint:
+    # A hit skips GGUF parsing and dequantization (seconds); see tachyllm/loading/cache.py.
+    try:
+        entry = cache.CacheEntry.for_source(source)
+    except OSError:
+        entry = None
+    cached = cache.load(entry) if entry is not None else None
+    if cached is not None:
+        logger.info("checkpoint cache: loaded %s from %s", source, entry.path)
+        return Checkpoint(cached.config, cached.tokenizer, _guarded(cached.weights, source), source, "gguf")
     reader, config, weights = load_gguf(source)
-    return Checkpoint(config, Tokenizer.from_gguf(reader), _guarded(weights, source), source, "gguf")
+    tokenizer = Tokenizer.from_gguf(reader)
+    if entry is not None:
+        shapes = [(name, tuple(int(d) for d in reversed(t.shape.tolist()))) for name, t in raw_tensors(reader)]
+        weights = cache.caching_weights(entry, weights, shapes, config, tokenizer)
+    return Checkpoint(config, tokenizer, _guarded(weights, source), source, "gguf")
 
 
 def _load_hf(directory: Path, source: str) -> Checkpoint:

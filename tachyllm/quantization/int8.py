@@ -6,6 +6,9 @@ import torch
 from torch import nn
 
 INT8_MAX = 127
+# Above this many rows the packed int8 kernel loses to dequantize + bf16 GEMM (2-3x slower at 32
+# tokens, benchmarks/torchao_compare.py); at decode sizes it is the faster of the two by far.
+PACKED_MAX_ROWS = 16
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,8 +24,9 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """On CPU runs aten._weight_int8pack_mm, which is only fast with bf16 activations, so inputs are
-    cast to bf16 and the result back to the caller's dtype. Elsewhere: dequantize + matmul."""
+    """On CPU runs aten._weight_int8pack_mm for up to PACKED_MAX_ROWS rows; it is only fast with
+    bf16 activations, so inputs are cast to bf16 and the result back to the caller's dtype. Larger
+    inputs (prefill chunks, big decode batches) and other devices: dequantize + matmul."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -43,10 +47,11 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.codes.device.type == "cpu":
+        if self.codes.device.type == "cpu" and x2.shape[0] <= PACKED_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.codes, self.scales)
         else:
-            y = x2 @ (self.codes.to(x.dtype) * self.scales.to(x.dtype)[:, None]).t()
+            dtype = torch.bfloat16 if self.codes.device.type == "cpu" else x.dtype
+            y = torch.nn.functional.linear(x2.to(dtype), self.codes.to(dtype) * self.scales.to(dtype)[:, None])
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*shape[:-1], self.out_features)

@@ -3,6 +3,9 @@ tensor for K and one for V per layer, carved out of a single allocation."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from tachyllm.config import ModelConfig
@@ -45,5 +48,12 @@ def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Zero-filled: attention reads padding slots (masked out) and 0 * garbage could be NaN.
-    storage = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    if device.type == "cpu":
+        # numpy's zeros come from calloc: the OS hands out zero pages on first touch, so a
+        # multi-GiB cache costs nothing until it is used (torch.zeros writes every byte, ~1 s).
+        raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+        storage = torch.from_numpy(raw).view(dtype).view(shape)
+    else:
+        storage = torch.zeros(shape, dtype=dtype, device=device)
     return [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]

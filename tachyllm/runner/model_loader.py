@@ -22,8 +22,8 @@ def build_model(
     quant_skip: str | None = None,
 ) -> tuple[LlamaForCausalLM, int]:
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(ckpt.config).to(dtype)  # casting on meta costs nothing
+    model = model.to_empty(device=device)
     model.load_weights(ckpt.weights())
     model.init_rotary(max_model_len)
     # Bytes a decode step streams from memory (packing below hides parameters from the module).

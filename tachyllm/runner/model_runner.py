@@ -11,13 +11,23 @@ from dataclasses import dataclass
 import torch
 
 from tachyllm.engine.scheduler import SchedulerOutput, ScheduledSeq
-from tachyllm.engine.sequence import Sequence
+from tachyllm.engine.sequence import Sequence, SequenceStatus
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.sampler import Sampler
 from tachyllm.spec_decode.rejection import verify
 
 LogprobInfo = tuple[float, int, list[int], list[float]]
+
+# Prompts at least this long keep a contiguous K/V copy while they are prefilled in chunks.
+CHUNK_BUFFER_MIN_TOKENS = 256
+
+
+@dataclass(eq=False)
+class _ChunkBuffer:
+    seq: Sequence
+    kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
+    filled: int = 0  # leading positions holding valid K/V
 
 
 @dataclass
@@ -46,6 +56,9 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
+        # Quantized caches dequantize on read; the contiguous copy would skip that rounding.
+        self.use_chunk_buffers = isinstance(kv_caches[0][0], torch.Tensor)
+        self.chunk_buffers: dict[int, _ChunkBuffer] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SeqStepResult]:
@@ -89,7 +102,32 @@ class ModelRunner:
 
     def _forward(self, ordered: list[ScheduledSeq]) -> torch.Tensor:
         input_ids, positions, meta = self._prepare(ordered)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        for s in ordered:
+            buffer = self.chunk_buffers.get(s.seq.seq_id)
+            if buffer is not None:
+                buffer.filled = s.seq.num_computed_tokens + s.num_new_tokens
+                if s.completes:  # the prompt is done: decodes read the paged cache
+                    del self.chunk_buffers[s.seq.seq_id]
+        return hidden
+
+    def _chunk_buffer(self, s: ScheduledSeq) -> _ChunkBuffer | None:
+        """The contiguous K/V copy for a long prompt prefilled in several chunks (created at its
+        first chunk, or after a preemption reset it)."""
+        seq, start = s.seq, s.seq.num_computed_tokens
+        if not self.use_chunk_buffers or seq.num_tokens < CHUNK_BUFFER_MIN_TOKENS or (start == 0 and s.completes):
+            return None
+        buffer = self.chunk_buffers.get(seq.seq_id)
+        if buffer is None or buffer.filled > start or buffer.kv.shape[3] < seq.num_tokens:
+            k_cache = self.kv_caches[0][0]
+            layers, kv_heads, head_dim = len(self.kv_caches), k_cache.shape[2], k_cache.shape[3]
+            kv = torch.empty(layers, 2, kv_heads, seq.num_tokens, head_dim, dtype=k_cache.dtype, device=self.device)
+            buffer = self.chunk_buffers[seq.seq_id] = _ChunkBuffer(seq, kv)
+        return buffer
+
+    def _drop_stale_chunk_buffers(self) -> None:
+        for seq_id in [i for i, b in self.chunk_buffers.items() if b.seq.status != SequenceStatus.RUNNING]:
+            del self.chunk_buffers[seq_id]
 
     def _slots(self, block_tables: list[list[int]], num_slots: int) -> torch.Tensor:
         """Flat cache slots of positions [0, num_slots) for each block table, as [len(tables), num_slots]."""
@@ -100,6 +138,8 @@ class ModelRunner:
         return slots.view(len(block_tables), -1)[:, :num_slots]
 
     def _prepare(self, ordered: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        if self.chunk_buffers:
+            self._drop_stale_chunk_buffers()
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -119,7 +159,11 @@ class ModelRunner:
             else:
                 offset = len(input_ids) - n
                 slots = None if start == 0 else self._slots([table], start + n)[0].to(self.device)
-                prefills.append(PrefillSpan(offset, offset + n, slots, start))
+                span = PrefillSpan(offset, offset + n, slots, start)
+                buffer = self._chunk_buffer(s)
+                if buffer is not None:
+                    span.buffer, span.buffer_filled = buffer.kv, buffer.filled
+                prefills.append(span)
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),

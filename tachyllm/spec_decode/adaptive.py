@@ -8,9 +8,14 @@ controller picks the k in 0..max_k with the best expected tokens per second. On 
 forward over a few more tokens costs almost nothing (the weights are read once either way), so k
 is high; at large batches the forward is compute bound and k falls to 0.
 
-Step costs come from the engine's own measurements, kept per batch-size bucket and interpolated
-between measured buckets. An unmeasured size is measured once (exploration); while speculation
-is off a short probe (k=1) runs every PROBE_INTERVAL steps so acceptance estimates stay current.
+Step costs come from the engine's own measurements, kept per step-size bucket and interpolated
+between measured sizes; outside the measured range they are bounded on the side that argues
+against speculating. While speculation is off, a probe runs after PROBE_INTERVAL steps (then
+after twice as many, and so on while probes keep finding it does not pay) so acceptance estimates
+stay current; while it is on, a plain step runs every REFRESH_INTERVAL
+steps so the baseline does too. Probes involve a single sequence: for a draft model a sequence's
+first round includes prefilling its prompt, which must not be paid for a whole batch to learn
+that speculation does not pay.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-PROBE_INTERVAL = 64
-MIN_GAIN = 1.02  # speculate only when expected to be at least this much faster (noise margin)
+PROBE_INTERVAL = 64  # while off: a probe after this many steps, doubling after each probe that
+MAX_PROBE_INTERVAL = 2048  # did not turn speculation back on, up to this
+REFRESH_INTERVAL = 64  # while on: a plain step every this many steps
+MIN_GAIN = 1.10  # speculate only when expected to be at least this much faster (noise margin)
 ACCEPT_PRIOR, PRIOR_WEIGHT, DECAY = 0.5, 2.0, 0.97
 COST_EMA = 0.2
 
@@ -42,15 +49,25 @@ class CostModel:
             old[0] + COST_EMA * (size - old[0]), old[1] + COST_EMA * (seconds - old[1])
         )  # fmt: skip
 
-    def estimate(self, size: int) -> float | None:
-        """Measured, or interpolated between the nearest measured sizes around it; None otherwise."""
+    def measured_up_to(self, size: int) -> bool:
+        return any(p[0] <= size for p in self.points.values())
+
+    def estimate(self, size: int, high: bool) -> float | None:
+        """Seconds for a step of `size`: measured, or interpolated between the nearest measured sizes.
+        Outside the measured range the estimate leans the cautious way: high=True gives an upper
+        bound (cost grows at most linearly past the largest size, and a smaller step costs at most
+        what the smallest measured did), high=False a lower bound. None before any measurement."""
+        if not self.points:
+            return None
         exact = self.points.get(_bucket(size))
         if exact is not None:
             return exact[1]
         below = max((p for p in self.points.values() if p[0] <= size), default=None)
         above = min((p for p in self.points.values() if p[0] >= size), default=None)
-        if below is None or above is None:
-            return None
+        if below is None:
+            return above[1] if high else above[1] * size / above[0]
+        if above is None:
+            return below[1] * size / below[0] if high else below[1]
         if above[0] == below[0]:
             return below[1]
         return below[1] + (above[1] - below[1]) * (size - below[0]) / (above[0] - below[0])
@@ -61,12 +78,16 @@ class AdaptiveController:
     max_k: int
     adaptive: bool = True
     disable_by_batch_size: int | None = None
-    proposal_cost_per_token: bool = True  # draft model: k draft steps; n-gram: one lookup per round
-    target_cost: CostModel = field(default_factory=CostModel)
-    proposal_cost: CostModel = field(default_factory=CostModel)  # per draft step (or round), by sequences
+    draft_steps: bool = True  # draft model: k forwards of its own; n-gram: one lookup per round
+    target_cost: CostModel = field(default_factory=CostModel)  # a target step, by tokens
+    # A draft forward by tokens in it, or an n-gram lookup round by sequences.
+    proposal_cost: CostModel = field(default_factory=CostModel)
     accepted: list[float] = field(default_factory=list)  # decayed counts per draft position
     attempted: list[float] = field(default_factory=list)
     steps_without_spec: int = 0
+    steps: int = 0  # steps decided so far
+    probing: bool = False  # the last decision was a measurement: one sequence speculates, not all
+    probe_interval: int = PROBE_INTERVAL
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] * self.max_k
@@ -88,25 +109,52 @@ class AdaptiveController:
         step has base_tokens tokens without drafts."""
         if num_spec == 0 or (self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size):
             return 0
+        self.probing = False
         if not self.adaptive:
             return self.max_k
-        base = self.target_cost.estimate(base_tokens)
-        if base is None:
-            return self._no_spec()  # measure the plain step first
+        self.steps += 1
+        # The plain step is re-measured now and then, so that speculation is never judged against a
+        # stale baseline; the proposer's cost must be measured once before it can be judged at all.
+        base = self.target_cost.estimate(base_tokens, high=False)
+        if base is None or self.steps % REFRESH_INTERVAL == 0:
+            return self._no_spec()
+        if not self.proposal_cost.measured_up_to(2 * num_spec):
+            # A round of k >= 2 includes one-token draft forwards: measure them (a first round's
+            # catch-up forward, a whole prompt, says nothing about the steady state).
+            return self._probe(min(2, self.max_k) if self.draft_steps else 1)
         best_k, best_rate = 0, num_decodes / base
         for k in range(1, self.max_k + 1):
-            cost = self.target_cost.estimate(base_tokens + num_spec * k)
-            if cost is None:
-                return k  # unmeasured size: measure it once
-            proposal = self.proposal_cost.estimate(num_spec) or 0.0
-            cost += proposal * k if self.proposal_cost_per_token else proposal
+            cost = self.target_cost.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
             rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
             if rate > best_rate * MIN_GAIN:
                 best_k, best_rate = k, rate
-        if best_k == 0 and self.steps_without_spec >= PROBE_INTERVAL:
-            self.steps_without_spec = 0
-            return 1
-        return best_k if best_k else self._no_spec()
+        if best_k == 0 and self.steps_without_spec >= self.probe_interval:
+            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+            # Keep the acceptance and cost estimates current: a draft model's probe is short (its
+            # forwards cost), an n-gram probe uses every position it may.
+            return self._probe(min(2, self.max_k) if self.draft_steps else self.max_k)
+        if best_k:
+            self.probe_interval = PROBE_INTERVAL
+            return self._spec(best_k)
+        return self._no_spec()
+
+    def proposal_seconds(self, num_spec: int, k: int) -> float | None:
+        """A draft model's round: a catch-up forward over what the target accepted last time
+        (about two tokens per sequence) then k - 1 one-token forwards. n-gram: one lookup."""
+        if not self.draft_steps:
+            return self.proposal_cost.estimate(num_spec, high=True)
+        first = self.proposal_cost.estimate(2 * num_spec, high=True)
+        if first is None:
+            return None
+        return first + (k - 1) * self.proposal_cost.estimate(num_spec, high=True)
+
+    def _spec(self, k: int) -> int:
+        self.steps_without_spec = 0
+        return k
+
+    def _probe(self, k: int) -> int:
+        self.probing = True
+        return self._spec(k)
 
     def _no_spec(self) -> int:
         self.steps_without_spec += 1
@@ -115,8 +163,9 @@ class AdaptiveController:
     def record_step(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.record(num_tokens, seconds)
 
-    def record_proposal(self, num_seqs: int, k: int, seconds: float) -> None:
-        self.proposal_cost.record(num_seqs, seconds / k if self.proposal_cost_per_token else seconds)
+    def record_proposal(self, size: int, seconds: float) -> None:
+        """One draft forward over `size` tokens, or one n-gram lookup round over `size` sequences."""
+        self.proposal_cost.record(size, seconds)
 
     def record_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:
         for i in range(self.max_k):
@@ -125,4 +174,3 @@ class AdaptiveController:
         for i in range(min(num_accepted + 1, num_draft_tokens)):
             self.attempted[i] += 1
             self.accepted[i] += i < num_accepted
-        self.steps_without_spec = 0

@@ -103,7 +103,7 @@ class DraftModelProposer:
         self.sampler = sampler
         self.vocab_size = sampler.vocab_size
         self.shadows: dict[int, _Shadow] = {}
-        self.last_elapsed = 0.0
+        self.forward_costs: list[tuple[int, float]] = []  # (tokens, seconds) of each forward of the last round
 
     def release_finished(self, running: list[Sequence]) -> None:
         """Frees the draft KV of sequences that stopped running (finished, aborted or preempted)."""
@@ -114,7 +114,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
         """Sets seq.spec_token_ids (ks[i] tokens) and, for sampling requests, seq.spec_draft_probs."""
-        t0 = time.perf_counter()
+        self.forward_costs = []
         active = [(seq, self._sync(seq), k) for seq, k in zip(seqs, ks)]
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
         probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in seqs}
@@ -129,6 +129,7 @@ class DraftModelProposer:
                 scheduled.append(ScheduledSeq(shadow.seq, n))
             if not scheduled:
                 break
+            t0 = time.perf_counter()
             logits = self.runner.last_token_logits(scheduled)
             shadows = [s.seq for s in scheduled]
             for s in scheduled:
@@ -139,10 +140,10 @@ class DraftModelProposer:
                 drafts[seq.seq_id].append(tokens[i])
                 if dists is not None and not seq.params.greedy:
                     probs[seq.seq_id].append(dists[i])
+            self.forward_costs.append((sum(s.num_new_tokens for s in scheduled), time.perf_counter() - t0))
         for seq in seqs:
             seq.spec_token_ids = drafts[seq.seq_id]
             seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
-        self.last_elapsed = time.perf_counter() - t0
 
     def _sync(self, seq: Sequence) -> _Shadow:
         """The shadow of seq, truncated to the prefix it shares with the target and extended to match."""

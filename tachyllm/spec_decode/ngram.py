@@ -5,7 +5,6 @@ when the answer quotes its input (code edits, summaries, extraction)."""
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tachyllm.engine.sequence import Sequence
 
@@ -20,12 +19,21 @@ class NgramProposer:
         suffix (lookup_max tokens down to lookup_min); [] when there is none."""
         tokens = np.asarray(seq.token_ids, dtype=np.int64)
         total = len(tokens)
-        for n in range(min(self.lookup_max, total - 1), self.lookup_min - 1, -1):
-            # Windows starting before total - n: the suffix itself is excluded, and a match leaves at
-            # least one following token to propose.
-            windows = sliding_window_view(tokens[: total - 1], n)
-            hits = np.flatnonzero((windows == tokens[total - n :]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        # Where an earlier token equals the last one, with at least one token after it: the only
+        # places a suffix match can end. Longer suffixes are checked there alone, one token back
+        # at a time, which keeps a lookup at a few numpy ops whatever the context length.
+        ends = np.flatnonzero(tokens[: total - 1] == tokens[total - 1])
+        matched = np.ones(len(ends), dtype=bool)
+        best = None
+        for n in range(1, min(self.lookup_max, total - 1) + 1):
+            if n > 1:
+                back = ends - (n - 1)
+                matched &= back >= 0
+                matched[matched] = tokens[back[matched]] == tokens[total - n]
+            if not matched.any():
+                break
+            if n >= self.lookup_min:
+                best = int(ends[matched][-1])
+        if best is None:
+            return []
+        return tokens[best + 1 : best + 1 + k].tolist()

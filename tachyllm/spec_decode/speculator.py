@@ -48,11 +48,10 @@ class Speculator:
             )
         self.controller = AdaptiveController(
             config.num_speculative_tokens, config.adaptive, config.disable_by_batch_size,
-            proposal_cost_per_token=self.draft is not None,
+            draft_steps=self.draft is not None,
         )  # fmt: skip
-        self._proposed = 0  # sequences given drafts in the current step
-        self._k = 0
-        self._proposal_seconds = 0.0
+        # What this step's proposal cost: (tokens per draft forward, or sequences looked up; seconds).
+        self._proposal_costs: list[tuple[int, float]] = []
         logger.info(
             "speculative decoding: %s, up to %d tokens per step, adaptive %s%s", config.method if self.ngram else config.model,
             config.num_speculative_tokens, "on" if config.adaptive else "off",
@@ -65,7 +64,7 @@ class Speculator:
         self.clear(running)
         if self.draft is not None:
             self.draft.release_finished(running)
-        self._proposed, self._k = 0, 0
+        self._proposal_costs = []
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         # Drafts past max_tokens or the context limit could never be used.
         caps = [min(self.config.num_speculative_tokens, s.params.max_tokens - s.num_output_tokens - 1,
@@ -87,20 +86,21 @@ class Speculator:
         k = self.controller.choose(len(candidates), len(decoding), base_tokens, len(running))
         if k == 0:
             return
-        self._proposed, self._k = len(candidates), k
+        if self.controller.probing:
+            candidates = candidates[:1]
         if self.ngram is not None:
             for seq, _ in candidates:
                 seq.spec_token_ids = lookups[seq.seq_id][:k]
-            self._proposal_seconds = time.perf_counter() - t0
+            self._proposal_costs = [(len(candidates), time.perf_counter() - t0)]
         else:
             self.draft.propose([s for s, _ in candidates], [min(k, cap) for _, cap in candidates])
-            self._proposal_seconds = self.draft.last_elapsed
+            self._proposal_costs = self.draft.forward_costs
 
     def observe(self, sched: SchedulerOutput, step_seconds: float, outcomes: list[tuple[int, int]]) -> None:
         """outcomes: (draft tokens, accepted) of each verification this step."""
         self.controller.record_step(sched.num_batched_tokens, step_seconds)
-        if self._proposed:
-            self.controller.record_proposal(self._proposed, self._k, self._proposal_seconds)
+        for size, seconds in self._proposal_costs:
+            self.controller.record_proposal(size, seconds)
         for num_drafts, num_accepted in outcomes:
             self.controller.record_acceptance(num_drafts, num_accepted)
 
