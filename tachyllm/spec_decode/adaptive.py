@@ -78,10 +78,11 @@ class AdaptiveController:
     max_k: int
     adaptive: bool = True
     disable_by_batch_size: int | None = None
-    draft_steps: bool = True  # draft model: k forwards of its own; n-gram: one lookup per round
+    # A draft model runs k forwards of its own per round. n-gram lookups run before the decision
+    # whatever it is, so they cost nothing that choosing k could save.
+    has_draft_model: bool = True
     target_cost: CostModel = field(default_factory=CostModel)  # a target step, by tokens
-    # A draft forward by tokens in it, or an n-gram lookup round by sequences.
-    proposal_cost: CostModel = field(default_factory=CostModel)
+    proposal_cost: CostModel = field(default_factory=CostModel)  # a draft forward, by tokens
     accepted: list[float] = field(default_factory=list)  # decayed counts per draft position
     attempted: list[float] = field(default_factory=list)
     steps_without_spec: int = 0
@@ -118,34 +119,34 @@ class AdaptiveController:
         base = self.target_cost.estimate(base_tokens, high=False)
         if base is None or self.steps % REFRESH_INTERVAL == 0:
             return self._no_spec()
-        if not self.proposal_cost.measured_up_to(2 * num_spec):
+        if self.has_draft_model and not self.proposal_cost.measured_up_to(2 * num_spec):
             # A round of k >= 2 includes one-token draft forwards: measure them (a first round's
             # catch-up forward, a whole prompt, says nothing about the steady state).
-            return self._probe(min(2, self.max_k) if self.draft_steps else 1)
-        best_k, best_rate = 0, num_decodes / base
+            return self._probe(min(2, self.max_k))
+        best_k, best_rate = 0, 0.0
         for k in range(1, self.max_k + 1):
             cost = self.target_cost.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
             rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
-            if rate > best_rate * MIN_GAIN:
+            if rate > best_rate:
                 best_k, best_rate = k, rate
+        if best_rate < MIN_GAIN * num_decodes / base:
+            best_k = 0
         if best_k == 0 and self.steps_without_spec >= self.probe_interval:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
             # Keep the acceptance and cost estimates current: a draft model's probe is short (its
             # forwards cost), an n-gram probe uses every position it may.
-            return self._probe(min(2, self.max_k) if self.draft_steps else self.max_k)
+            return self._probe(min(2, self.max_k) if self.has_draft_model else self.max_k)
         if best_k:
             self.probe_interval = PROBE_INTERVAL
             return self._spec(best_k)
         return self._no_spec()
 
-    def proposal_seconds(self, num_spec: int, k: int) -> float | None:
+    def proposal_seconds(self, num_spec: int, k: int) -> float:
         """A draft model's round: a catch-up forward over what the target accepted last time
-        (about two tokens per sequence) then k - 1 one-token forwards. n-gram: one lookup."""
-        if not self.draft_steps:
-            return self.proposal_cost.estimate(num_spec, high=True)
+        (about two tokens per sequence) then k - 1 one-token forwards."""
+        if not self.has_draft_model:
+            return 0.0
         first = self.proposal_cost.estimate(2 * num_spec, high=True)
-        if first is None:
-            return None
         return first + (k - 1) * self.proposal_cost.estimate(num_spec, high=True)
 
     def _spec(self, k: int) -> int:
@@ -164,7 +165,7 @@ class AdaptiveController:
         self.target_cost.record(num_tokens, seconds)
 
     def record_proposal(self, size: int, seconds: float) -> None:
-        """One draft forward over `size` tokens, or one n-gram lookup round over `size` sequences."""
+        """One draft forward over `size` tokens."""
         self.proposal_cost.record(size, seconds)
 
     def record_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:

@@ -5,7 +5,6 @@ step time and each verification's outcome back to the controller."""
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -48,9 +47,9 @@ class Speculator:
             )
         self.controller = AdaptiveController(
             config.num_speculative_tokens, config.adaptive, config.disable_by_batch_size,
-            draft_steps=self.draft is not None,
+            has_draft_model=self.draft is not None,
         )  # fmt: skip
-        # What this step's proposal cost: (tokens per draft forward, or sequences looked up; seconds).
+        # What this step's draft forwards cost: (tokens, seconds) each.
         self._proposal_costs: list[tuple[int, float]] = []
         logger.info(
             "speculative decoding: %s, up to %d tokens per step, adaptive %s%s", config.method if self.ngram else config.model,
@@ -75,7 +74,6 @@ class Speculator:
         prefill_tokens = sum(s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1)
         base_tokens = len(decoding) + min(prefill_tokens, scheduler.max_num_batched_tokens - len(decoding))
 
-        t0 = time.perf_counter()
         lookups: dict[int, list[int]] = {}
         if self.ngram is not None:
             for seq, cap in candidates:
@@ -91,7 +89,6 @@ class Speculator:
         if self.ngram is not None:
             for seq, _ in candidates:
                 seq.spec_token_ids = lookups[seq.seq_id][:k]
-            self._proposal_costs = [(len(candidates), time.perf_counter() - t0)]
         else:
             self.draft.propose([s for s, _ in candidates], [min(k, cap) for _, cap in candidates])
             self._proposal_costs = self.draft.forward_costs
