@@ -1,10 +1,12 @@
 """When does speculation pay? Decide per step from measured costs and acceptance.
 
-Verifying k draft tokens for B sequences makes the target's forward B * k tokens wider, plus the
-proposer's own time (a draft model runs k small steps; n-gram lookup is nearly free). It gains,
+Verifying k draft tokens for B sequences makes the target's forward B * k tokens wider, plus a
+draft model's own k forwards (n-gram lookups run before the decision either way). It gains,
 per speculating sequence, the expected number of tokens emitted: 1 + sum_{i=1..k} prod_{j<=i} a_j,
-where a_j is the measured probability that draft position j is accepted given j-1 were. The
-controller picks the k in 0..max_k with the best expected tokens per second. On a CPU at batch 1 a
+where a_j is the measured probability that draft position j is accepted given j-1 were (a
+position seldom reached borrows the estimate of the one before it). The controller picks the k in
+1..max_k with the best expected tokens per second, and speculates if that beats no speculation by
+MIN_GAIN. On a CPU at batch 1 a
 forward over a few more tokens costs almost nothing (the weights are read once either way), so k
 is high; at large batches the forward is compute bound and k falls to 0.
 
@@ -12,8 +14,8 @@ Step costs come from the engine's own measurements, kept per step-size bucket an
 between measured sizes; outside the measured range they are bounded on the side that argues
 against speculating. While speculation is off, a probe runs after PROBE_INTERVAL steps (then
 after twice as many, and so on while probes keep finding it does not pay) so acceptance estimates
-stay current; while it is on, a plain step runs every REFRESH_INTERVAL
-steps so the baseline does too. Probes involve a single sequence: for a draft model a sequence's
+stay current; while it is on, a plain step runs every REFRESH_INTERVAL steps so the baseline
+does too. Probes involve a single sequence: for a draft model a sequence's
 first round includes prefilling its prompt, which must not be paid for a whole batch to learn
 that speculation does not pay.
 """
@@ -95,8 +97,11 @@ class AdaptiveController:
         self.attempted = [0.0] * self.max_k
 
     def acceptance(self, position: int) -> float:
-        """P(draft at 0-based position is accepted | the earlier ones were)."""
-        return (self.accepted[position] + ACCEPT_PRIOR * PRIOR_WEIGHT) / (self.attempted[position] + PRIOR_WEIGHT)
+        """P(draft at 0-based position is accepted | the earlier ones were). A position seldom
+        reached (probes draft only two tokens) leans on the one before it rather than on a fixed
+        prior: acceptance hardly depends on the position once the earlier drafts were right."""
+        prior = ACCEPT_PRIOR if position == 0 else self.acceptance(position - 1)
+        return (self.accepted[position] + prior * PRIOR_WEIGHT) / (self.attempted[position] + PRIOR_WEIGHT)
 
     def expected_tokens(self, k: int) -> float:
         total, reach = 1.0, 1.0

@@ -105,6 +105,11 @@ class DraftModelProposer:
         self.shadows: dict[int, _Shadow] = {}
         self.forward_costs: list[tuple[int, float]] = []  # (tokens, seconds) of each forward of the last round
 
+    def lag(self, seq: Sequence) -> int:
+        """Tokens of seq the draft has no KV for: what its next round must catch up on first."""
+        shadow = self.shadows.get(seq.seq_id)
+        return seq.num_tokens - (0 if shadow is None else min(shadow.seq.num_computed_tokens, shadow.synced))
+
     def release_finished(self, running: list[Sequence]) -> None:
         """Frees the draft KV of sequences that stopped running (finished, aborted or preempted)."""
         live = {s.seq_id for s in running}
@@ -156,6 +161,9 @@ class DraftModelProposer:
         limit = min(len(own), len(target))
         while common < limit and own[common] == target[common]:
             common += 1
+        # The draft's next token comes from its logits at the target's last token, so that one is
+        # always (re)computed, even when the target happened to append the draft's own guess.
+        common = min(common, len(target) - 1)
         shadow.seq.token_ids = list(target)
         shadow.synced = len(target)
         if shadow.seq.num_computed_tokens > common:

@@ -20,6 +20,11 @@ from tachyllm.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger("tachyllm")
 
+# A draft model speculates for sequences it is at most this many tokens behind: catching up on a
+# whole prompt is a prefill, which the per-step cost model does not account for. Others join one
+# at a time, when a single sequence is given drafts (a probe, or a batch of one).
+MAX_DRAFT_LAG = 8
+
 
 class Speculator:
     def __init__(
@@ -81,6 +86,10 @@ class Speculator:
                 if drafts:
                     lookups[seq.seq_id] = drafts
             candidates = [(s, cap) for s, cap in candidates if s.seq_id in lookups]
+        else:
+            candidates.sort(key=lambda c: self.draft.lag(c[0]))
+            synced = [c for c in candidates if self.draft.lag(c[0]) <= MAX_DRAFT_LAG]
+            candidates = synced or candidates[:1]
         k = self.controller.choose(len(candidates), len(decoding), base_tokens, len(running))
         if k == 0:
             return
