@@ -67,52 +67,40 @@ def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> 
     """logits: [sum(k_i + 1), vocab], the rows of each speculating sequence in order. Returns, per
     sequence, the emitted tokens (accepted drafts + one target token) and their logprob entries."""
     rows = [row for s in spec for row in draft_rows(s.seq, s.spec_token_ids)]
+    first_rows = [0]
+    for s in spec:
+        first_rows.append(first_rows[-1] + len(s.spec_token_ids) + 1)
     logits = logits[:, : sampler.vocab_size]
     want_logprobs = any(s.seq.params.logprobs is not None for s in spec)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = sampler.process(logits, rows)
     greedy_tokens = processed.argmax(dim=-1).tolist()
-    sampling = [i for i, s in enumerate(spec) if not s.seq.params.greedy]
+    # Target distributions, only for the rows of sampling requests: row index -> row of `probs`.
+    sampled = [r for i, s in enumerate(spec) if not s.seq.params.greedy for r in range(first_rows[i], first_rows[i + 1])]
     probs = None
-    if sampling:
-        sampling_rows = [r for i in sampling for r in draft_rows(spec[i].seq, spec[i].spec_token_ids)]
-        index = torch.tensor([_row_range(spec, i) for i in sampling], device=logits.device).flatten()
-        probs = sampler.probs(processed[index], sampling_rows)
-        del sampling_rows
+    if sampled:
+        probs = sampler.probs(processed[torch.tensor(sampled, device=logits.device)], [rows[r] for r in sampled])
+    position = {r: j for j, r in enumerate(sampled)}
 
-    results, emitted_rows = [], []
-    first_row, sampled_offset = 0, 0
+    out = []
     for i, s in enumerate(spec):
-        drafts, k = s.spec_token_ids, len(s.spec_token_ids)
+        drafts, first = s.spec_token_ids, first_rows[i]
         if s.seq.params.greedy:
-            target = greedy_tokens[first_row : first_row + k + 1]
+            target = greedy_tokens[first : first_rows[i + 1]]
             accepted = 0
-            while accepted < k and drafts[accepted] == target[accepted]:
+            while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1
             tokens = drafts[:accepted] + [target[accepted]]
         else:
-            p = probs[sampled_offset : sampled_offset + k + 1]
-            sampled_offset += k + 1
+            p = probs[position[first] : position[first] + len(drafts) + 1]
             tokens = _rejection_sample(sampler, s.seq, drafts, p, s.seq.spec_draft_probs)
-        results.append(tokens)
-        emitted_rows.append(first_row)
-        first_row += k + 1
-
-    out = []
-    for i, (s, tokens) in enumerate(zip(spec, results)):
         logprobs: list[LogprobInfo | None] = [None] * len(tokens)
         if s.seq.params.logprobs is not None:
-            start = emitted_rows[i]
+            emitted = slice(first, first + len(tokens))
             chosen = torch.tensor(tokens, device=logits.device)
-            row_views = rows[start : start + len(tokens)]
-            logprobs = sampler.logprob_rows(raw_logprobs[start : start + len(tokens)], chosen, row_views)
+            logprobs = sampler.logprob_rows(raw_logprobs[emitted], chosen, rows[emitted])
         out.append((tokens, logprobs))
     return out
-
-
-def _row_range(spec: list[ScheduledSeq], i: int) -> list[int]:
-    first = sum(len(s.spec_token_ids) + 1 for s in spec[:i])
-    return list(range(first, first + len(spec[i].spec_token_ids) + 1))
 
 
 def _rejection_sample(
