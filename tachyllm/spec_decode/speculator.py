@@ -87,8 +87,9 @@ class Speculator:
                     lookups[seq.seq_id] = drafts
             candidates = [(s, cap) for s, cap in candidates if s.seq_id in lookups]
         else:
-            candidates.sort(key=lambda c: self.draft.lag(c[0]))
-            synced = [c for c in candidates if self.draft.lag(c[0]) <= MAX_DRAFT_LAG]
+            lags = {s.seq_id: self.draft.lag(s) for s, _ in candidates}
+            candidates.sort(key=lambda c: lags[c[0].seq_id])
+            synced = [c for c in candidates if lags[c[0].seq_id] <= MAX_DRAFT_LAG]
             candidates = synced or candidates[:1]
         k = self.controller.choose(len(candidates), len(decoding), base_tokens, len(running))
         if k == 0:
