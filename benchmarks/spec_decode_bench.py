@@ -69,6 +69,9 @@ CONFIGS = {
     "ngram k=8": {"method": "ngram", "num_speculative_tokens": 8},
     "self:int4 k=2": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 2},
     "self:int4 k=4": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 4},
+    # Speculation forced on (no adaptive switch): what a draft would give if always used.
+    "self:int4 k=4 forced": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 4, "adaptive": False},
+    "self:layers=16 k=3 forced": {"method": "draft_model", "model": "self:layers=16", "num_speculative_tokens": 3, "adaptive": False},
 }
 
 
