@@ -1,11 +1,21 @@
-"""Kernel micro-benchmarks behind two design choices, each pair measured side by side in one run:
+"""Kernel micro-benchmarks behind design choices, each set measured side by side in one run:
 
-linear:    oneDNN-prepacked bf16 linear (tachyllm/kernels/linear.py) vs plain F.linear, at the
-           default model's shapes and 1 / 64 / 512 tokens.
+linear:    the engine's bf16 linear (PackedLinear, tachyllm/kernels/linear.py) vs plain F.linear,
+           at the default model's shapes and 1 / 64 / 512 tokens.
 attention: tachyllm's tiled causal grouped-matmul prefill attention vs F.scaled_dot_product_attention
            (bf16, 9 query heads, 3 KV heads, head_dim 64).
+quant:     the C++ block kernels (kernels/csrc/quant_gemv.cpp; 16- and 8-bit activations) vs aten's
+           int4 kernel (group 32) vs the engine's bf16 linear (PackedLinear), at the default model's
+           Q4_1 shapes, and
+           the Q8_0 LM head vs bf16, at 1 / 4 / 16 / 64 rows. Each call reads a different copy of
+           the weights (>= 128 MB in all) so that they come from DRAM, as in a decode step, not
+           from the 32 MiB L3; times are the best of 5 runs. GB/s = packed weight bytes / time.
+bf16:      the C++ bf16 matrix-vector kernel (kernels/csrc/bf16_gemv.cpp) vs the oneDNN-prepacked
+           weight vs F.linear, at the default model's shapes and 1 / 4 / 16 / 64 / 512 rows (the
+           LM head up to 64), weights from DRAM as in quant. GB/s = weight bytes / time.
 
     .venv/bin/python benchmarks/kernels_bench.py --threads 1
+    .venv/bin/python benchmarks/kernels_bench.py --threads 2 quant
 """
 
 from __future__ import annotations
@@ -16,8 +26,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tachyllm.kernels.linear import PackedLinear
+from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear
+from tachyllm.kernels.native import native_ops
 from tachyllm.kernels.paged_attention import causal_attention
+from tachyllm.quantization.int4 import quantize_int4
 
 
 def per_call_us(fn, calls: int) -> float:
@@ -60,12 +72,109 @@ def bench_attention() -> None:
         print(f"| {length} | {cached} | {ref:.1f} | {ours:.1f} | {ref / ours:.1f}x |")
 
 
+def best_us(fns: list, calls: int, runs: int = 5) -> float:
+    """Best per-call time over `runs`, each call on the next of `fns` (one per weight copy)."""
+    for fn in fns[: max(2, min(len(fns), calls))]:  # a first pass: the first run measured is no colder
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        for i in range(calls):
+            fns[i % len(fns)]()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def _copies(t: torch.Tensor, total: float = 128e6) -> list[torch.Tensor]:
+    return [t.clone() for _ in range(max(2, int(total // (t.numel() * t.element_size()))))]
+
+
+def _bf16_linears(out_f: int, in_f: int, total: float = 128e6) -> list[PackedLinear]:
+    """The engine's bf16 linear (PackedLinear), each on its own weight (it may not copy it)."""
+    count = max(2, int(total // (out_f * in_f * 2)))
+    return [PackedLinear(torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)) for _ in range(count)]
+
+
+QUANT_ROWS = (1, 4, 16, 64)
+
+
+def bench_quant() -> None:
+    ops = native_ops()
+    if ops is None:
+        print("\nquant: C++ kernels unavailable, skipped")
+        return
+    print(f"\nC++ block kernels: {ops.quant_gemv_isa()}")
+    print(
+        "| weight (out x in) | rows | native 16-bit µs | native 8-bit µs | aten int4 µs | bf16 PackedLinear µs | native vs aten | native vs bf16 |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )  # fmt: skip
+    torch.manual_seed(0)
+    for out_f, in_f in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+        w = quantize_int4(torch.randn(out_f, in_f) * 0.02, 32)
+        blocks = _copies(ops.quant_pack_q4_1(w.codes, w.scales, w.mins))
+        aten_w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.int(), 1)
+        zeros = torch.stack([w.scales, w.mins + 8 * w.scales], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        aten = list(zip(_copies(aten_w), _copies(zeros)))
+        packed = _bf16_linears(out_f, in_f)
+        for rows in QUANT_ROWS:
+            x = torch.randn(rows, in_f, dtype=torch.bfloat16)
+            calls = 200 if rows <= 4 else 40
+            t16, t8 = (best_us([lambda b=b: ops.quant_gemv_q4_1(x, b, out_f, bits) for b in blocks], calls) for bits in (16, 8))
+            ta = best_us([lambda a=a: torch.ops.aten._weight_int4pack_mm_for_cpu(x, a[0], 32, a[1]) for a in aten], calls)
+            tb = best_us([lambda p=p: p(x) for p in packed], calls)
+            gbs = f" ({blocks[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
+            print(f"| {out_f}x{in_f} Q4_1 | {rows} | {t16:.1f}{gbs} | {t8:.1f} | {ta:.1f} | {tb:.1f} | {ta / t16:.1f}x | {tb / t16:.1f}x |")
+    out_f, in_f = 49152, 576  # the tied LM head, Q8_0 in the default GGUF
+    codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
+    scales = torch.rand(out_f, in_f // 32).mul(0.01).half().float()
+    blocks = _copies(ops.quant_pack_q8_0(codes, scales))
+    packed = _bf16_linears(out_f, in_f)
+    for rows in QUANT_ROWS:
+        x = torch.randn(rows, in_f, dtype=torch.bfloat16)
+        calls = 20 if rows <= 4 else 5
+        t16, t8 = (best_us([lambda b=b: ops.quant_gemv_q8_0(x, b, out_f, bits) for b in blocks], calls) for bits in (16, 8))
+        tb = best_us([lambda p=p: p(x) for p in packed], calls)
+        gbs = f" ({blocks[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
+        print(f"| {out_f}x{in_f} Q8_0 head | {rows} | {t16:.0f}{gbs} | {t8:.0f} | - | {tb:.0f} | - | {tb / t16:.1f}x |")
+
+
+BF16_ROWS = (1, 4, 16, 64, 512)
+
+
+def bench_bf16() -> None:
+    ops = native_ops()
+    if ops is None:
+        print("\nbf16: C++ kernels unavailable, skipped")
+        return
+    print(f"\nbf16 kernel: AVX512-BF16 {ops.bf16_linear_vectorized}; PackedLinear uses it up to {NATIVE_MAX_ROWS} rows")
+    print(
+        "| weight (out x in) | rows | native µs | oneDNN packed µs | F.linear µs | packed / native | F.linear / native |\n"
+        "|---|---|---|---|---|---|---|"
+    )  # fmt: skip
+    torch.manual_seed(0)
+    for out_f, in_f in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        weights = _copies(torch.randn(out_f, in_f, dtype=torch.bfloat16))
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        for rows in BF16_ROWS:
+            if out_f * rows > 49152 * 64:  # the LM head at 512 rows: seconds, and it never sees that many
+                continue
+            x = torch.randn(rows, in_f, dtype=torch.bfloat16)
+            calls = max(3, min(200, int(0.02 / (out_f * in_f * (2 / 20e9 + rows * 2 / 1e11)))))  # ~20 ms a run
+            tn = best_us([lambda w=w: ops.bf16_linear(x, w) for w in weights], calls)
+            onednn = [lambda p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed]
+            tp = best_us(onednn, calls)
+            tf = best_us([lambda w=w: F.linear(x, w) for w in weights], calls)
+            gbs = f" ({weights[0].numel() * 2 / tn / 1e3:.0f} GB/s)" if rows == 1 else ""
+            ratios = f"{tp / tn:.2f}x | {tf / tn:.2f}x"
+            print(f"| {out_f}x{in_f} | {rows} | {tn:.0f}{gbs} | {tp:.0f} | {tf:.0f} | {ratios} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("sections", nargs="*", help="linear and/or attention (default: both)")
+    ap.add_argument("sections", nargs="*", help="linear, attention, quant and/or bf16 (default: all)")
     args = ap.parse_args()
-    args.sections = args.sections or ["linear", "attention"]
+    args.sections = args.sections or ["linear", "attention", "quant", "bf16"]
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads")
     with torch.inference_mode():
@@ -73,6 +182,10 @@ def main() -> None:
             bench_linear()
         if "attention" in args.sections:
             bench_attention()
+        if "quant" in args.sections:
+            bench_quant()
+        if "bf16" in args.sections:
+            bench_bf16()
 
 
 if __name__ == "__main__":

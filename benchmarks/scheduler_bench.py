@@ -4,7 +4,8 @@ prefix  Shared system prompt (1,024 tokens) + 16 distinct short questions, sent 
         Mean TTFT of requests 2..16 with prefix caching on vs off.
 itl     8 streams decoding when a 4,096-token prompt arrives. p99 inter-token latency of the streams
         while the prompt is prefilled vs their p99 with no arrival, with chunked prefill (small
-        token budget) and without (the whole prompt in one step).
+        token budget), with chunks cut by max_decode_slowdown (large budget), and without chunking
+        (the whole prompt in one step).
 kv      A mixed offline workload (shared-prefix chats and independent prompts of many lengths).
         Per step: cache usage, physical blocks in use / blocks in the live sequences' block tables
         (below 1 when prefix blocks are shared), and tokens stored / token slots of the blocks in use
@@ -155,19 +156,26 @@ def stream_gaps(llm: LLM, streams: list[list[int]], long_prompt: list[int] | Non
 def bench_itl(args) -> list[str]:
     rng = random.Random(1)
     rows = []
-    for chunked in (True, False):
-        if chunked:
-            llm = make_llm(args, max_num_batched_tokens=args.chunk_budget, kv_cache_memory=args.kv_cache_mib << 20)
-        else:
-            llm = make_llm(args, enable_chunked_prefill=False, max_num_batched_tokens=args.long_prompt + args.streams,
-                           kv_cache_memory=args.kv_cache_mib << 20)  # fmt: skip
+    configs = [
+        (f"chunked, budget {args.chunk_budget} tokens", {"max_num_batched_tokens": args.chunk_budget}),
+        (
+            f"chunked, budget {args.slowdown_budget} tokens, max_decode_slowdown {args.max_decode_slowdown:g}",
+            {"max_num_batched_tokens": args.slowdown_budget, "max_decode_slowdown": args.max_decode_slowdown},
+        ),
+        (
+            "not chunked (whole prompt in one step)",
+            {"enable_chunked_prefill": False, "max_num_batched_tokens": args.long_prompt + args.streams},
+        ),
+    ]
+    for name, options in configs:
+        llm = make_llm(args, kv_cache_memory=args.kv_cache_mib << 20, **options)
         vocab = llm.engine.model_config.vocab_size
         streams = [[rng.randrange(100, vocab) for _ in range(32)] for _ in range(args.streams)]
         long_prompt = [rng.randrange(100, vocab) for _ in range(args.long_prompt)]
         stream_gaps(llm, streams, None, 2, 4)  # warm-up
         base = stream_gaps(llm, streams, None, args.warmup_steps, args.baseline_steps)
         hit = stream_gaps(llm, streams, long_prompt, args.warmup_steps, 0)
-        rows.append((chunked, base, hit))
+        rows.append((name, base, hit))
     lines = [
         f"### Chunked prefill: {args.streams} decoding streams, a {args.long_prompt}-token prompt arrives",
         "",
@@ -177,8 +185,7 @@ def bench_itl(args) -> list[str]:
         ),
         "|---|---|---|---|---|---|---|---|",
     ]
-    for chunked, base, hit in rows:
-        name = f"chunked, budget {args.chunk_budget} tokens" if chunked else "not chunked (whole prompt in one step)"
+    for name, base, hit in rows:
         p99_base, p99_hit = percentile(base.gaps, 0.99), percentile(hit.gaps, 0.99)
         lines.append(
             f"| {name} | {1e3 * percentile(base.gaps, 0.5):.1f} | {1e3 * p99_base:.1f} | {1e3 * p99_hit:.1f} | "
@@ -278,6 +285,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--long-prompt", type=int, default=4096)
     ap.add_argument("--chunk-budget", type=int, default=24, help="max_num_batched_tokens of the chunked run")
+    ap.add_argument("--max-decode-slowdown", type=float, default=2.0, help="of the run with the latency-aware cap")
+    ap.add_argument("--slowdown-budget", type=int, default=512, help="max_num_batched_tokens of the capped run")
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--baseline-steps", type=int, default=64)
     ap.add_argument("--kv-requests", type=int, default=48)

@@ -68,6 +68,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None = a share of free memory
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Cap prefill chunks so that a step with decodes takes at most this many times as long as the
+    # decodes alone (predicted from measured steps); None = chunks fill max_num_batched_tokens.
+    max_decode_slowdown: float | None = None
     seed: int = 0
     threads: int | None = None  # torch intra-op threads; None = OMP_NUM_THREADS or all cores
     quantization: str | None = None  # weight-only: int8, int4, awq, gguf; None = model dtype
@@ -100,6 +103,8 @@ class EngineConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_decode_slowdown is not None and not self.max_decode_slowdown > 1.0:
+            raise ConfigError(f"max_decode_slowdown must be > 1.0 (or unset), got {self.max_decode_slowdown}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

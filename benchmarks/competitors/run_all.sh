@@ -6,8 +6,10 @@
 #   benchmarks/competitors/run_all.sh tachy vllm      # just these
 #
 # Knobs (environment): TACHY_BENCH_RATES (default 1,2,4,inf), TACHY_BENCH_NUM_PROMPTS (64),
-# TACHY_BENCH_INPUT_LEN (256), TACHY_BENCH_OUTPUT_LEN (64), TACHY_BENCH_PORT (8123), and those in
-# common.sh. Set up the competitors first: setup_llamacpp.sh, setup_vllm.sh.
+# TACHY_BENCH_INPUT_LEN (256), TACHY_BENCH_OUTPUT_LEN (64), TACHY_BENCH_PORT (8123),
+# TACHY_BENCH_MAX_CONCURRENCY (unset: no limit; 1 = single stream), TACHY_BENCH_TACHY_ARGS (extra
+# `tachy serve` options, e.g. "--quantization gguf" to serve the file's own Q4_1 weights like
+# llama.cpp does), and those in common.sh. Set up the competitors first: setup_llamacpp.sh, setup_vllm.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PORT="${TACHY_BENCH_PORT:-8123}"
@@ -17,11 +19,15 @@ BENCH_ARGS=(
     --dataset random --num-prompts "${TACHY_BENCH_NUM_PROMPTS:-64}" --input-len "${TACHY_BENCH_INPUT_LEN:-256}" --output-len "${TACHY_BENCH_OUTPUT_LEN:-64}"
     --ignore-eos --request-rate "${TACHY_BENCH_RATES:-1,2,4,inf}" --warmup 2 --seed 0 --no-progress
 )
+if [[ -n ${TACHY_BENCH_MAX_CONCURRENCY:-} ]]; then
+    BENCH_ARGS+=(--max-concurrency "$TACHY_BENCH_MAX_CONCURRENCY")
+fi
 
 server_command() {  # the command line that serves the default model as $MODEL_NAME on $PORT
     case $1 in
         tachy)
-            echo "$TACHY" serve --served-model-name "$MODEL_NAME" --port "$PORT" --threads "$THREADS" --log-stats-interval 0
+            echo "$TACHY" serve --served-model-name "$MODEL_NAME" --port "$PORT" --threads "$THREADS" --log-stats-interval 0 \
+                ${TACHY_BENCH_TACHY_ARGS:-}
             ;;
         llamacpp)
             if command -v llama-server >/dev/null; then

@@ -51,9 +51,9 @@ RANGES = (STEP, SCHEDULE, PREPARE, FORWARD, ATTENTION, SAMPLE)
 
 # Categories in print order, with their labels; their ms add up to the step's.
 CATEGORIES = {
-    "matmul": "matmuls (linear, mm, oneDNN, int4/int8 packed)",
+    "matmul": "matmuls (linear, mm, oneDNN, int4/int8 packed, C++ GEMV)",
     "attention": "attention (paged_attention, whole call)",
-    "other_ops": "other ops (norms, rotary, activations, adds)",
+    "other_ops": "other ops (norms, rotary, activations, adds; C++ or ATen)",
     "python_forward": "Python / dispatch in model forward",
     "prepare_inputs": "input preparation (runner._prepare)",
     "sampling": "sampling (runner.sampler)",
@@ -64,7 +64,7 @@ CATEGORIES = {
 ATTENTION_PARTS = {
     "matmul": "matmuls",
     "softmax": "softmax",
-    "other_ops": "other ops (cache write, gather, copies)",
+    "other_ops": "other ops (cache write, gather, copies; C++ decode kernel)",
     "python": "Python / dispatch",
 }
 
@@ -78,9 +78,10 @@ TOP_OPS = 15
 
 
 def is_matmul(op_name: str) -> bool:
-    """aten::mm, mkldnn::_linear_pointwise, aten::_weight_int4pack_mm_for_cpu, ... by the name after '::'."""
+    """aten::mm, mkldnn::_linear_pointwise, aten::_weight_int4pack_mm_for_cpu, tachy::*gemv*, ... by the
+    name after '::'."""
     base = op_name.rsplit("::", 1)[-1]
-    return base in MATMUL_OPS or "pack_mm" in base or base.endswith("_linear")
+    return base in MATMUL_OPS or "pack_mm" in base or base.endswith("_linear") or "gemv" in base
 
 
 def is_softmax(op_name: str) -> bool:

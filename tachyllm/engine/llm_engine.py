@@ -72,7 +72,8 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key()
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats,
+            config.max_decode_slowdown,
         )
         eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = eos
@@ -187,6 +188,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         results = self.runner.execute(sched)
         step_seconds = time.perf_counter() - t0
+        self.scheduler.observe_step(sched, step_seconds)
         for s in sched.scheduled:
             if not s.spec_token_ids:
                 s.seq.num_computed_tokens += s.num_new_tokens

@@ -5,6 +5,10 @@ token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
 served first, then running prefills, then waiting sequences. When the cache runs out of blocks,
 the lowest-priority / latest-arrived running sequence is preempted: its blocks are freed and it
 is recomputed later from its prompt plus the tokens it had generated.
+
+With `max_decode_slowdown`, a step that carries decodes takes only as many prefill tokens as keep
+its predicted time within that factor of the decodes' own step (step_cost.py): long prompts then
+arrive over more, smaller chunks while the running streams keep their pace.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 
 from tachyllm.engine.block_manager import BlockManager
 from tachyllm.engine.sequence import Sequence, SequenceStatus
+from tachyllm.engine.step_cost import StepCostModel, attention_pairs
 from tachyllm.outputs import StepStats
 
 
@@ -47,6 +52,10 @@ class SchedulerOutput:
     def empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def attention_pairs(self) -> int:
+        return sum(attention_pairs(s.seq.num_computed_tokens, s.num_new_tokens) for s in self.scheduled)
+
 
 class Scheduler:
     def __init__(
@@ -56,12 +65,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool,
         stats: StepStats,
+        max_decode_slowdown: float | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.stats = stats
+        self.max_decode_slowdown = max_decode_slowdown if enable_chunked_prefill else None
+        self.step_cost = StepCostModel()
         self.waiting: list[Sequence] = []  # kept sorted by arrival_order
         self.running: list[Sequence] = []
 
@@ -81,7 +93,7 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self._prefill_cap(seq, min(seq.num_uncomputed_tokens, budget), out)
             spec = self._fit_spec_tokens(seq, budget)
             if spec:
                 if self.block_manager.allocate(seq, 1 + len(spec)):
@@ -122,6 +134,8 @@ class Scheduler:
             if num_new > budget and not can_chunk:
                 break
             num_new = min(num_new, budget)
+            if can_chunk:
+                num_new = self._prefill_cap(seq, num_new, out, len(prefix) * self.block_manager.block_size)
             if not self.block_manager.allocate(seq, num_new, prefix):
                 break
             self.waiting.pop(0)
@@ -134,6 +148,38 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The wall time of the step `out` described, for the chunk-size model."""
+        if self.max_decode_slowdown is not None:
+            self.step_cost.observe(out.num_batched_tokens, out.attention_pairs, seconds)
+
+    def _prefill_cap(self, seq: Sequence, num_new: int, out: SchedulerOutput, start: int | None = None) -> int:
+        """num_new, or fewer prefill tokens if the step would otherwise slow its decodes beyond
+        max_decode_slowdown (at least one token, so that the prompt always advances)."""
+        if self.max_decode_slowdown is None or num_new <= 1:
+            return num_new
+        decodes = [s for s in out.scheduled if s.num_real_tokens == 1 and s.completes]
+        if not decodes:
+            return num_new
+        cost = self.step_cost
+        alone = cost.predict(sum(s.num_new_tokens for s in decodes), SchedulerOutput(decodes).attention_pairs)
+        if alone is None:
+            return num_new
+        limit = self.max_decode_slowdown * alone
+        tokens, pairs = out.num_batched_tokens, out.attention_pairs
+        start = seq.num_computed_tokens if start is None else start
+
+        def fits(n: int) -> bool:
+            return cost.predict(tokens + n, pairs + attention_pairs(start, n)) <= limit
+
+        if fits(num_new):
+            return num_new
+        low, high = 1, num_new  # the predicted time grows with n: the largest n that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid - 1)
+        return low
 
     def _fit_spec_tokens(self, seq: Sequence, budget: int) -> list[int]:
         """The draft tokens of a decoding sequence that fit the token budget next to its own token."""

@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache size in bytes, e.g. 2G (default: a share of free memory)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help="disable prefix caching")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="disable chunked prefill")
+    g.add_argument(
+        "--max-decode-slowdown", type=float, default=None,
+        help="cut prefill chunks so that steps with running decodes take at most this factor of the decodes' own step, e.g. 2 (default: off)",
+    )  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
     g.add_argument("--threads", type=int, default=None, help="compute threads (default: OMP_NUM_THREADS or all cores)")
     g.add_argument("--quantization", default=None, help="weight-only quantization: int8, int4, awq, gguf (default: none)")
@@ -99,6 +103,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        max_decode_slowdown=args.max_decode_slowdown,
         seed=args.seed,
         threads=args.threads,
         quantization=args.quantization,

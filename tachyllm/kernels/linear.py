@@ -1,14 +1,28 @@
-"""CPU linear layers with weights pre-reordered for oneDNN.
+"""CPU bf16 linear layers: tachyllm's C++ matrix-vector kernel for few-token inputs (decode),
+PyTorch for the rest.
 
-PyTorch's plain bf16 F.linear reaches a fraction of memory bandwidth for the one-token matmuls
-of decoding; the same weight reordered once into oneDNN's blocked layout runs those about 2x
-faster, and no slower for prefill-sized batches (measured in docs/benchmarks.md).
+A one-token matmul is a single pass over the weight, so its speed is memory bandwidth. Of the
+machine's read bandwidth, PyTorch's plain bf16 F.linear reaches under half, a oneDNN-prepacked
+weight 35-75%, and kernels/csrc/bf16_gemv.cpp 70-95%, reading PyTorch's own row-major weight. That
+kernel needs no packed copy, so each weight is kept once, as it is (a tied LM head keeps sharing
+the embedding table). Above NATIVE_MAX_ROWS rows F.linear on that plain weight takes over; a
+oneDNN-prepacked copy would be 1-7% faster at 512 rows and 12-28% at 64: the price of keeping one
+copy (numbers: `benchmarks/kernels_bench.py bf16`). Without the C++ kernels, or without
+AVX512-BF16 (where the kernel is a scalar loop), the weight is prepacked for oneDNN instead.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from tachyllm.kernels import native
+
+# Largest row count (tokens) sent to the C++ kernel. Against F.linear on the same weight, at the
+# default model's shapes: 1.3-3x faster up to 16 rows; at 64 rows 0-7% slower with 1 thread and
+# 0-25% faster with 2; 48 splits the difference.
+NATIVE_MAX_ROWS = 48
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:
@@ -19,11 +33,22 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
+        ops = native.cpu_ops(weight.device) if weight.dtype == torch.bfloat16 else None
+        # Without AVX512-BF16 the kernel is a scalar loop, ~8x slower than oneDNN: not worth it.
+        self.ops = ops if getattr(ops, "bf16_linear_vectorized", False) else None
+        if self.ops is not None:
+            self.weight, self.packed_weight = weight, None
+        else:
+            self.weight, self.packed_weight = None, torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        if x.numel() <= NATIVE_MAX_ROWS * self.in_features:
+            return self.ops.bf16_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def pack_linears(model: nn.Module) -> int:

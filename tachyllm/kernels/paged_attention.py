@@ -6,6 +6,10 @@ its context. Decodes are computed together as a grouped matmul + softmax over th
 padded contexts, with their queries padded to the longest decode's; each prefill chunk is a causal grouped matmul + softmax over query tiles. Both beat
 SDPA's CPU paths for these shapes (SDPA with a mask and grouped KV heads was ~5x slower per layer
 for a chunk with cached context, see docs/scheduler.md).
+
+On the CPU with a plain (unquantized) cache, the C++ kernels (kernels/csrc/attention.cpp) write
+K/V and compute the decodes straight from the block tables instead (the runner then fills
+`decode_info` / `decode_block_tables` rather than the gathered slots and masks).
 """
 
 
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tachyllm.kernels.kv_quant import QuantizedKV, kv_flat, kv_read, kv_write
+from tachyllm.kernels.native import cpu_ops
 
 # Queries per tile of a prefill chunk: bounds the fp32 score matrix to kv_heads x tile x group x context.
 QUERY_TILE = 256
@@ -50,6 +55,10 @@ class AttentionMetadata:
     # ([num_decodes * decode_queries]), and the padded row of each real decode token.
     decode_query_rows: torch.Tensor | None = None
     decode_output_rows: torch.Tensor | None = None
+    # For the C++ decode kernel instead of the four fields above: int32 [num_decodes, 3] rows of
+    # (first batch row, number of queries, position of the first query), and int32 block tables.
+    decode_info: torch.Tensor | None = None
+    decode_block_tables: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -66,12 +75,18 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     k_flat = kv_flat(k_cache, num_kv_heads, head_dim)
     v_flat = kv_flat(v_cache, num_kv_heads, head_dim)
-    kv_write(k_flat, meta.slot_mapping, k)
-    kv_write(v_flat, meta.slot_mapping, v)
+    ops = cpu_ops(q.device) if isinstance(k_cache, torch.Tensor) else None
+    if ops is not None:
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        kv_write(k_flat, meta.slot_mapping, k)
+        kv_write(v_flat, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and meta.decode_info is not None:
+        ops.decode_attention(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_info, scale)
+    elif nd:
         out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale)
 
     for span in meta.prefills:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tachyllm.errors import ConfigError
+from tachyllm.kernels.native import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,13 +19,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = cpu_ops(x.device)
+        if ops is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out
         # Normalise in fp32 like the reference implementation, then scale in the model dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add fused with the next norm: returns (norm(x + residual), x + residual)."""
+        """Residual add fused with the next norm: returns (norm(x + residual), x + residual).
+        The C++ kernel updates both tensors in place (x is always a fresh layer output)."""
+        ops = cpu_ops(x.device)
+        if ops is not None and x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype:
+            ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         residual = x + residual
         return self.forward(residual), residual
 
@@ -60,6 +71,11 @@ class RotaryEmbedding:
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q [tokens, heads, head_dim] and k; in place where the C++ kernel runs."""
+        ops = cpu_ops(q.device)
+        if ops is not None and q.dtype == self.cos.dtype:
+            ops.rotary_inplace(q, k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -79,5 +95,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = cpu_ops(x.device)
+        if ops is not None and gate_up.dim() == 2:
+            return self.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -11,8 +11,8 @@ from torch import nn
 from tachyllm.errors import ConfigError
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
-from tachyllm.quantization.gguf_packed import packed_gguf_weights
-from tachyllm.quantization.int4 import GROUP_SIZES, Int4Linear, Int4Weight
+from tachyllm.quantization.gguf_packed import Q8_0Linear, Q8_0Weight, head_weight_name, packed_gguf_weights
+from tachyllm.quantization.int4 import GROUP_SIZES, Int4Linear, Int4Weight, block_kernels
 from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.quantization.policy import select_linears
 
@@ -33,6 +33,7 @@ class QuantizationResult:
     kept: dict[str, str] = field(default_factory=dict)  # module -> why it stayed unquantized
     bytes_before: int = 0  # weight bytes of the quantized modules before / after
     bytes_after: int = 0
+    head: str | None = None  # gguf: what the LM head runs on, when the file decides it
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -117,24 +118,49 @@ def _awq(model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer
 
 
 def _gguf(model: nn.Module, targets: list[str], path: str | None, result: QuantizationResult) -> dict[str, nn.Module]:
+    """Runs the file's own Q4_0/Q4_1 blocks for the targeted layers, and a Q8_0 LM head (its own
+    output.weight or the tied token_embd) on its Q8_0 blocks with the C++ kernel.
+
+    quant_skip under gguf names layers to dequantize to the model dtype instead. The LM head is the
+    exception when it is stored as Q8_0: it runs on those blocks whether lm_head is skipped (the
+    default) or not. The default skip exists so that tachyllm does not round the head more coarsely
+    than the checkpoint; a Q8_0 head *is* the checkpoint's precision, and its dequantized bf16 copy
+    would only round it once more and stream twice the bytes (54 vs 29 MiB per step for the default
+    model). TACHY_NATIVE=0 (all C++ kernels off) gives the dequantized head. A Q4_0/Q4_1 head keeps
+    the usual rule: skipped (default) -> dequantized, not skipped -> int4 kernel on its blocks.
+    """
     if path is None:
         raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
-    packed, other = packed_gguf_weights(path, model.config)
+    head_source = head_weight_name(model.config)
+    head_q8_0 = (head_source,) if block_kernels(model.embed_tokens.weight.device) is not None else ()
+    packed, other = packed_gguf_weights(path, model.config, q8_0=head_q8_0)
+    dtype = model.embed_tokens.weight.dtype
     for name, kind in sorted(other.items()):
         if name.endswith(".weight") and "norm" not in name:
-            logger.info("gguf: %s is %s, which has no packed mapping: dequantized to %s", name, kind, model.embed_tokens.weight.dtype)
+            logger.info("gguf: %s is %s, which has no packed mapping: dequantized to %s", name, kind, dtype)
+    if isinstance(packed.get(head_source), Q8_0Weight):
+        model.lm_head = Q8_0Linear(packed.pop(head_source))
+        result.kept.pop("lm_head", None)
+        targets = [n for n in targets if n != "lm_head"]
+        shared = ", tied: the embedding lookup keeps its dequantized table" if model.config.tie_word_embeddings else ""
+        result.head = f"the file's Q8_0 blocks ({head_source}{shared}), C++ kernel"
     out = {}
     for name in targets:
         prefix, _, suffix = name.partition("layers.")
         layer, _, kind = suffix.partition(".")
         parts = _FUSED_PARTS.get(kind, (kind,)) if suffix else (name,)
         keys = [f"model.layers.{layer}.{p}.weight" if suffix else f"{p}.weight" for p in parts]
-        if not all(k in packed for k in keys):
+        if name == "lm_head":
+            keys = [head_source]
+        if not all(isinstance(packed.get(k), Int4Weight) for k in keys):
             result.kept[name] = "not stored as Q4_0/Q4_1 in the GGUF file (dequantized)"
             continue
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else linear.bias.detach()
         out[name] = Int4Linear(Int4Weight.concat([packed[k] for k in keys]), bias)
+    if result.head is None and "lm_head" in result.kept:
+        stored = other.get(head_source) or "Q4_0/Q4_1"
+        result.head = f"{head_source} ({stored} in the file) dequantized to {dtype}"
     return out
 
 
@@ -146,6 +172,8 @@ def _log(method: str, result: QuantizationResult, groups: dict[str, int]) -> Non
         len(result.quantized), result.bytes_before / 2**20, result.bytes_after / 2**20,
     )  # fmt: skip
     logger.debug("quantized layers: %s", ", ".join(result.quantized))
+    if result.head is not None:
+        logger.info("lm_head: %s", result.head)
     reasons: dict[str, list[str]] = {}
     for name, why in result.kept.items():
         reasons.setdefault(why, []).append(name)
@@ -161,8 +189,13 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step streams: parameters plus the quantized modules' buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, Int4Linear | Int8Linear):
+        if isinstance(m, Int4Linear | Int8Linear | Q8_0Linear):
             total += module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters())
+    config = getattr(model, "config", None)
+    if isinstance(getattr(model, "lm_head", None), Q8_0Linear) and getattr(config, "tie_word_embeddings", False):
+        # The tied table counted above as the head's weight; the head now streams its own Q8_0
+        # blocks and the table is only gathered from (one row per token).
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total
 
 

@@ -7,11 +7,13 @@ then prefill chunks, with no padding between sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from tachyllm.engine.scheduler import SchedulerOutput, ScheduledSeq
 from tachyllm.engine.sequence import Sequence, SequenceStatus
+from tachyllm.kernels.native import cpu_ops
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.sampler import Sampler
@@ -172,11 +174,21 @@ class ModelRunner:
             decode_bias=None,
             prefills=prefills,
         )
-        if decode_tables:
+        if decode_tables and self._native_decode():
+            first_rows = [0] + list(accumulate(decode_counts))[:-1]
+            meta.decode_info = torch.tensor(list(zip(first_rows, decode_counts, decode_starts)), dtype=torch.int32)
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32)
+        elif decode_tables:
             self._decode_metadata(meta, decode_tables, decode_starts, decode_counts)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
+
+    def _native_decode(self) -> bool:
+        """Whether attention will run decodes with the C++ kernel (CPU, unquantized cache)."""
+        k_cache = self.kv_caches[0][0]
+        return isinstance(k_cache, torch.Tensor) and cpu_ops(k_cache.device) is not None
 
     def _decode_metadata(
         self, meta: AttentionMetadata, tables: list[list[int]], starts: list[int], counts: list[int]

@@ -1,0 +1,24 @@
+// Declarations shared by the kernel sources and the Python bindings (bindings.cpp). Every op
+// opens a RECORD_FUNCTION range named "native::<op>" so that `tachy bench latency --profile` sees it.
+#pragma once
+#include <torch/extension.h>
+
+// elementwise.cpp
+void rms_norm(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight, double eps);
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, const torch::Tensor& weight, double eps);
+void rotary_inplace(torch::Tensor q, torch::Tensor k, const torch::Tensor& positions, const torch::Tensor& cos,
+                    const torch::Tensor& sin);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
+// attention.cpp
+void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
+              const torch::Tensor& slots);
+void decode_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& decode_info,
+                      double scale);
+
+// quant_gemv.cpp
+void register_quant_gemv(pybind11::module_& m);
+
+// bf16_gemv.cpp
+void register_bf16_gemv(pybind11::module_& m);

@@ -1,0 +1,137 @@
+"""The C++ kernels (tachyllm/kernels/csrc) against plain PyTorch, and the engine with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tachyllm.kernels import native
+from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+ops = native.native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _eager_call(fn, *args):
+    saved = native.native_ops
+    native.native_ops = lambda: None
+    try:
+        return fn(*args)
+    finally:
+        native.native_ops = saved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_rotary_and_activation_match_eager(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
+    torch.testing.assert_close(norm(x), _eager_call(norm, x), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    expected = _eager_call(norm.add_and_norm, x.clone(), residual.clone())
+    got = norm.add_and_norm(x.clone(), residual.clone())
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+    # q and k as row-strided views of one fused projection output, as the model has them.
+    rotary = RotaryEmbedding(32, 64, 10000.0, None, torch.device("cpu"), dtype)
+    qkv = torch.randn(5, (4 + 2 * 2) * 32, dtype=dtype)
+    positions = torch.tensor([0, 3, 9, 63, 17])
+    q, k, _ = qkv.split([128, 64, 64], dim=-1)
+    expected_q, expected_k = _eager_call(rotary, positions, q.reshape(5, 4, 32), k.reshape(5, 2, 32))
+    rotary(positions, q.view(5, 4, 32), k.view(5, 2, 32))  # in place
+    torch.testing.assert_close(qkv[:, :128].view(5, 4, 32), expected_q, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    torch.testing.assert_close(qkv[:, 128:192].view(5, 2, 32), expected_k, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    with pytest.raises(RuntimeError, match="position out of range"):
+        rotary(torch.tensor([64, 0, 0, 0, 0]), q.view(5, 4, 32), k.view(5, 2, 32))
+
+    gate_up = torch.randn(6, 2 * 40, dtype=dtype)
+    g, u = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(g) * u, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_mlp_uses_kernel_and_matches_eager():
+    torch.manual_seed(1)
+    mlp = GatedMLP(32, 48)
+    for p in mlp.parameters():
+        p.data.normal_(0, 0.2)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(mlp(x), _eager_call(mlp, x))
+
+
+def _reference_decode(q, k_cache, v_cache, tables, info, scale):
+    """Naive attention: query j of decode b sees positions 0 .. start + j of its block table."""
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // kv_heads
+    out = torch.zeros_like(q, dtype=torch.float32)
+    for b, (first, count, start) in enumerate(info.tolist()):
+        positions = torch.arange(start + count)
+        slots = tables[b].long()[positions // block_size] * block_size + positions % block_size
+        keys = k_cache.reshape(-1, kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        values = v_cache.reshape(-1, kv_heads, head_dim)[slots].float().repeat_interleave(group, dim=1)
+        for j in range(count):
+            visible = start + j + 1
+            scores = torch.einsum("hd,thd->ht", q[first + j].float() * scale, keys[:visible])
+            out[first + j] = torch.einsum("ht,thd->hd", scores.softmax(-1), values[:visible])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_reference(dtype):
+    torch.manual_seed(2)
+    blocks, block_size, kv_heads, heads, head_dim = 40, 4, 2, 6, 16
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # Three decodes: a plain one, one verifying 3 draft tokens (4 queries), one at position 0.
+    info = torch.tensor([[0, 1, 13], [1, 4, 6], [5, 1, 0]], dtype=torch.int32)
+    tables = torch.tensor([[7, 3, 30, 12], [5, 9, 21, 0], [33, 0, 0, 0]], dtype=torch.int32)
+    q = torch.randn(6 + 2, heads, head_dim, dtype=dtype)  # two trailing rows stand for prefill tokens
+    out = torch.full_like(q, 7.0)
+    ops.decode_attention(out, q, k_cache, v_cache, tables, info, 0.25)
+    expected = _reference_decode(q, k_cache, v_cache, tables, info, 0.25)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[:6].float(), expected[:6], rtol=tol, atol=tol)
+    assert (out[6:] == 7.0).all(), "rows of other tokens must stay untouched"
+
+
+def test_write_kv_and_bad_inputs():
+    k_cache, v_cache = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
+    kv = torch.randn(3, 2, 8)  # [tokens, k and v, head_dim] -> strided views per head
+    k, v = kv[:, :1], kv[:, 1:]
+    ops.write_kv(k, v, k_cache, v_cache, torch.tensor([5, 0, 7]))
+    flat_k, flat_v = k_cache.view(-1, 1, 8), v_cache.view(-1, 1, 8)
+    torch.testing.assert_close(flat_k[[5, 0, 7]], k)
+    torch.testing.assert_close(flat_v[[5, 0, 7]], v)
+    assert flat_k[[1, 2, 3, 4, 6]].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="cache slot out of range"):
+        ops.write_kv(k, v, k_cache, v_cache, torch.tensor([5, 0, 8]))
+    q, out = torch.randn(1, 2, 8), torch.empty(1, 2, 8)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        ops.decode_attention(out, q, k_cache, v_cache, torch.tensor([[4]], dtype=torch.int32),
+                             torch.tensor([[0, 1, 0]], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        ops.decode_attention(out, q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32),
+                             torch.tensor([[0, 1, 2]], dtype=torch.int32), 1.0)
+
+
+def _greedy(path, prompts, **kwargs):
+    from tachyllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=32, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, monkeypatch):
+    """Mixed prefill chunks and decodes, n-gram speculation (several queries per decode); Qwen3's
+    q/k norms run before the in-place rotary."""
+    tiny_llama = tiny_model_factory(arch)
+    prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    with_kernels = _greedy(tiny_llama, prompts, speculative_config=spec)
+    monkeypatch.setattr(native, "native_ops", lambda: None)
+    assert _greedy(tiny_llama, prompts, speculative_config=spec) == with_kernels

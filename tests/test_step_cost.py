@@ -1,0 +1,116 @@
+"""The step-time model and the decode-latency-aware prefill cap (max_decode_slowdown)."""
+
+from __future__ import annotations
+
+import pytest
+from test_block_manager import make_seq
+from test_scheduler import execute
+
+from tachyllm.engine.block_manager import BlockManager
+from tachyllm.engine.scheduler import Scheduler, SchedulerOutput
+from tachyllm.engine.sequence import Sequence
+from tachyllm.engine.step_cost import MIN_STEPS, StepCostModel, attention_pairs
+from tachyllm.errors import ConfigError
+from tachyllm.outputs import StepStats
+
+FIXED, PER_TOKEN, PER_PAIR = 0.010, 0.002, 1e-6
+
+
+def true_cost(tokens: int, pairs: int) -> float:
+    return FIXED + PER_TOKEN * tokens + PER_PAIR * pairs
+
+
+def test_attention_pairs_counts_causal_query_key_pairs():
+    assert attention_pairs(0, 1) == 1
+    assert attention_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attention_pairs(10, 2) == 11 + 12
+
+
+def test_model_recovers_coefficients_and_waits_for_variety():
+    model = StepCostModel()
+    for _ in range(MIN_STEPS * 2):
+        model.observe(8, 800, true_cost(8, 800))  # one shape only: cannot separate the terms
+    assert model.predict(8, 800) is None
+    for tokens, pairs in [(24, 70_000), (8, 1_000), (40, 200_000), (16, 30_000), (9, 900), (70, 500_000)]:
+        model.observe(tokens, pairs, true_cost(tokens, pairs))
+    fixed, per_token, per_pair = model.coefficients()
+    assert fixed == pytest.approx(FIXED, rel=1e-3)
+    assert per_token == pytest.approx(PER_TOKEN, rel=1e-3)
+    assert per_pair == pytest.approx(PER_PAIR, rel=1e-3)
+
+
+def test_model_never_predicts_negative_costs():
+    model = StepCostModel()
+    # Noise that a plain fit would explain with a negative per-pair cost.
+    for i in range(20):
+        tokens, pairs = 8 + i, 1000 * (20 - i) ** 2
+        model.observe(tokens, pairs, 0.01 + 0.001 * tokens - (1e-9 * pairs if i % 2 else 0))
+    assert all(c >= 0 for c in model.coefficients())
+
+
+def run_with_cost(sched: Scheduler, steps: int, watched: Sequence) -> list[tuple[int, float, float]]:
+    """Steps the scheduler, charging each step the true cost; for each step that carries a chunk of
+    `watched` next to decodes: (chunk tokens, cost of the step, cost of its decodes alone)."""
+    chunks = []
+    for _ in range(steps):
+        out = sched.schedule()
+        if out.empty:
+            break
+        cost = true_cost(out.num_batched_tokens, out.attention_pairs)
+        chunk = next((s.num_new_tokens for s in out.scheduled if s.seq is watched), 0)
+        if chunk and len(out.scheduled) > 1:
+            decodes = SchedulerOutput([s for s in out.scheduled if s.seq is not watched])
+            assert all(s.num_new_tokens == 1 for s in decodes.scheduled), "the decodes always get their token"
+            chunks.append((chunk, cost, true_cost(decodes.num_batched_tokens, decodes.attention_pairs)))
+        sched.observe_step(out, cost)
+        execute(sched, out)
+    return chunks
+
+
+def test_prefill_chunks_shrink_to_keep_decodes_within_the_slowdown():
+    sched = Scheduler(BlockManager(4096, 16, True), 16, 512, True, StepStats(), max_decode_slowdown=2.0)
+    streams = [make_seq([1, 2, 3, i], arrival=i, max_tokens=600) for i in range(4)]
+    long_prompt = make_seq([1] * 3000, arrival=10, max_tokens=1)
+    for seq in streams:
+        sched.add(seq)
+    run_with_cost(sched, 20, long_prompt)
+    sched.add(long_prompt)
+    chunks = run_with_cost(sched, 3000, long_prompt)
+    assert long_prompt.is_finished
+    for chunk, cost, alone in chunks:
+        assert chunk == 1 or cost <= 2.0 * alone * (1 + 1e-9)
+    # The chunks shrink as the context they attend to grows, and are as large as the limit allows.
+    sizes = [chunk for chunk, _, _ in chunks]
+    assert sizes[0] > sizes[-1] >= 1
+    assert max(cost / alone for _, cost, alone in chunks) > 1.8
+
+
+def test_without_decodes_a_prompt_takes_the_whole_budget():
+    sched = Scheduler(BlockManager(4096, 16, True), 16, 256, True, StepStats(), max_decode_slowdown=1.5)
+    for tokens, pairs in [(8, 100), (200, 20_000), (30, 5_000)] * 4:
+        sched.step_cost.observe(tokens, pairs, true_cost(tokens, pairs))
+    seq = make_seq([1] * 1000, max_tokens=1)
+    sched.add(seq)
+    assert [s.num_new_tokens for s in sched.schedule().scheduled] == [256]
+
+
+def test_slowdown_must_exceed_one():
+    from tachyllm.config import EngineConfig
+
+    with pytest.raises(ConfigError, match="max_decode_slowdown"):
+        EngineConfig(max_decode_slowdown=1.0)
+
+
+def test_engine_output_is_unchanged_by_the_cap(tiny_model_factory):
+    from tachyllm import LLM, SamplingParams
+
+    path = str(tiny_model_factory("llama"))
+    prompts = ["hi", "def add(a, b): return a + b " * 8, "x y", "The quick brown fox " * 6]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outputs = []
+    for slowdown in (None, 1.2):
+        llm = LLM(model=path, dtype="float32", max_num_batched_tokens=64, max_decode_slowdown=slowdown)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        if slowdown is not None:
+            assert llm.engine.scheduler.step_cost.coefficients() is not None, "the model was never fitted"
+    assert outputs[0] == outputs[1]
