@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import uvicorn
+from conftest import serving
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-
-from conftest import serving
 
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config, main

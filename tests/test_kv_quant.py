@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_quantization import engine_for, teacher_forced_top1
 
+from tachyllm.eval.greedy import agreement
+from tachyllm.eval.greedy import greedy_tokens as greedy
 from tachyllm.kernels.kv_quant import KV_STORAGE, QuantizedKV, qmax
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, paged_attention
-from tachyllm.eval.greedy import agreement, greedy_tokens as greedy
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys", "0123456789 numbers"]
 

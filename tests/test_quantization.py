@@ -13,7 +13,8 @@ from torch import nn
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import ConfigError
-from tachyllm.eval.greedy import agreement, greedy_tokens as greedy
+from tachyllm.eval.greedy import agreement
+from tachyllm.eval.greedy import greedy_tokens as greedy
 from tachyllm.eval.quality import compare, eval_engine, heldout_windows, sequence_logprobs
 from tachyllm.loading.gguf import open_gguf, raw_tensors
 from tachyllm.quantization.awq import awq_linear, output_error, search_scale

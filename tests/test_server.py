@@ -21,9 +21,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from conftest import serving
+from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine

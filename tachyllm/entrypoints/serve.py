@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 import asyncio
+import math
 import os
 import socket
 from types import FrameType

@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-from tachyllm.engine.scheduler import SchedulerOutput, ScheduledSeq
+from tachyllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tachyllm.engine.sequence import Sequence, SequenceStatus
 from tachyllm.kernels.native import cpu_ops
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan
