@@ -204,7 +204,7 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
 
 void register_bf16_gemv(pybind11::module_& m) {
   m.def("bf16_linear", &bf16_linear, "y[..., out] = x[..., in] @ weight[out, in]^T (+ bias) in bf16 with fp32 sums, for few-token inputs",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), ReleaseGil());
 #if defined(__AVX512BF16__)
   m.attr("bf16_linear_vectorized") = true;
 #else

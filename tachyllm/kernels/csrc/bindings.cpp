@@ -3,12 +3,12 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "tachyllm C++ CPU kernels";
-  m.def("rms_norm", &rms_norm, "out <- RMSNorm(x) * weight");
-  m.def("add_rms_norm", &add_rms_norm, "residual <- x + residual; x <- RMSNorm(residual) * weight");
-  m.def("rotary_inplace", &rotary_inplace, "rotate q and k in place (half-split layout)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [tokens, 2 * inter] projection");
-  m.def("write_kv", &write_kv, "write K/V rows into the paged cache at the given flat slots");
-  m.def("decode_attention", &decode_attention, "paged attention of decode queries over their block tables");
+  m.def("rms_norm", &rms_norm, "out <- RMSNorm(x) * weight", ReleaseGil());
+  m.def("add_rms_norm", &add_rms_norm, "residual <- x + residual; x <- RMSNorm(residual) * weight", ReleaseGil());
+  m.def("rotary_inplace", &rotary_inplace, "rotate q and k in place (half-split layout)", ReleaseGil());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [tokens, 2 * inter] projection", ReleaseGil());
+  m.def("write_kv", &write_kv, "write K/V rows into the paged cache at the given flat slots", ReleaseGil());
+  m.def("decode_attention", &decode_attention, "paged attention of decode queries over their block tables", ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
 }

@@ -3,6 +3,10 @@
 #pragma once
 #include <torch/extension.h>
 
+// Kernels run without the GIL (as ATen ops do), so that the server's event loop thread can stream
+// tokens while the engine thread computes.
+using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 // elementwise.cpp
 void rms_norm(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, const torch::Tensor& weight, double eps);

@@ -441,13 +441,13 @@ void register_quant_gemv(pybind11::module_& m) {
       },
       "x [..., K] float32/bfloat16 @ packed Q4_1 weights^T -> [..., out_features] in x's dtype; activations rounded "
       "per 32-block to int8 (activation_bits=8, llama.cpp's Q8_1) or to two int8 parts (16)",
-      pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16);
+      pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());
   m.def(
       "quant_gemv_q8_0",
       [](const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits) {
         return gemv(Kind::Q8_0, x, packed, out_features, activation_bits);
       },
       "x [..., K] float32/bfloat16 @ packed Q8_0 weights^T -> [..., out_features] in x's dtype (activation_bits as above)",
-      pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16);
+      pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());
   m.def("quant_gemv_isa", &isa, "instruction set the quantized kernels were built for: avx512_vnni or scalar");
 }
