@@ -12,26 +12,26 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec_math.h"
 
 namespace {
 
-constexpr int kLanes = 16;
 
 template <typename T>
 inline void to_float(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {0};
+#if defined(__AVX512F__)
+inline void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
-  float sum = 0;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (float v : lanes) sum += v;
-  return sum;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
+#endif
 
 void check_heads(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
@@ -124,32 +124,34 @@ void decode_attention(torch::Tensor out, const torch::Tensor& q, const torch::Te
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
           }
         scores.assign(rows * context, -std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < context; ++t) {
-          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-          to_float(row.data(), kc + slot * slot_stride + h * head_dim, head_dim);
-          // Queries before position t cannot see it (only the last query sees the whole context).
-          for (int64_t j = std::max<int64_t>(0, t - start); j < count; ++j)
-            for (int64_t g = 0; g < group; ++g) {
-              const int64_t r = j * group + g;
+        // Both passes walk the block table block by block: row t of block i is position
+        // i * block_size + t, one slot_stride after the previous row.
+        for (int64_t i = 0, t0 = 0; t0 < context; ++i, t0 += block_size) {
+          const scalar_t* keys = kc + static_cast<int64_t>(table[i]) * block_size * slot_stride + h * head_dim;
+          for (int64_t t = t0; t < std::min(context, t0 + block_size); ++t) {
+            to_float(row.data(), keys + (t - t0) * slot_stride, head_dim);
+            // Queries before position t cannot see it (only the last query sees the whole context).
+            for (int64_t r = std::max<int64_t>(0, t - start) * group; r < rows; ++r)
               scores[r * context + t] = dot(query.data() + r * head_dim, row.data(), head_dim);
-            }
+          }
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* s = scores.data() + r * context;
           const int64_t visible = start + r / group + 1;
-          float peak = *std::max_element(s, s + visible), total = 0;
-          for (int64_t t = 0; t < visible; ++t) total += (s[t] = std::exp(s[t] - peak));
-          const float inv = 1.0f / total;
+          const float peak = *std::max_element(s, s + visible);
+          const float inv = 1.0f / exp_shifted_sum(s, s, visible, peak);
           for (int64_t t = 0; t < visible; ++t) s[t] *= inv;
         }
         acc.assign(rows * head_dim, 0.0f);
-        for (int64_t t = 0; t < context; ++t) {
-          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-          to_float(row.data(), vc + slot * slot_stride + h * head_dim, head_dim);
-          for (int64_t r = std::max<int64_t>(0, t - start) * group; r < rows; ++r) {
-            const float p = scores[r * context + t];
-            float* a = acc.data() + r * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        for (int64_t i = 0, t0 = 0; t0 < context; ++i, t0 += block_size) {
+          const scalar_t* values = vc + static_cast<int64_t>(table[i]) * block_size * slot_stride + h * head_dim;
+          for (int64_t t = t0; t < std::min(context, t0 + block_size); ++t) {
+            to_float(row.data(), values + (t - t0) * slot_stride, head_dim);
+            for (int64_t r = std::max<int64_t>(0, t - start) * group; r < rows; ++r) {
+              const float p = scores[r * context + t];
+              float* a = acc.data() + r * head_dim;
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+            }
           }
         }
         for (int64_t r = 0; r < rows; ++r) {

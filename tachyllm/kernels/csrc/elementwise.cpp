@@ -5,8 +5,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <cmath>
+#include <vector>
 
 #include "ops.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -143,14 +145,16 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t gs = gate_up.stride(0);
     at::parallel_for(0, rows, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      std::vector<float> gate(n);
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* g = gp + r * gs;
         const scalar_t* u = g + n;
         scalar_t* o = op + r * n;
+        for (int64_t i = 0; i < n; ++i) gate[i] = static_cast<float>(g[i]);
+        silu(gate.data(), gate.data(), n);
         for (int64_t i = 0; i < n; ++i) {
-          float x = g[i];
-          scalar_t act = static_cast<scalar_t>(x / (1.0f + std::exp(-x)));
-          o[i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(u[i]));
+          // SiLU is rounded to the model dtype before the product, as the eager reference does.
+          o[i] = static_cast<scalar_t>(static_cast<float>(static_cast<scalar_t>(gate[i])) * static_cast<float>(u[i]));
         }
       }
     });
