@@ -110,8 +110,10 @@ def main() -> None:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="prompts per task at batch 1")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the median is reported")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
+    ap.add_argument("--batches", default="1,32", help="comma list of batch sizes to run (1 and/or 32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     logging.basicConfig(level=logging.WARNING)
     tasks = {"grounded": grounded_prompts(), "chat": chat_prompts()}
     names = args.configs.split(",")
@@ -124,6 +126,8 @@ def main() -> None:
     for _ in range(args.rounds):
         for task, prompts in tasks.items():
             for batch, subset in ((1, prompts[: args.batch1_prompts]), (32, prompts[:32])):
+                if batch not in batches:
+                    continue
                 for name, llm in engines.items():
                     samples.setdefault((name, task, batch), []).append(run(llm, subset, batch, args.max_tokens))
     rows: list[Row] = []
