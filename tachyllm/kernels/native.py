@@ -89,14 +89,20 @@ def build(verbose: bool = False) -> ModuleType:
 
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("building tachyllm's C++ kernels in %s (once per machine and version)", directory)
-    return cpp_extension.load(
-        name=MODULE_NAME,
-        sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=verbose,
-    )
+    # The ninja that pip installed beside this interpreter, even when its venv is not activated.
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    try:
+        return cpp_extension.load(
+            name=MODULE_NAME,
+            sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            verbose=verbose,
+        )
+    finally:
+        os.environ["PATH"] = path
 
 
 @cache
