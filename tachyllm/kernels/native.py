@@ -122,8 +122,3 @@ def cpu_ops(device: torch.device) -> ModuleType | None:
     """The kernels if tensors on `device` can use them."""
     return native_ops() if device.type == "cpu" else None
 
-
-if __name__ == "__main__":  # `python -m tachyllm.kernels.native`: build ahead of time (make install)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ops = build(verbose="-v" in sys.argv)
-    print(f"tachyllm C++ kernels ready: {build_dir()}")
