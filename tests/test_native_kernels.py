@@ -135,3 +135,27 @@ def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, m
     with_kernels = _greedy(tiny_llama, prompts, speculative_config=spec)
     monkeypatch.setattr(native, "native_ops", lambda: None)
     assert _greedy(tiny_llama, prompts, speculative_config=spec) == with_kernels
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantization, monkeypatch):
+    """Decode-only steps run each layer as one C++ DecodeLayer call, chaining the kernels the
+    modules call: in bf16 (and int4) the tokens and their logprobs are identical."""
+    from tachyllm import LLM, SamplingParams
+    from tachyllm.models.llama import DecoderLayer
+
+    path = str(tiny_model_factory("llama"))
+    prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(DecoderLayer, "fused", lambda self, rotary: None)
+        llm = LLM(model=path, dtype="bfloat16", quantization=quantization, quant_group_size=32 if quantization else None,
+                  kv_cache_memory=1 << 22, speculative_config=spec)  # fmt: skip
+        outs = llm.generate(prompts, params)
+        runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
+        if fused:
+            assert all(layer._fused is not None for layer in llm.engine.model.layers), "the fused path never ran"
+    assert runs[0] == runs[1]

@@ -75,6 +75,8 @@ MATMUL_OPS = {
     "mkldnn_linear_pointwise",
 }  # fmt: skip
 TOP_OPS = 15
+# C++ kernels that count as attention wherever they run (kernels/csrc/attention.cpp).
+ATTENTION_KERNELS = {"native::decode_attention", "native::write_kv"}
 
 
 def is_matmul(op_name: str) -> bool:
@@ -299,7 +301,11 @@ def analyze(events, num_steps: int) -> StepProfile:
             continue
         top_level += 1
         if region in (STEP, FORWARD):
-            us["matmul" if is_matmul(name) else "other_ops"] += dur
+            if name in ATTENTION_KERNELS:  # called by the fused C++ decode layer, not paged_attention
+                us["attention"] += dur
+                att["other_ops"] += dur
+            else:
+                us["matmul" if is_matmul(name) else "other_ops"] += dur
             if region == FORWARD:
                 forward_inner_us += dur
         elif region == ATTENTION:

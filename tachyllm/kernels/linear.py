@@ -43,6 +43,10 @@ class PackedLinear(nn.Module):
         else:
             self.weight, self.packed_weight = None, torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
+    def native_spec(self) -> tuple | None:
+        """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
+        return None if self.ops is None else (0, self.weight, self.bias, self.out_features, 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")

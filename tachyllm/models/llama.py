@@ -10,6 +10,8 @@ from torch import nn
 
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
+from tachyllm.kernels.linear import NATIVE_MAX_ROWS
+from tachyllm.kernels.native import cpu_ops
 from tachyllm.kernels.paged_attention import AttentionMetadata, paged_attention
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -47,8 +49,33 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self._fused: object | None = None  # the C++ DecodeLayer, built at the first decode step
+        self._fusable = True
 
-    def forward(self, x, residual, positions, rotary, kv_cache, meta):
+    def fused(self, rotary: RotaryEmbedding):
+        """This layer as one C++ call for decode-only steps (kernels/csrc/decode_layer.cpp), or None
+        when a part of it has no kernel (other linear types, q/k norms, dtypes the kernels lack)."""
+        if self._fused is None and self._fusable:
+            attn, mlp = self.self_attn, self.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            specs = [getattr(linear, "native_spec", lambda: None)() for linear in linears]
+            weight = self.input_layernorm.weight
+            ops = cpu_ops(weight.device)
+            same_dtype = weight.dtype == self.post_attention_layernorm.weight.dtype == rotary.cos.dtype
+            self._fusable = ops is not None and attn.q_norm is None and None not in specs and same_dtype
+            if self._fusable:
+                self._fused = ops.DecodeLayer(
+                    *specs, weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                    attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                )  # fmt: skip
+        return self._fused
+
+    def forward(self, x, residual, positions, rotary, kv_cache, meta, fuse: bool = False):
+        if fuse and (layer := self.fused(rotary)) is not None:
+            return layer.forward(
+                x, residual, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
+                meta.slot_mapping, meta.decode_block_tables, meta.decode_info,
+            )  # fmt: skip
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -84,8 +111,11 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        # A decode-only step (every sequence's attention in the C++ kernel) of few tokens runs each
+        # layer as one C++ call; the bf16 GEMV kernel takes at most NATIVE_MAX_ROWS rows.
+        fuse = meta.decode_info is not None and not meta.prefills and input_ids.numel() <= NATIVE_MAX_ROWS
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, fuse)
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 

@@ -126,6 +126,12 @@ class Int4Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(quantize_int4(linear.weight.detach(), group_size), bias)
 
+    def native_spec(self) -> tuple | None:
+        """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
+        if self.kernel != "blocks" or self.input_scale is not None:
+            return None
+        return (1, self.packed, self.bias, self.out_features, ACTIVATION_BITS)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "blocks" and self.input_scale is None and self.bias is None and x.dtype in KERNEL_DTYPES:
             # The decode path: one call (each extra torch op costs ~1 µs, against ~5-50 µs of kernel).

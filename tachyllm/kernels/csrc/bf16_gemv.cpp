@@ -148,6 +148,8 @@ void dot_rows(const Problem& p, int64_t row, int64_t tokens) {
   }
 }
 
+}  // namespace
+
 torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
   RECORD_FUNCTION("native::bf16_gemv", c10::ArrayRef<const c10::IValue>{});
   TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
@@ -199,8 +201,6 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
   });
   return y;
 }
-
-}  // namespace
 
 void register_bf16_gemv(pybind11::module_& m) {
   m.def("bf16_linear", &bf16_linear, "y[..., out] = x[..., in] @ weight[out, in]^T (+ bias) in bf16 with fp32 sums, for few-token inputs",

@@ -11,4 +11,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged attention of decode queries over their block tables", ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
+  register_decode_layer(m);
 }

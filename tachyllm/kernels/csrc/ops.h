@@ -22,7 +22,12 @@ void decode_attention(torch::Tensor out, const torch::Tensor& q, const torch::Te
                       double scale);
 
 // quant_gemv.cpp
+torch::Tensor quant_gemv_q4_1(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits);
 void register_quant_gemv(pybind11::module_& m);
 
 // bf16_gemv.cpp
+torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
 void register_bf16_gemv(pybind11::module_& m);
+
+// decode_layer.cpp
+void register_decode_layer(pybind11::module_& m);

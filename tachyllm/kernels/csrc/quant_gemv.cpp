@@ -429,6 +429,10 @@ const char* isa() {
 
 }  // namespace
 
+torch::Tensor quant_gemv_q4_1(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits) {
+  return gemv(Kind::Q4_1, x, packed, out_features, activation_bits);
+}
+
 void register_quant_gemv(pybind11::module_& m) {
   m.def("quant_pack_q4_1", &pack_q4_1, "codes uint8 [N,K] (0..15), scales, mins float [N,K/32] -> packed Q4_1 tiles",
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("mins"));
@@ -436,9 +440,7 @@ void register_quant_gemv(pybind11::module_& m) {
         pybind11::arg("codes"), pybind11::arg("scales"));
   m.def(
       "quant_gemv_q4_1",
-      [](const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits) {
-        return gemv(Kind::Q4_1, x, packed, out_features, activation_bits);
-      },
+      &quant_gemv_q4_1,
       "x [..., K] float32/bfloat16 @ packed Q4_1 weights^T -> [..., out_features] in x's dtype; activations rounded "
       "per 32-block to int8 (activation_bits=8, llama.cpp's Q8_1) or to two int8 parts (16)",
       pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());

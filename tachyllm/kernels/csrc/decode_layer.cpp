@@ -1,0 +1,88 @@
+// One decoder layer of a decode-only step in a single call.
+//
+// After the kernels of this folder, what was left of a small decode step was Python: ~20 calls per
+// layer (modules, views, checks), ~2.5 ms of a 6.4 ms step at batch 1. A DecodeLayer holds one
+// layer's weights as the kernels want them and chains the same kernels the Python modules call,
+// in the same order, so its results are those of the module path.
+#include "ops.h"
+
+namespace {
+
+enum class LinearKind : int64_t { Bf16 = 0, Q4_1 = 1 };
+
+struct Linear {
+  LinearKind kind;
+  torch::Tensor weight;  // bf16 [out, in], or packed Q4_1 tiles
+  c10::optional<torch::Tensor> bias;
+  int64_t out_features;
+  int64_t activation_bits;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == LinearKind::Bf16) return bf16_linear(x, weight, bias);
+    torch::Tensor y = quant_gemv_q4_1(x, weight, out_features, activation_bits);
+    if (bias) y.add_(*bias);
+    return y;
+  }
+};
+
+Linear make_linear(const pybind11::tuple& spec) {
+  TORCH_CHECK(spec.size() == 5, "a linear spec is (kind, weight, bias, out_features, activation_bits)");
+  return Linear{static_cast<LinearKind>(spec[0].cast<int64_t>()), spec[1].cast<torch::Tensor>(),
+                spec[2].cast<c10::optional<torch::Tensor>>(), spec[3].cast<int64_t>(), spec[4].cast<int64_t>()};
+}
+
+class DecodeLayer {
+ public:
+  DecodeLayer(const pybind11::tuple& qkv, const pybind11::tuple& o, const pybind11::tuple& gate_up,
+              const pybind11::tuple& down, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
+      : qkv_(make_linear(qkv)), o_(make_linear(o)), gate_up_(make_linear(gate_up)), down_(make_linear(down)),
+        input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), eps_(eps), heads_(heads),
+        kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale) {}
+
+  // x: [tokens, hidden], the layer's input before its norm; residual: the running residual
+  // (None at the first layer). Returns (output, residual) like DecoderLayer.forward.
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                   const torch::Tensor& positions, const torch::Tensor& cos,
+                                                   const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                   const torch::Tensor& slots, const torch::Tensor& block_tables,
+                                                   const torch::Tensor& decode_info) const {
+    torch::Tensor res;
+    if (residual) {
+      res = *residual;
+      add_rms_norm(x, res, input_norm_, eps_);
+    } else {
+      res = x;
+      x = torch::empty_like(res);
+      rms_norm(x, res, input_norm_, eps_);
+    }
+    const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const torch::Tensor qkv = qkv_(x);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
+    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
+    rotary_inplace(q, k, positions, cos, sin);
+    write_kv(k, v, k_cache, v_cache, slots);
+    torch::Tensor attn = torch::empty({n, heads_, head_dim_}, qkv.options());
+    decode_attention(attn, q, k_cache, v_cache, block_tables, decode_info, scale_);
+    torch::Tensor h = o_(attn.view({n, q_size}));
+    add_rms_norm(h, res, post_norm_, eps_);
+    return {down_(silu_mul(gate_up_(h))), res};
+  }
+
+ private:
+  Linear qkv_, o_, gate_up_, down_;
+  torch::Tensor input_norm_, post_norm_;
+  double eps_;
+  int64_t heads_, kv_heads_, head_dim_;
+  double scale_;
+};
+
+}  // namespace
+
+void register_decode_layer(pybind11::module_& m) {
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer")
+      .def(pybind11::init<const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&,
+                          torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double>())
+      .def("forward", &DecodeLayer::forward, ReleaseGil());
+}
