@@ -140,8 +140,8 @@ def _small_batch_threads(threads: int) -> int:
 
     The HTTP event loop streams each token from another thread. A short step runs ~250 parallel
     regions, and each waits for its slowest thread: when the event loop takes a compute thread's
-    core, every region stalls. Measured with one stream on 2 cores (Q4_1): TPOT 14.5 ms with two
-    compute threads, 8.9 ms with one. Larger batches have long steps and keep every thread
+    core, every region stalls. Measured with one stream on 2 cores (Q4_1): TPOT 11.45 ms with two
+    compute threads, 5.44 ms with one. Larger batches have long steps and keep every thread
     (64 streams: 288 tok/s with two threads, 191 with one).
     """
     cores = os.cpu_count() or 1
