@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFReader, GGUFWriter
+from gguf_files import finish
 
 from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.loading import Tokenizer, default_model_path
@@ -127,10 +128,7 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return Tokenizer.from_gguf(GGUFReader(path))
 
 

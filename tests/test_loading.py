@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf_files import add_layer_tensors, finish
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from transformers import (
@@ -45,13 +46,6 @@ def transformers_gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(**fields))
     return load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-
-
-def finish(writer: GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 # -- the default model ---------------------------------------------------------------------------
@@ -172,15 +166,7 @@ def write_tiny_gguf(path: Path, arch: str, *, head_dim: int, tied: bool, bias: b
     for name, data in (extra or {}).items():
         writer.add_tensor(name, data)
     for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", HIDDEN, quantize=False)
-        add(f"blk.{i}.ffn_norm.weight", HIDDEN, quantize=False)
-        add(f"blk.{i}.attn_q.weight", HEADS * head_dim, HIDDEN)
-        add(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
-        add(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
-        add(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head_dim)
-        add(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        add(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        add(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, head_dim, FFN)
         if bias:
             for part, rows in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
                 add(f"blk.{i}.attn_{part}.bias", rows * head_dim, quantize=False)

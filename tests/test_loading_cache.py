@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
+from gguf_files import add_layer_tensors, finish
 
 from tachyllm import loading
 from tachyllm.loading import Checkpoint, cache, load_checkpoint
@@ -73,19 +74,8 @@ def write_gguf(path: Path, seed: int = 0, quant: GGMLQuantizationType = GGMLQuan
     add("output_norm.weight", HIDDEN, quantize=False)
     add("output.weight", len(tokens), HIDDEN)
     for i in range(LAYERS):
-        add(f"blk.{i}.attn_norm.weight", HIDDEN, quantize=False)
-        add(f"blk.{i}.ffn_norm.weight", HIDDEN, quantize=False)
-        add(f"blk.{i}.attn_q.weight", HEADS * HEAD_DIM, HIDDEN)
-        add(f"blk.{i}.attn_k.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        add(f"blk.{i}.attn_v.weight", KV_HEADS * HEAD_DIM, HIDDEN)
-        add(f"blk.{i}.attn_output.weight", HIDDEN, HEADS * HEAD_DIM)
-        add(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        add(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        add(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN)
+    finish(writer)
     return path
 
 
@@ -319,10 +309,7 @@ def vocab_gguf(path: Path, model: str, tokens: list[str], types: list[int], **fi
     writer.add_token_types(types)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
+from gguf_files import add_layer_tensors, finish
 from torch import nn
 
 from tachyllm.config import EngineConfig
@@ -184,20 +185,12 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
 
     tensor("token_embd.weight", len(tokens), HIDDEN, kind=embedding)
     tensor("output_norm.weight", HIDDEN, kind=None)
+    def add(name: str, *shape: int, quantize: bool = True) -> None:
+        tensor(name, *shape, kind=GGMLQuantizationType.Q4_1 if quantize else None)
+
     for i in range(2):
-        tensor(f"blk.{i}.attn_norm.weight", HIDDEN, kind=None)
-        tensor(f"blk.{i}.ffn_norm.weight", HIDDEN, kind=None)
-        tensor(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
-        tensor(f"blk.{i}.attn_k.weight", KV_HEADS * HIDDEN // HEADS, HIDDEN)
-        tensor(f"blk.{i}.attn_v.weight", KV_HEADS * HIDDEN // HEADS, HIDDEN)
-        tensor(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
-        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
-        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
-        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN)
+    finish(writer)
     return path
 
 
