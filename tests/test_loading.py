@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf_files import add_layer_tensors, finish
+from gguf_files import add_layer_tensors, add_llama_shape, finish
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from transformers import (
@@ -132,12 +132,7 @@ def write_tiny_gguf(path: Path, arch: str, *, head_dim: int, tied: bool, bias: b
     tokens, merges, types = byte_level_vocab()
     rng = np.random.default_rng(0)
     writer = GGUFWriter(path, arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    add_llama_shape(writer, layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(500000.0)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import add_layer_tensors, finish
+from gguf_files import add_layer_tensors, add_llama_shape, finish
 
 from tachyllm import loading
 from tachyllm.loading import Checkpoint, cache, load_checkpoint
@@ -46,12 +46,7 @@ def write_gguf(path: Path, seed: int = 0, quant: GGMLQuantizationType = GGMLQuan
     types = [1] * (len(tokens) - 2) + [3, 3]
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(path, "llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
+    add_llama_shape(writer, layers=LAYERS, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
-from gguf_files import add_layer_tensors, finish
+from gguf_files import add_layer_tensors, add_llama_shape, finish
 from torch import nn
 
 from tachyllm.config import EngineConfig
@@ -167,9 +167,8 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
     tokens = [stand_ins[b] for b in range(256)] + ["he", "<|im_end|>"]
     rng = np.random.default_rng(1)
     writer = GGUFWriter(path, "llama")
+    add_llama_shape(writer, layers=2, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
     for add, value in [
-        (writer.add_block_count, 2), (writer.add_context_length, 128), (writer.add_embedding_length, HIDDEN),
-        (writer.add_feed_forward_length, FFN), (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
         (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_tokenizer_model, "gpt2"),
         (writer.add_token_list, tokens), (writer.add_token_types, [1] * (len(tokens) - 1) + [3]),
         (writer.add_token_merges, ["h e"]), (writer.add_eos_token_id, len(tokens) - 1),

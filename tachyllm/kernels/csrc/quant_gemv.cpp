@@ -365,58 +365,53 @@ inline void put_half(uint8_t* p, float v) {
   std::memcpy(p, &h, 2);
 }
 
+// Lays n rows of k / 32 blocks out as TILE-row tiles of `block_bytes` per block: fill(blk, j, row, b)
+// writes row `row`'s block b as member j of its tile; rows past n stay zero.
+template <typename Fill>
+torch::Tensor pack_tiles(int64_t n, int64_t k, int64_t block_bytes, Fill fill) {
+  const int64_t nb = k / QK, tiles = (n + TILE - 1) / TILE;
+  torch::Tensor out = torch::zeros({tiles * nb * block_bytes}, torch::dtype(at::kByte));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t b = 0; b < nb; ++b)
+        for (int64_t j = 0; j < TILE && t * TILE + j < n; ++j) fill(o + (t * nb + b) * block_bytes, j, t * TILE + j, b);
+  });
+  return out;
+}
+
 // codes uint8 [n, k] (0..15), scales d and mins m float [n, k/32] -> Q4_1 tiles.
 torch::Tensor pack_q4_1(const torch::Tensor& codes_in, const torch::Tensor& scales_in, const torch::Tensor& mins_in) {
   check_pack_inputs(codes_in, scales_in, at::kByte);
   TORCH_CHECK(mins_in.sizes() == scales_in.sizes(), "quant_pack_q4_1: mins must have the shape of scales");
   const torch::Tensor codes = codes_in.contiguous();
   const torch::Tensor scales = scales_in.to(at::kFloat).contiguous(), mins = mins_in.to(at::kFloat).contiguous();
-  const int64_t n = codes.size(0), k = codes.size(1), nb = k / QK, tiles = (n + TILE - 1) / TILE;
-  torch::Tensor out = torch::zeros({tiles * nb * Q4_1_BYTES}, codes.options());
+  const int64_t n = codes.size(0), k = codes.size(1), nb = k / QK;
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float *d = scales.data_ptr<float>(), *m = mins.data_ptr<float>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* blk = o + (t * nb + b) * Q4_1_BYTES;
-        for (int64_t j = 0; j < TILE && t * TILE + j < n; ++j) {
-          const int64_t row = t * TILE + j;
-          const uint8_t* src = c + row * k + b * QK;
-          for (int cc = 0; cc < 4; ++cc)
-            for (int e = 0; e < 4; ++e)
-              blk[64 * cc + 4 * j + e] = (src[4 * cc + e] & 0xF) | ((src[16 + 4 * cc + e] & 0xF) << 4);
-          put_half(blk + 256 + 2 * j, d[row * nb + b]);
-          put_half(blk + 288 + 2 * j, m[row * nb + b]);
-        }
-      }
+  return pack_tiles(n, k, Q4_1_BYTES, [&](uint8_t* blk, int64_t j, int64_t row, int64_t b) {
+    const uint8_t* src = c + row * k + b * QK;
+    for (int cc = 0; cc < 4; ++cc)
+      for (int e = 0; e < 4; ++e)
+        blk[64 * cc + 4 * j + e] = (src[4 * cc + e] & 0xF) | ((src[16 + 4 * cc + e] & 0xF) << 4);
+    put_half(blk + 256 + 2 * j, d[row * nb + b]);
+    put_half(blk + 288 + 2 * j, m[row * nb + b]);
   });
-  return out;
 }
 
 // codes int8 [n, k], scales d float [n, k/32] -> Q8_0 tiles (codes stored as q + 128).
 torch::Tensor pack_q8_0(const torch::Tensor& codes_in, const torch::Tensor& scales_in) {
   check_pack_inputs(codes_in, scales_in, at::kChar);
   const torch::Tensor codes = codes_in.contiguous(), scales = scales_in.to(at::kFloat).contiguous();
-  const int64_t n = codes.size(0), k = codes.size(1), nb = k / QK, tiles = (n + TILE - 1) / TILE;
-  torch::Tensor out = torch::zeros({tiles * nb * Q8_0_BYTES}, codes.options().dtype(at::kByte));
+  const int64_t n = codes.size(0), k = codes.size(1), nb = k / QK;
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* d = scales.data_ptr<float>();
-  uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* blk = o + (t * nb + b) * Q8_0_BYTES;
-        for (int64_t j = 0; j < TILE && t * TILE + j < n; ++j) {
-          const int64_t row = t * TILE + j;
-          const int8_t* src = c + row * k + b * QK;
-          for (int cc = 0; cc < 8; ++cc)
-            for (int e = 0; e < 4; ++e) blk[64 * cc + 4 * j + e] = static_cast<uint8_t>(src[4 * cc + e] + 128);
-          put_half(blk + 512 + 2 * j, d[row * nb + b]);
-        }
-      }
+  return pack_tiles(n, k, Q8_0_BYTES, [&](uint8_t* blk, int64_t j, int64_t row, int64_t b) {
+    const int8_t* src = c + row * k + b * QK;
+    for (int cc = 0; cc < 8; ++cc)
+      for (int e = 0; e < 4; ++e) blk[64 * cc + 4 * j + e] = static_cast<uint8_t>(src[4 * cc + e] + 128);
+    put_half(blk + 512 + 2 * j, d[row * nb + b]);
   });
-  return out;
 }
 
 const char* isa() {
