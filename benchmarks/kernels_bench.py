@@ -2,8 +2,9 @@
 
 linear:    the engine's bf16 linear (PackedLinear, tachyllm/kernels/linear.py) vs plain F.linear,
            at the default model's shapes and 1 / 64 / 512 tokens.
-attention: tachyllm's tiled causal grouped-matmul prefill attention vs F.scaled_dot_product_attention
-           (bf16, 9 query heads, 3 KV heads, head_dim 64).
+attention: the C++ paged attention kernel (kernels/csrc/attention.cpp) vs the PyTorch path's tiled
+           causal grouped matmul vs F.scaled_dot_product_attention (bf16, 9 query heads, 3 KV
+           heads, head_dim 64): a batch of decodes, a verification, prefill chunks.
 quant:     the C++ block kernels (kernels/csrc/quant_gemv.cpp; 16- and 8-bit activations) vs aten's
            int4 kernel (group 32) vs the engine's bf16 linear (PackedLinear), at the default model's
            Q4_1 shapes, and
@@ -53,23 +54,48 @@ def bench_linear() -> None:
             print(f"| {out_f}x{in_f} | {tokens} | {plain:.0f} | {fast:.0f} | {plain / fast:.2f}x |")
 
 
+def _paged(tokens: list[int], kv_heads: int = 3, head_dim: int = 64, block_size: int = 16):
+    """A bf16 paged cache holding each sequence's `tokens` positions in shuffled blocks."""
+    widths = [-(-t // block_size) for t in tokens]
+    order = torch.randperm(sum(widths)).to(torch.int32)
+    tables = torch.zeros(len(tokens), max(widths), dtype=torch.int32)
+    for i, start in enumerate([sum(widths[:i]) for i in range(len(tokens))]):
+        tables[i, : widths[i]] = order[start : start + widths[i]]
+    shape = (sum(widths), block_size, kv_heads, head_dim)
+    return torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16), tables
+
+
 def bench_attention() -> None:
-    print("\n| chunk | cached tokens | SDPA ms | tachyllm ms | ratio |\n|---|---|---|---|---|")
-    for length, cached in [(16, 4080), (512, 0), (2048, 0)]:
-        q = torch.randn(length, 9, 64, dtype=torch.bfloat16)
+    """Per layer (9 query heads, 3 KV heads, head_dim 64, bf16): prefill shapes against SDPA and the
+    grouped-matmul path over contiguous K/V, and the C++ kernel reading a paged cache."""
+    ops = native_ops()
+    print("\n| shape | SDPA ms | grouped matmul ms | C++ paged kernel ms | kernel vs grouped |\n|---|---|---|---|---|")
+    # (sequences, queries each, cached tokens before them)
+    for seqs, length, cached in [(64, 1, 200), (1, 5, 300), (1, 16, 4080), (1, 512, 0), (1, 2048, 0)]:
+        q = torch.randn(seqs * length, 9, 64, dtype=torch.bfloat16)
         k = torch.randn(cached + length, 3, 64, dtype=torch.bfloat16)
         v = torch.randn(cached + length, 3, 64, dtype=torch.bfloat16)
-        mask = torch.arange(cached + length)[None] <= torch.arange(cached, cached + length)[:, None]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        calls = 3 if length * (cached + length) > 10**5 else 20
+        ref = grouped = float("nan")
+        if seqs == 1:
+            mask = torch.arange(cached + length)[None] <= torch.arange(cached, cached + length)[:, None]
+            qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-        def sdpa():
-            if cached:
-                return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=0.125)
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True, scale=0.125)
+            def sdpa():
+                if cached:
+                    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=0.125)
+                return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True, scale=0.125)
 
-        ref = per_call_us(sdpa, 3) / 1e3
-        ours = per_call_us(lambda: causal_attention(q, k, v, cached, 0.125), 3) / 1e3
-        print(f"| {length} | {cached} | {ref:.1f} | {ours:.1f} | {ref / ours:.1f}x |")
+            ref = per_call_us(sdpa, calls) / 1e3
+            grouped = per_call_us(lambda: causal_attention(q, k, v, cached, 0.125), calls) / 1e3
+        kernel = float("nan")
+        if ops is not None:
+            k_cache, v_cache, tables = _paged([cached + length] * seqs)
+            info = torch.tensor([[i * length, length, cached] for i in range(seqs)], dtype=torch.int32)
+            out = torch.empty_like(q)
+            kernel = per_call_us(lambda: ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125), calls) / 1e3
+        name = f"{seqs} x {length} queries after {cached} tokens"
+        print(f"| {name} | {ref:.2f} | {grouped:.2f} | {kernel:.2f} | {grouped / kernel:.1f}x |")
 
 
 def best_us(fns: list, calls: int, runs: int = 5) -> float:

@@ -91,7 +91,7 @@ def test_matmul_names():
     for name in ("aten::linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear_pointwise",
                  "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "native::bf16_gemv"):  # fmt: skip
         assert is_matmul(name), name
-    for name in ("aten::softmax", "aten::add", "aten::index_select", "aten::copy_", "aten::mul", "native::decode_attention"):
+    for name in ("aten::softmax", "aten::add", "aten::index_select", "aten::copy_", "aten::mul", "native::paged_attention"):
         assert not is_matmul(name), name
 
 

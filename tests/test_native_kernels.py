@@ -62,8 +62,8 @@ def test_mlp_uses_kernel_and_matches_eager():
     torch.testing.assert_close(mlp(x), _eager_call(mlp, x))
 
 
-def _reference_decode(q, k_cache, v_cache, tables, info, scale):
-    """Naive attention: query j of decode b sees positions 0 .. start + j of its block table."""
+def _reference_attention(q, k_cache, v_cache, tables, info, scale):
+    """Naive attention: query j of sequence b sees positions 0 .. start + j of its block table."""
     block_size, kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // kv_heads
     out = torch.zeros_like(q, dtype=torch.float32)
@@ -79,22 +79,58 @@ def _reference_decode(q, k_cache, v_cache, tables, info, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_reference(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim, block_size", [(16, 4), (64, 16), (128, 32), (24, 8)])
+def test_paged_attention_matches_reference(dtype, head_dim, block_size):
+    """Decodes, a verification of draft tokens, a prefill from position 0 and a chunk after cached
+    context, in one batch: query tiles, partial key tiles, blocks shorter and longer than a tile."""
     torch.manual_seed(2)
-    blocks, block_size, kv_heads, heads, head_dim = 40, 4, 2, 6, 16
+    blocks, kv_heads, heads = 64, 2, 6
     k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    # Three decodes: a plain one, one verifying 3 draft tokens (4 queries), one at position 0.
-    info = torch.tensor([[0, 1, 13], [1, 4, 6], [5, 1, 0]], dtype=torch.int32)
-    tables = torch.tensor([[7, 3, 30, 12], [5, 9, 21, 0], [33, 0, 0, 0]], dtype=torch.int32)
-    q = torch.randn(6 + 2, heads, head_dim, dtype=dtype)  # two trailing rows stand for prefill tokens
+    counts_starts = [(1, 13), (4, 6), (1, 0), (23, 0), (37, 3 * block_size + 5)]
+    first_rows = [0, 1, 5, 6, 29]
+    info = torch.tensor([[f, c, s] for f, (c, s) in zip(first_rows, counts_starts)], dtype=torch.int32)
+    width = max(-(-(c + s) // block_size) for c, s in counts_starts)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in counts_starts]).to(torch.int32)
+    q = torch.randn(66 + 2, heads, head_dim, dtype=dtype)  # two trailing rows stand for other tokens
     out = torch.full_like(q, 7.0)
-    ops.decode_attention(out, q, k_cache, v_cache, tables, info, 0.25)
-    expected = _reference_decode(q, k_cache, v_cache, tables, info, 0.25)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out[:6].float(), expected[:6], rtol=tol, atol=tol)
-    assert (out[6:] == 7.0).all(), "rows of other tokens must stay untouched"
+    ops.paged_attention(out, q, k_cache, v_cache, tables, info, head_dim**-0.5)
+    expected = _reference_attention(q, k_cache, v_cache, tables, info, head_dim**-0.5)
+    tol = TOLERANCE.get(dtype, 2e-3)
+    torch.testing.assert_close(out[:66].float(), expected[:66], rtol=tol, atol=tol)
+    assert (out[66:] == 7.0).all(), "rows of other tokens must stay untouched"
+
+
+def test_paged_attention_splits_long_contexts_across_threads():
+    """Long contexts are split into segments computed in parallel and merged (flash-decoding); the
+    result must not depend on the thread count at all (nor, by construction, on the batch)."""
+    torch.manual_seed(3)
+    block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
+    counts_starts = [(1, 1500), (3, 2000), (1, 40)]
+    widths = [-(-(c + s) // block_size) for c, s in counts_starts]
+    blocks = sum(widths)
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    order = torch.randperm(blocks).to(torch.int32)
+    tables = torch.zeros(len(widths), max(widths), dtype=torch.int32)
+    for i, w in enumerate(widths):
+        tables[i, :w] = order[sum(widths[:i]) : sum(widths[:i]) + w]
+    info = torch.tensor([[0, 1, 1500], [1, 3, 2000], [4, 1, 40]], dtype=torch.int32)
+    q = torch.randn(5, heads, head_dim, dtype=torch.bfloat16)
+    expected = _reference_attention(q, k_cache, v_cache, tables, info, 0.125)
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 4):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(q)
+            ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125)
+            results.append(out.float())
+    finally:
+        torch.set_num_threads(saved)
+    torch.testing.assert_close(results[0], expected, rtol=2e-2, atol=2e-2)
+    assert all(torch.equal(results[0], out) for out in results[1:])
 
 
 def test_write_kv_and_bad_inputs():
@@ -110,10 +146,10 @@ def test_write_kv_and_bad_inputs():
         ops.write_kv(k, v, k_cache, v_cache, torch.tensor([5, 0, 8]))
     q, out = torch.randn(1, 2, 8), torch.empty(1, 2, 8)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        ops.decode_attention(out, q, k_cache, v_cache, torch.tensor([[4]], dtype=torch.int32),
+        ops.paged_attention(out, q, k_cache, v_cache, torch.tensor([[4]], dtype=torch.int32),
                              torch.tensor([[0, 1, 0]], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="block table too short"):
-        ops.decode_attention(out, q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32),
+        ops.paged_attention(out, q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32),
                              torch.tensor([[0, 1, 2]], dtype=torch.int32), 1.0)
 
 

@@ -76,7 +76,7 @@ MATMUL_OPS = {
 }  # fmt: skip
 TOP_OPS = 15
 # C++ kernels that count as attention wherever they run (kernels/csrc/attention.cpp).
-ATTENTION_KERNELS = {"native::decode_attention", "native::write_kv"}
+ATTENTION_KERNELS = {"native::paged_attention", "native::write_kv"}
 
 
 def is_matmul(op_name: str) -> bool:

@@ -8,8 +8,9 @@ SDPA's CPU paths for these shapes (SDPA with a mask and grouped KV heads was ~5x
 for a chunk with cached context, see docs/scheduler.md).
 
 On the CPU with a plain (unquantized) cache, the C++ kernels (kernels/csrc/attention.cpp) write
-K/V and compute the decodes straight from the block tables instead (the runner then fills
-`decode_info` / `decode_block_tables` rather than the gathered slots and masks).
+K/V and compute every sequence of the batch, decodes and prefill chunks alike, straight from the
+block tables instead (the runner then fills `seq_info` / `block_tables` rather than the gathered
+slots, masks and prefill spans).
 """
 
 
@@ -55,10 +56,11 @@ class AttentionMetadata:
     # ([num_decodes * decode_queries]), and the padded row of each real decode token.
     decode_query_rows: torch.Tensor | None = None
     decode_output_rows: torch.Tensor | None = None
-    # For the C++ decode kernel instead of the four fields above: int32 [num_decodes, 3] rows of
-    # (first batch row, number of queries, position of the first query), and int32 block tables.
-    decode_info: torch.Tensor | None = None
-    decode_block_tables: torch.Tensor | None = None
+    # For the C++ kernel instead of the fields above, one row per sequence of the batch: int32
+    # [num_seqs, 3] rows of (first batch row, number of queries, position of the first query),
+    # and int32 block tables.
+    seq_info: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
 
 
 def paged_attention(
@@ -83,10 +85,11 @@ def paged_attention(
         kv_write(v_flat, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
+    if meta.seq_info is not None:
+        ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_info, scale)
+        return out
     nd = meta.num_decode_tokens
-    if nd and meta.decode_info is not None:
-        ops.decode_attention(out, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_info, scale)
-    elif nd:
+    if nd:
         out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale)
 
     for span in meta.prefills:

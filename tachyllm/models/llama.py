@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
         if fuse and (layer := self.fused(rotary)) is not None:
             return layer.forward(
                 x, residual, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
-                meta.slot_mapping, meta.decode_block_tables, meta.decode_info,
+                meta.slot_mapping, meta.block_tables, meta.seq_info,
             )  # fmt: skip
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -111,9 +111,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        # A decode-only step (every sequence's attention in the C++ kernel) of few tokens runs each
-        # layer as one C++ call; the bf16 GEMV kernel takes at most NATIVE_MAX_ROWS rows.
-        fuse = meta.decode_info is not None and not meta.prefills and input_ids.numel() <= NATIVE_MAX_ROWS
+        # A step of few tokens whose attention runs in the C++ kernel runs each layer as one C++
+        # call; the bf16 GEMV kernel is the faster one up to NATIVE_MAX_ROWS rows.
+        fuse = meta.seq_info is not None and input_ids.numel() <= NATIVE_MAX_ROWS
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, fuse)
         x, _ = self.norm.add_and_norm(x, residual)

@@ -58,8 +58,13 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
-        # Quantized caches dequantize on read; the contiguous copy would skip that rounding.
-        self.use_chunk_buffers = isinstance(kv_caches[0][0], torch.Tensor)
+        # Whether the C++ kernel computes attention (CPU, unquantized cache): it reads every
+        # sequence's context from the paged cache by block table.
+        k_cache = kv_caches[0][0]
+        self.native_attention = isinstance(k_cache, torch.Tensor) and cpu_ops(k_cache.device) is not None
+        # Otherwise a long prompt prefilled in chunks keeps a contiguous K/V copy; quantized caches
+        # dequantize on read, which the copy would skip.
+        self.use_chunk_buffers = isinstance(k_cache, torch.Tensor) and not self.native_attention
         self.chunk_buffers: dict[int, _ChunkBuffer] = {}
 
     @torch.inference_mode()
@@ -143,10 +148,13 @@ class ModelRunner:
         if self.chunk_buffers:
             self._drop_stale_chunk_buffers()
         bs = self.block_size
+        native = self.native_attention
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        decode_tables, decode_starts, decode_counts = [], [], []
+        # Sequences whose attention reads the paged cache by block table: the decodes, or with the
+        # C++ kernel every sequence.
+        tables, starts, counts = [], [], []
         prefills: list[PrefillSpan] = []
         for s in ordered:
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
@@ -154,10 +162,10 @@ class ModelRunner:
             input_ids += seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
             positions += range(start, start + n)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if s.num_real_tokens == 1:
-                decode_tables.append(table)
-                decode_starts.append(start)
-                decode_counts.append(n)
+            if native or s.num_real_tokens == 1:
+                tables.append(table)
+                starts.append(start)
+                counts.append(n)
             else:
                 offset = len(input_ids) - n
                 slots = None if start == 0 else self._slots([table], start + n)[0].to(self.device)
@@ -169,26 +177,21 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=sum(decode_counts),
+            num_decode_tokens=sum(counts),
             decode_slots=None,
             decode_bias=None,
             prefills=prefills,
         )
-        if decode_tables and self._native_decode():
-            first_rows = [0] + list(accumulate(decode_counts))[:-1]
-            meta.decode_info = torch.tensor(list(zip(first_rows, decode_counts, decode_starts)), dtype=torch.int32)
-            width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32)
-        elif decode_tables:
-            self._decode_metadata(meta, decode_tables, decode_starts, decode_counts)
+        if tables and native:
+            first_rows = [0] + list(accumulate(counts))[:-1]
+            meta.seq_info = torch.tensor(list(zip(first_rows, counts, starts)), dtype=torch.int32)
+            width = max(len(t) for t in tables)
+            meta.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        elif tables:
+            self._decode_metadata(meta, tables, starts, counts)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos, meta
-
-    def _native_decode(self) -> bool:
-        """Whether attention will run decodes with the C++ kernel (CPU, unquantized cache)."""
-        k_cache = self.kv_caches[0][0]
-        return isinstance(k_cache, torch.Tensor) and cpu_ops(k_cache.device) is not None
 
     def _decode_metadata(
         self, meta: AttentionMetadata, tables: list[list[int]], starts: list[int], counts: list[int]

@@ -1,14 +1,26 @@
-// Paged KV cache writes and decode attention that read the cache's blocks in place.
+// Paged attention over a flattened batch whose K/V live in a paged cache, reading the cache's
+// blocks in place: decodes (one query), speculative verifications (a few) and prefill chunks
+// (many) alike, each query seeing the positions up to its own.
 //
-// The eager path gathers each decode's whole context into a padded tensor every layer and runs
-// two batched matmuls and a masked softmax over it; here each (decode, KV head) pair walks its
-// block table once, with the query heads that share the KV head reading each key and value row
-// together. Scores, softmax and sums are fp32 whatever the cache dtype.
+// A work item is (sequence, tile of its queries, segment of its context), all KV heads: for each
+// KV head, the query heads that share it and the tile's queries form the rows of a small matrix,
+// and the item walks the block table in tiles of 16 positions (reading each block's rows of all
+// heads together). Per key tile: the keys are transposed to [head_dim][16] fp32 so that the
+// scores of 16 positions for a row are one vector of FMAs shared by all rows; an online softmax
+// (running max and sum per row, flash-attention style) turns them into weights; the weighted
+// values are accumulated in registers, several rows at a time. Long contexts are cut into
+// segments merged at the end (flash-decoding), so that one long prompt keeps both threads busy.
+// Everything is fp32 whatever the cache dtype. Items differ a lot in cost, so threads take them
+// heaviest first from a shared counter; how an item is cut never depends on the batch or the
+// thread count, so neither changes a row's result.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -16,6 +28,10 @@
 
 namespace {
 
+constexpr int64_t KEY_TILE = 16;
+// Rows (queries x query heads per KV head) of one work item: bounds its buffers to a few KB.
+constexpr int64_t MAX_ROWS = 32;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 template <typename T>
 inline void to_float(float* dst, const T* src, int64_t n) {
@@ -23,15 +39,236 @@ inline void to_float(float* dst, const T* src, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-inline void to_float(float* dst, const c10::BFloat16* src, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// In place: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  // u[4g + c], 128-bit lane l: column 4l + c of rows 4g .. 4g + 3.
+  __m512 u[16];
+  for (int g = 0; g < 4; ++g) {
+    const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+    u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// scores[r][0..16) = q[r] . keys_t[:, 0..16) for N rows, with S partial sums per row so that
+// enough independent FMA chains are in flight.
+template <int N, int S>
+inline void scores_rows(float* scores, const float* q, const float* keys_t, int64_t head_dim) {
+  __m512 acc[N][S];
+  for (int i = 0; i < N; ++i)
+    for (int s = 0; s < S; ++s) acc[i][s] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + S <= head_dim; d += S)
+    for (int s = 0; s < S; ++s) {
+      const __m512 k = _mm512_loadu_ps(keys_t + (d + s) * KEY_TILE);
+      for (int i = 0; i < N; ++i) acc[i][s] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * head_dim + d + s]), k, acc[i][s]);
+    }
+  for (; d < head_dim; ++d) {
+    const __m512 k = _mm512_loadu_ps(keys_t + d * KEY_TILE);
+    for (int i = 0; i < N; ++i) acc[i][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * head_dim + d]), k, acc[i][0]);
+  }
+  for (int i = 0; i < N; ++i) {
+    for (int s = 1; s < S; ++s) acc[i][0] = _mm512_add_ps(acc[i][0], acc[i][s]);
+    _mm512_storeu_ps(scores + i * KEY_TILE, acc[i][0]);
+  }
+}
+
+inline void scores_all(float* scores, const float* q, const float* keys_t, int64_t head_dim, int64_t rows) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) scores_rows<8, 1>(scores + r * KEY_TILE, q + r * head_dim, keys_t, head_dim);
+  float* s = scores + r * KEY_TILE;
+  const float* qr = q + r * head_dim;
+  switch (rows - r) {
+    case 1: return scores_rows<1, 8>(s, qr, keys_t, head_dim);
+    case 2: return scores_rows<2, 4>(s, qr, keys_t, head_dim);
+    case 3: return scores_rows<3, 2>(s, qr, keys_t, head_dim);
+    case 4: return scores_rows<4, 2>(s, qr, keys_t, head_dim);
+    case 5: return scores_rows<5, 1>(s, qr, keys_t, head_dim);
+    case 6: return scores_rows<6, 1>(s, qr, keys_t, head_dim);
+    case 7: return scores_rows<7, 1>(s, qr, keys_t, head_dim);
+    default: return;
+  }
+}
+
+// acc[r] = acc[r] * rescale[r] + sum_t weights[r][t] * values[t] for N rows of P 16-float pieces;
+// value rows straight from the cache (`stride` apart), converted in registers.
+template <int N, int P, typename T>
+inline void accumulate_rows(float* acc, const float* rescale, const float* weights, const T* values, int64_t stride,
+                            int64_t n) {
+  __m512 a[N][P];
+  for (int i = 0; i < N; ++i) {
+    const __m512 s = _mm512_set1_ps(rescale[i]);
+    for (int p = 0; p < P; ++p) a[i][p] = _mm512_mul_ps(_mm512_loadu_ps(acc + i * P * 16 + p * 16), s);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[P];
+    for (int p = 0; p < P; ++p) v[p] = load16(values + t * stride + p * 16);
+    for (int i = 0; i < N; ++i) {
+      const __m512 w = _mm512_set1_ps(weights[i * KEY_TILE + t]);
+      for (int p = 0; p < P; ++p) a[i][p] = _mm512_fmadd_ps(w, v[p], a[i][p]);
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int p = 0; p < P; ++p) _mm512_storeu_ps(acc + i * P * 16 + p * 16, a[i][p]);
+}
+
+// Rows in blocks whose N * P accumulators (plus P values) fit the 32 vector registers.
+template <int P, typename T>
+void accumulate_all(float* acc, const float* rescale, const float* weights, const T* values, int64_t stride, int64_t n,
+                    int64_t rows) {
+  constexpr int N = P <= 4 ? 6 : 3;
+  int64_t r = 0;
+  for (; r + N <= rows; r += N)
+    accumulate_rows<N, P>(acc + r * P * 16, rescale + r, weights + r * KEY_TILE, values, stride, n);
+  for (; r + 2 <= rows; r += 2)
+    accumulate_rows<2, P>(acc + r * P * 16, rescale + r, weights + r * KEY_TILE, values, stride, n);
+  if (r < rows) accumulate_rows<1, P>(acc + r * P * 16, rescale + r, weights + r * KEY_TILE, values, stride, n);
 }
 #endif
+
+// One work item's state and the tile steps. Buffers are per thread and reused across items.
+struct Tile {
+  int64_t head_dim = 0, rows = 0;
+  std::vector<float> q, acc, max, sum, rescale, scores, keys_t, values;
+
+  void reset(int64_t d, int64_t r) {
+    head_dim = d, rows = r;
+    q.resize(r * d);
+    acc.assign(r * d, 0.0f);
+    max.assign(r, NEG_INF);
+    sum.assign(r, 0.0f);
+    rescale.resize(r);
+    scores.resize(r * KEY_TILE);
+    keys_t.resize(d * KEY_TILE);
+  }
+
+  // One tile of n (<= 16) positions starting at `first`, their key and value rows one `stride`
+  // apart; row r may see positions <= row_last[r].
+  template <typename T>
+  void step(const T* keys, const T* vals, int64_t stride, int64_t first, int64_t n, const int64_t* row_last) {
+    load_keys(keys, stride, n);
+#if defined(__AVX512F__)
+    scores_all(scores.data(), q.data(), keys_t.data(), head_dim, rows);
+#else
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < KEY_TILE; ++t) {
+        float s = 0;
+        for (int64_t d = 0; d < head_dim; ++d) s += q[r * head_dim + d] * keys_t[d * KEY_TILE + t];
+        scores[r * KEY_TILE + t] = s;
+      }
+#endif
+    softmax_update(first, n, row_last);
+    accumulate(vals, stride, n);
+  }
+
+ private:
+  // keys_t[d][t] = key t's component d in fp32, positions n .. 15 zero.
+  template <typename T>
+  void load_keys(const T* keys, int64_t stride, int64_t n) {
+#if defined(__AVX512F__)
+    if constexpr (!std::is_same_v<T, double>) {
+      if (head_dim % 16 == 0) {
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+          __m512 r[16];
+          for (int64_t t = 0; t < 16; ++t) r[t] = t < n ? load16(keys + t * stride + d0) : _mm512_setzero_ps();
+          transpose16(r);
+          for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(keys_t.data() + (d0 + i) * KEY_TILE, r[i]);
+        }
+        return;
+      }
+    }
+#endif
+    std::fill(keys_t.begin(), keys_t.end(), 0.0f);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < head_dim; ++d) keys_t[d * KEY_TILE + t] = static_cast<float>(keys[t * stride + d]);
+  }
+
+  // Online softmax: scores become weights relative to each row's running maximum; rescale[r]
+  // is what the row's earlier sums must be multiplied by.
+  void softmax_update(int64_t first, int64_t n, const int64_t* row_last) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* s = scores.data() + r * KEY_TILE;
+      const int64_t visible = std::min<int64_t>(n, row_last[r] - first + 1);
+      if (visible <= 0) {  // the whole tile lies after this row's position
+        std::fill(s, s + KEY_TILE, 0.0f);
+        rescale[r] = 1.0f;
+        continue;
+      }
+      std::fill(s + visible, s + KEY_TILE, NEG_INF);
+#if defined(__AVX512F__)
+      const float tile_max = _mm512_reduce_max_ps(_mm512_loadu_ps(s));
+#else
+      const float tile_max = *std::max_element(s, s + visible);
+#endif
+      const float peak = std::max(max[r], tile_max);
+      rescale[r] = max[r] == NEG_INF ? 0.0f : std::exp(max[r] - peak);
+      max[r] = peak;
+      sum[r] = sum[r] * rescale[r] + exp_shifted_sum(s, s, KEY_TILE, peak);
+    }
+  }
+
+  template <typename T>
+  void accumulate(const T* vals, int64_t stride, int64_t n) {
+#if defined(__AVX512F__)
+    if constexpr (!std::is_same_v<T, double>) {
+      switch (head_dim) {
+        case 64: return accumulate_all<4>(acc.data(), rescale.data(), scores.data(), vals, stride, n, rows);
+        case 128: return accumulate_all<8>(acc.data(), rescale.data(), scores.data(), vals, stride, n, rows);
+        default: break;
+      }
+    }
+#endif
+    values.resize(n * head_dim);
+    for (int64_t t = 0; t < n; ++t) to_float(values.data() + t * head_dim, vals + t * stride, head_dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* a = acc.data() + r * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) a[d] *= rescale[r];
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = scores[r * KEY_TILE + t];
+        const float* v = values.data() + t * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += w * v[d];
+      }
+    }
+  }
+};
+
+// Queries [first_query, first_query + queries) of a sequence, all KV heads, over positions
+// [pos_begin, pos_end) of its context. A long context is split into several such segments
+// (flash-decoding) so that threads can share it; each then leaves its running max, sum and
+// weighted values for the merge, at `partial` (-1: unsplit, writes the output).
+struct WorkItem {
+  int64_t seq, first_query, queries, pos_begin, pos_end, partial;
+};
+
+// Positions per segment of a long context (contexts of at least twice this many are split).
+constexpr int64_t SEGMENT = 512;
+// How far ahead (positions) a work item asks for K/V rows: two tiles.
+constexpr int64_t PREFETCH_DISTANCE = 2 * KEY_TILE;
 
 void check_heads(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
@@ -71,14 +308,13 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
   });
 }
 
-void decode_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& decode_info,
-                      double scale) {
-  RECORD_FUNCTION("native::decode_attention", c10::ArrayRef<const c10::IValue>{});
-  // q, out: [tokens, heads, head_dim]. decode_info: int32 [decodes, 3] = (first query row,
-  // number of queries, position of the first query); query j of a decode sits at position
-  // start + j and sees positions 0 .. start + j (speculative decoding verifies several queries).
-  // block_tables: int32 [decodes, max_blocks].
+void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                     double scale) {
+  RECORD_FUNCTION("native::paged_attention", c10::ArrayRef<const c10::IValue>{});
+  // q, out: [tokens, heads, head_dim]. seq_info: int32 [seqs, 3] = (first query row, number of
+  // queries, position of the first query); query j of a sequence sits at position start + j and
+  // sees positions 0 .. start + j. block_tables: int32 [seqs, max_blocks].
   check_heads(q, "q");
   check_heads(out, "out");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -86,80 +322,150 @@ void decode_attention(torch::Tensor out, const torch::Tensor& q, const torch::Te
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
               out.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt && block_tables.dim() == 2);
-  TORCH_CHECK(decode_info.is_contiguous() && decode_info.scalar_type() == at::kInt && decode_info.dim() == 2 &&
-              decode_info.size(1) == 3 && decode_info.size(0) == block_tables.size(0));
+  TORCH_CHECK(seq_info.is_contiguous() && seq_info.scalar_type() == at::kInt && seq_info.dim() == 2 &&
+              seq_info.size(1) == 3 && seq_info.size(0) == block_tables.size(0));
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head shapes of q and the cache disagree");
-  const int64_t group = num_heads / kv_heads, decodes = decode_info.size(0), width = block_tables.size(1);
+  const int64_t group = num_heads / kv_heads, seqs = seq_info.size(0), width = block_tables.size(1);
   const int64_t num_blocks = k_cache.size(0);
-  const int32_t* info = decode_info.data_ptr<int32_t>();
+  const int32_t* info = seq_info.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  for (int64_t b = 0; b < decodes; ++b) {
+  // A tile of queries shares every key and value it reads; its rows are bounded by MAX_ROWS.
+  const int64_t tile_queries = std::max<int64_t>(1, MAX_ROWS / group);
+  const int64_t threads = at::get_num_threads();
+  struct Span { int64_t seq, first_query, queries, context; };
+  std::vector<Span> spans;
+  for (int64_t b = 0; b < seqs; ++b) {
     const int64_t first = info[3 * b], count = info[3 * b + 1], start = info[3 * b + 2];
-    TORCH_CHECK(count >= 1 && first >= 0 && first + count <= q.size(0) && first + count <= out.size(0), "decode rows out of range");
+    TORCH_CHECK(count >= 1 && first >= 0 && first + count <= q.size(0) && first + count <= out.size(0), "query rows out of range");
     TORCH_CHECK(start >= 0 && (start + count + block_size - 1) / block_size <= width, "block table too short for the context");
     for (int64_t i = 0; i < (start + count + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < num_blocks, "block id out of range");
+    for (int64_t j = 0; j < count; j += tile_queries) {
+      const int64_t n = std::min(tile_queries, count - j);
+      spans.push_back({b, j, n, start + j + n});
+    }
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
+  // Work items: a long context is cut into segments of SEGMENT positions whatever else is in the
+  // batch and however many threads run, so that a row's result never depends on either.
+  std::vector<WorkItem> items;
+  std::vector<int64_t> costs;
+  int64_t partial_rows = 0;
+  for (const Span& sp : spans) {
+    const int64_t segments = sp.context >= 2 * SEGMENT ? (sp.context + SEGMENT - 1) / SEGMENT : 1;
+    for (int64_t p = 0; p < sp.context; p += sp.context / segments + 1) {
+      const int64_t end = std::min(sp.context, p + sp.context / segments + 1);
+      items.push_back({sp.seq, sp.first_query, sp.queries, p, end, segments > 1 ? partial_rows : -1});
+      costs.push_back(sp.queries * (end - p));
+      if (segments > 1) partial_rows += sp.queries * num_heads;
+    }
+  }
+  std::vector<int64_t> order(items.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  // Per split row: running max, sum, then head_dim weighted values.
+  std::vector<float> partials(partial_rows * (head_dim + 2));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const scalar_t* kc = k_cache.data_ptr<scalar_t>();
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t slot_stride = kv_heads * head_dim;
-    at::parallel_for(0, decodes * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> query, scores, acc, row(head_dim);
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / kv_heads, h = item % kv_heads;
-        const int64_t first = info[3 * b], count = info[3 * b + 1], start = info[3 * b + 2];
-        const int64_t context = start + count, rows = count * group;
-        const int32_t* table = tables + b * width;
-        // Row r = (query j, group member g) with r = j * group + g; query head = h * group + g.
-        query.resize(rows * head_dim);
-        for (int64_t j = 0; j < count; ++j)
-          for (int64_t g = 0; g < group; ++g) {
-            const scalar_t* src = qp + (first + j) * q.stride(0) + (h * group + g) * head_dim;
-            float* dst = query.data() + (j * group + g) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * static_cast<float>(scale);
-          }
-        scores.assign(rows * context, -std::numeric_limits<float>::infinity());
-        // Both passes walk the block table block by block: row t of block i is position
-        // i * block_size + t, one slot_stride after the previous row.
-        for (int64_t i = 0, t0 = 0; t0 < context; ++i, t0 += block_size) {
-          const scalar_t* keys = kc + static_cast<int64_t>(table[i]) * block_size * slot_stride + h * head_dim;
-          for (int64_t t = t0; t < std::min(context, t0 + block_size); ++t) {
-            to_float(row.data(), keys + (t - t0) * slot_stride, head_dim);
-            // Queries before position t cannot see it (only the last query sees the whole context).
-            for (int64_t r = std::max<int64_t>(0, t - start) * group; r < rows; ++r)
-              scores[r * context + t] = dot(query.data() + r * head_dim, row.data(), head_dim);
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      std::vector<Tile> heads(kv_heads);
+      std::vector<int64_t> row_last;
+      for (int64_t index; (index = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
+        const WorkItem& it = items[order[index]];
+        const int64_t first = info[3 * it.seq] + it.first_query, start = info[3 * it.seq + 2] + it.first_query;
+        const int64_t rows = it.queries * group;
+        const int32_t* table = tables + it.seq * width;
+        // Row r of KV head h = (query j, group member g) with r = j * group + g; query head h * group + g.
+        row_last.resize(rows);
+        for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          Tile& tile = heads[h];
+          tile.reset(head_dim, rows);
+          for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* src = qp + (first + r / group) * q.stride(0) + (h * group + r % group) * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) tile.q[r * head_dim + d] = static_cast<float>(src[d]) * static_cast<float>(scale);
           }
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* s = scores.data() + r * context;
-          const int64_t visible = start + r / group + 1;
-          const float peak = *std::max_element(s, s + visible);
-          const float inv = 1.0f / exp_shifted_sum(s, s, visible, peak);
-          for (int64_t t = 0; t < visible; ++t) s[t] *= inv;
-        }
-        acc.assign(rows * head_dim, 0.0f);
-        for (int64_t i = 0, t0 = 0; t0 < context; ++i, t0 += block_size) {
-          const scalar_t* values = vc + static_cast<int64_t>(table[i]) * block_size * slot_stride + h * head_dim;
-          for (int64_t t = t0; t < std::min(context, t0 + block_size); ++t) {
-            to_float(row.data(), values + (t - t0) * slot_stride, head_dim);
-            for (int64_t r = std::max<int64_t>(0, t - start) * group; r < rows; ++r) {
-              const float p = scores[r * context + t];
-              float* a = acc.data() + r * head_dim;
-              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * row[d];
+        // Position `pos` of the sequence: the offset of its K/V row (all heads) in the caches.
+        const auto row_at = [&](int64_t pos) {
+          return (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride;
+        };
+        for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
+          const int64_t n = std::min({KEY_TILE, block_size - pos % block_size, it.pos_end - pos});
+          // The next tile's rows come from another block, somewhere else in memory: ask for them
+          // now so that they arrive while this tile computes.
+          const int64_t ahead = pos + PREFETCH_DISTANCE;
+          if (ahead < it.pos_end) {
+            const char* next_k = reinterpret_cast<const char*>(kc + row_at(ahead));
+            const char* next_v = reinterpret_cast<const char*>(vc + row_at(ahead));
+            const int64_t bytes = std::min({KEY_TILE, block_size - ahead % block_size, it.pos_end - ahead}) * slot_stride * sizeof(scalar_t);
+            for (int64_t byte = 0; byte < bytes; byte += 64) {
+              __builtin_prefetch(next_k + byte);
+              __builtin_prefetch(next_v + byte);
             }
           }
+          const int64_t at = row_at(pos);
+          for (int64_t h = 0; h < kv_heads; ++h)
+            heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
+          pos += n;
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t j = r / group, g = r % group;
-          scalar_t* dst = op + (first + j) * out.stride(0) + (h * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[r * head_dim + d]);
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const Tile& tile = heads[h];
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* acc = tile.acc.data() + r * head_dim;
+            if (it.partial >= 0) {
+              float* dst = partials.data() + (it.partial + h * rows + r) * (head_dim + 2);
+              dst[0] = tile.max[r], dst[1] = tile.sum[r];
+              std::copy_n(acc, head_dim, dst + 2);
+              continue;
+            }
+            scalar_t* dst = op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
+            const float inv = 1.0f / tile.sum[r];
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+          }
         }
       }
     });
+
+    // Merge the segments of each split span: rescale each to the overall max, sum, normalise.
+    std::vector<float> merged(head_dim);
+    for (size_t i = 0; i < items.size();) {
+      const WorkItem& head_item = items[i];
+      size_t end = i;
+      while (end < items.size() && items[end].partial >= 0 && items[end].seq == head_item.seq &&
+             items[end].first_query == head_item.first_query)
+        ++end;
+      if (end == i) {
+        ++i;
+        continue;
+      }
+      const int64_t rows = head_item.queries * group;
+      const int64_t first = info[3 * head_item.seq] + head_item.first_query;
+      for (int64_t hr = 0; hr < kv_heads * rows; ++hr) {
+        float peak = NEG_INF;
+        for (size_t s = i; s < end; ++s) peak = std::max(peak, partials[(items[s].partial + hr) * (head_dim + 2)]);
+        float total = 0;
+        std::fill(merged.begin(), merged.end(), 0.0f);
+        for (size_t s = i; s < end; ++s) {
+          const float* part = partials.data() + (items[s].partial + hr) * (head_dim + 2);
+          if (part[0] == NEG_INF) continue;  // no position of this segment is visible to the row
+          const float w = std::exp(part[0] - peak);
+          total += part[1] * w;
+          for (int64_t d = 0; d < head_dim; ++d) merged[d] += part[2 + d] * w;
+        }
+        const int64_t h = hr / rows, r = hr % rows;
+        scalar_t* dst = op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
+      }
+      i = end;
+    }
   });
 }

@@ -8,7 +8,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotate q and k in place (half-split layout)", ReleaseGil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [tokens, 2 * inter] projection", ReleaseGil());
   m.def("write_kv", &write_kv, "write K/V rows into the paged cache at the given flat slots", ReleaseGil());
-  m.def("decode_attention", &decode_attention, "paged attention of decode queries over their block tables", ReleaseGil());
+  m.def("paged_attention", &paged_attention, "attention of each sequence's queries over its paged context", ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
   register_decode_layer(m);

@@ -46,7 +46,7 @@ class DecodeLayer {
                                                    const torch::Tensor& positions, const torch::Tensor& cos,
                                                    const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                                    const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                                   const torch::Tensor& decode_info) const {
+                                                   const torch::Tensor& seq_info) const {
     torch::Tensor res;
     if (residual) {
       res = *residual;
@@ -64,7 +64,7 @@ class DecodeLayer {
     rotary_inplace(q, k, positions, cos, sin);
     write_kv(k, v, k_cache, v_cache, slots);
     torch::Tensor attn = torch::empty({n, heads_, head_dim_}, qkv.options());
-    decode_attention(attn, q, k_cache, v_cache, block_tables, decode_info, scale_);
+    paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_);
     torch::Tensor h = o_(attn.view({n, q_size}));
     add_rms_norm(h, res, post_norm_, eps_);
     return {down_(silu_mul(gate_up_(h))), res};

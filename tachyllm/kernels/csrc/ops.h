@@ -17,9 +17,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 // attention.cpp
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
               const torch::Tensor& slots);
-void decode_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& decode_info,
-                      double scale);
+void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                     double scale);
 
 // quant_gemv.cpp
 torch::Tensor quant_gemv_q4_1(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits);
