@@ -288,7 +288,8 @@ def main() -> None:
     ap.add_argument("--max-decode-slowdown", type=float, default=2.0, help="of the run with the latency-aware cap")
     ap.add_argument("--slowdown-budget", type=int, default=512, help="max_num_batched_tokens of the capped run")
     ap.add_argument("--warmup-steps", type=int, default=8)
-    ap.add_argument("--baseline-steps", type=int, default=64)
+    # About as many steps as an arrival takes, so that both p99s come from samples of one size.
+    ap.add_argument("--baseline-steps", type=int, default=512)
     ap.add_argument("--kv-requests", type=int, default=48)
     ap.add_argument(
         "--kv-util-cache-mib", type=int, default=192, help="KV cache of the kv section (pressure on purpose)"

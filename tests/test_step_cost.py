@@ -9,15 +9,15 @@ from test_scheduler import execute
 from tachyllm.engine.block_manager import BlockManager
 from tachyllm.engine.scheduler import Scheduler, SchedulerOutput
 from tachyllm.engine.sequence import Sequence
-from tachyllm.engine.step_cost import MIN_STEPS, StepCostModel, attention_pairs
+from tachyllm.engine.step_cost import MIN_STEPS, StepCostModel, StepShape, attention_pairs
 from tachyllm.errors import ConfigError
 from tachyllm.outputs import StepStats
 
-FIXED, PER_TOKEN, PER_PAIR = 0.010, 0.002, 1e-6
+FIXED, PER_TOKEN, PER_PAIR, PER_READ = 0.010, 0.002, 1e-6, 2e-6
 
 
-def true_cost(tokens: int, pairs: int) -> float:
-    return FIXED + PER_TOKEN * tokens + PER_PAIR * pairs
+def true_cost(shape: StepShape) -> float:
+    return FIXED + PER_TOKEN * shape.tokens + PER_PAIR * shape.pairs + PER_READ * shape.context
 
 
 def test_attention_pairs_counts_causal_query_key_pairs():
@@ -26,25 +26,34 @@ def test_attention_pairs_counts_causal_query_key_pairs():
     assert attention_pairs(10, 2) == 11 + 12
 
 
+def test_step_shape_of_a_sequence_and_sums():
+    assert StepShape.of(10, 2) == StepShape(2, 11 + 12, 12)
+    assert StepShape.of(0, 3) + StepShape.of(5, 1) == StepShape(4, 6 + 6, 9)
+
+
 def test_model_recovers_coefficients_and_waits_for_variety():
     model = StepCostModel()
+    decode = StepShape(8, 800, 800)
     for _ in range(MIN_STEPS * 2):
-        model.observe(8, 800, true_cost(8, 800))  # one shape only: cannot separate the terms
-    assert model.predict(8, 800) is None
-    for tokens, pairs in [(24, 70_000), (8, 1_000), (40, 200_000), (16, 30_000), (9, 900), (70, 500_000)]:
-        model.observe(tokens, pairs, true_cost(tokens, pairs))
-    fixed, per_token, per_pair = model.coefficients()
+        model.observe(decode, true_cost(decode))  # one shape only: cannot separate the terms
+    assert model.predict(decode) is None
+    shapes = [(24, 70_000, 3_000), (8, 1_000, 1_000), (40, 200_000, 6_000), (16, 30_000, 900), (9, 900, 900),
+              (70, 500_000, 9_000), (12, 48_000, 4_100)]  # fmt: skip
+    for shape in map(lambda s: StepShape(*s), shapes):
+        model.observe(shape, true_cost(shape))
+    fixed, per_token, per_pair, per_read = model.coefficients()
     assert fixed == pytest.approx(FIXED, rel=1e-3)
     assert per_token == pytest.approx(PER_TOKEN, rel=1e-3)
     assert per_pair == pytest.approx(PER_PAIR, rel=1e-3)
+    assert per_read == pytest.approx(PER_READ, rel=1e-3)
 
 
 def test_model_never_predicts_negative_costs():
     model = StepCostModel()
     # Noise that a plain fit would explain with a negative per-pair cost.
     for i in range(20):
-        tokens, pairs = 8 + i, 1000 * (20 - i) ** 2
-        model.observe(tokens, pairs, 0.01 + 0.001 * tokens - (1e-9 * pairs if i % 2 else 0))
+        shape = StepShape(8 + i, 1000 * (20 - i) ** 2, 100 * i)
+        model.observe(shape, 0.01 + 0.001 * shape.tokens - (1e-9 * shape.pairs if i % 2 else 0))
     assert all(c >= 0 for c in model.coefficients())
 
 
@@ -56,12 +65,12 @@ def run_with_cost(sched: Scheduler, steps: int, watched: Sequence) -> list[tuple
         out = sched.schedule()
         if out.empty:
             break
-        cost = true_cost(out.num_batched_tokens, out.attention_pairs)
+        cost = true_cost(out.shape)
         chunk = next((s.num_new_tokens for s in out.scheduled if s.seq is watched), 0)
         if chunk and len(out.scheduled) > 1:
             decodes = SchedulerOutput([s for s in out.scheduled if s.seq is not watched])
             assert all(s.num_new_tokens == 1 for s in decodes.scheduled), "the decodes always get their token"
-            chunks.append((chunk, cost, true_cost(decodes.num_batched_tokens, decodes.attention_pairs)))
+            chunks.append((chunk, cost, true_cost(decodes.shape)))
         sched.observe_step(out, cost)
         execute(sched, out)
     return chunks
@@ -87,8 +96,8 @@ def test_prefill_chunks_shrink_to_keep_decodes_within_the_slowdown():
 
 def test_without_decodes_a_prompt_takes_the_whole_budget():
     sched = Scheduler(BlockManager(4096, 16, True), 16, 256, True, StepStats(), max_decode_slowdown=1.5)
-    for tokens, pairs in [(8, 100), (200, 20_000), (30, 5_000)] * 4:
-        sched.step_cost.observe(tokens, pairs, true_cost(tokens, pairs))
+    for shape in [StepShape(8, 100, 100), StepShape(200, 20_000, 200), StepShape(30, 5_000, 900)] * 4:
+        sched.step_cost.observe(shape, true_cost(shape))
     seq = make_seq([1] * 1000, max_tokens=1)
     sched.add(seq)
     assert [s.num_new_tokens for s in sched.schedule().scheduled] == [256]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from tachyllm.engine.block_manager import BlockManager
 from tachyllm.engine.sequence import Sequence, SequenceStatus
-from tachyllm.engine.step_cost import StepCostModel, attention_pairs
+from tachyllm.engine.step_cost import StepCostModel, StepShape
 from tachyllm.outputs import StepStats
 
 
@@ -53,8 +53,9 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
-    def attention_pairs(self) -> int:
-        return sum(attention_pairs(s.seq.num_computed_tokens, s.num_new_tokens) for s in self.scheduled)
+    def shape(self) -> StepShape:
+        """What the step's cost depends on (engine/step_cost.py)."""
+        return sum((StepShape.of(s.seq.num_computed_tokens, s.num_new_tokens) for s in self.scheduled), StepShape())
 
 
 class Scheduler:
@@ -152,7 +153,7 @@ class Scheduler:
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The wall time of the step `out` described, for the chunk-size model."""
         if self.max_decode_slowdown is not None:
-            self.step_cost.observe(out.num_batched_tokens, out.attention_pairs, seconds)
+            self.step_cost.observe(out.shape, seconds)
 
     def _prefill_cap(self, seq: Sequence, num_new: int, out: SchedulerOutput, start: int | None = None) -> int:
         """num_new, or fewer prefill tokens if the step would otherwise slow its decodes beyond
@@ -163,15 +164,15 @@ class Scheduler:
         if not decodes:
             return num_new
         cost = self.step_cost
-        alone = cost.predict(sum(s.num_new_tokens for s in decodes), SchedulerOutput(decodes).attention_pairs)
+        alone = cost.predict(SchedulerOutput(decodes).shape)
         if alone is None:
             return num_new
         limit = self.max_decode_slowdown * alone
-        tokens, pairs = out.num_batched_tokens, out.attention_pairs
+        shape = out.shape
         start = seq.num_computed_tokens if start is None else start
 
         def fits(n: int) -> bool:
-            return cost.predict(tokens + n, pairs + attention_pairs(start, n)) <= limit
+            return cost.predict(shape + StepShape.of(start, n)) <= limit
 
         if fits(num_new):
             return num_new
