@@ -2,6 +2,7 @@
 rate and mean acceptance length, per task, proposer and k; batch 1 and batch 32.
 
     .venv/bin/python benchmarks/spec_decode_bench.py [--threads 2] [--max-tokens 128] [--json out.json]
+    .venv/bin/python benchmarks/spec_decode_bench.py --ngram-ceiling   # what n-gram lookup could give
 
 Tasks: "grounded" asks to rewrite a code snippet with one change (the answer quotes its input,
 where n-gram lookup shines); "chat" asks open questions (nothing to look up; a draft model has to
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from tachyllm import LLM, SamplingParams
+from tachyllm.spec_decode.ngram import NgramProposer
 
 SNIPPETS = [
     "def count_down(n):\n    result = []\n    i = n\n    while i > 0:\n        result.append(i)\n        i -= 1\n    return result\n",
@@ -103,6 +105,41 @@ def run(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int) -> tup
     return tokens, seconds, drafts, draft_tokens, accepted
 
 
+@dataclass
+class _Context:
+    """What NgramProposer.propose reads of a Sequence."""
+
+    token_ids: list[int]
+
+
+def ngram_ceiling(threads: int | None, max_tokens: int) -> None:
+    """How far n-gram lookup could go on these tasks with this model, free of timing noise: each
+    prompt's greedy answer is generated once without speculation, then the proposer is replayed
+    on every prefix of it (greedy verification accepts a draft's longest prefix that matches what
+    the model says next). Tokens per target forward is the speedup a verification step costing
+    exactly one plain decode step would give, before the prefill is counted."""
+    llm = LLM(threads=threads)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    print("| task | prompts | mean answer tokens | lookup (min, max) | k | tokens per target forward |")
+    print("|---|---|---|---|---|---|")
+    for task, prompts in {"grounded": grounded_prompts(), "chat": chat_prompts()}.items():
+        outs = llm.chat(prompts, params, use_tqdm=False)
+        answers = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
+        mean_len = sum(len(a) for _, a in answers) / len(answers)
+        for lookup, k in [((2, 4), 4), ((2, 4), 8), ((1, 4), 8), ((2, 8), 8)]:
+            proposer = NgramProposer(*lookup)
+            forwards = tokens = 0
+            for prompt, answer in answers:
+                done = 1  # the prefill produced the first token
+                while done < len(answer):
+                    drafts = proposer.propose(_Context(list(prompt) + list(answer[:done])), k)
+                    accepted = next((i for i, d in enumerate(drafts) if done + i >= len(answer) or d != answer[done + i]), len(drafts))
+                    done += accepted + 1
+                    forwards += 1
+                    tokens += accepted + 1
+            print(f"| {task} | {len(answers)} | {mean_len:.1f} | {lookup} | {k} | {tokens / forwards:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None)
@@ -112,7 +149,10 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of: " + ", ".join(CONFIGS))
     ap.add_argument("--batches", default="1,32", help="comma list of batch sizes to run (1 and/or 32)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ngram-ceiling", action="store_true", help="only replay n-gram lookup on plain greedy answers")
     args = ap.parse_args()
+    if args.ngram_ceiling:
+        return ngram_ceiling(args.threads, args.max_tokens)
     batches = [int(b) for b in args.batches.split(",")]
     logging.basicConfig(level=logging.WARNING)
     tasks = {"grounded": grounded_prompts(), "chat": chat_prompts()}
