@@ -4,9 +4,10 @@ rate and mean acceptance length, per task, proposer and k; batch 1 and batch 32.
     .venv/bin/python benchmarks/spec_decode_bench.py [--threads 2] [--max-tokens 128] [--json out.json]
     .venv/bin/python benchmarks/spec_decode_bench.py --ngram-ceiling   # what n-gram lookup could give
 
-Tasks: "grounded" asks to rewrite a code snippet with one change (the answer quotes its input,
-where n-gram lookup shines); "chat" asks open questions (nothing to look up; a draft model has to
-guess). Greedy, ignore_eos off (answers end where the model ends them; tokens/s counts what was
+Tasks: "grounded" asks to rewrite a code snippet with one change (the answer should quote its
+input, where n-gram lookup shines; this model often rewrites more than asked); "proofread" asks to
+return a short passage with its spelling mistake corrected (the answer is the input, nearly word
+for word); "chat" asks open questions (nothing to look up; a draft model has to guess). Greedy, ignore_eos off (answers end where the model ends them; tokens/s counts what was
 generated). Every configuration is loaded in the same process and they take turns on each
 workload for --rounds rounds (median reported), so ratios are comparable on a shared machine. The
 adaptive switch is on (the default) everywhere.
@@ -51,6 +52,33 @@ TOPICS = [
     "how the internet routes messages", "why cats purr", "how to learn a new language", "how glass is made",
     "the benefits of walking",
 ]  # fmt: skip
+
+
+PASSAGES = [
+    "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five books at a time, and the loan period is three weeks. Late returns are charged a small fee per day.",
+    "Our team meets every Monday to plan the week. Each member shares what they finished, what they are working on, and anything that is blocking them. The meeting should never last more then thirty minutes.",
+    "To make the bread, mix the flour, water, salt and yeast in a large bowl. Knead the dough for ten minutes until it is smooth, then let it rise for an hour in a warm place before baking.",
+    "The train to the coast leaves from platform four at half past eight. Passengers should arrive ten minutes early, keep their tickets ready, and store large bags in the racks at the end of each carriage.",
+    "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure is lower, so water boils at a lower temperture, which is why cooking takes longer in the mountains.",
+    "Please remember to turn off the lights when you leave the office. The last person to leave should also check that the windows are closed and that the alarm is set before locking the front door.",
+    "The park has a small lake where children can feed the ducks. There is a cafe near the entrance that sells sandwiches and hot drinks, and public toilets are located behind the playground.",
+    "Our new phone has a larger screen, a faster processor and a battery that lasts two full days. It comes in three colours and will be available in stores from the first of next month.",
+]
+PROOFREADING = [
+    "Copy the following text exactly, correcting any spelling mistake",
+    "Rewrite the following text with correct spelling, changing nothing else",
+    "Fix the typo in the following text and give the whole corrected text",
+    "Proofread the following text and return it in full with any mistake corrected",
+]  # fmt: skip
+
+
+def proofread_prompts() -> list[list[dict]]:
+    """Each passage under each instruction; consecutive prompts differ in both (batch 1 takes the
+    first few)."""
+    return [
+        [{"role": "user", "content": f"{PROOFREADING[(i + j) % 4]}:\n\n{PASSAGES[i]}"}]
+        for j in range(4) for i in range(len(PASSAGES))
+    ]  # fmt: skip
 
 
 def grounded_prompts() -> list[list[dict]]:
@@ -122,7 +150,7 @@ def ngram_ceiling(threads: int | None, max_tokens: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     print("| task | prompts | mean answer tokens | lookup (min, max) | k | tokens per target forward |")
     print("|---|---|---|---|---|---|")
-    for task, prompts in {"grounded": grounded_prompts(), "chat": chat_prompts()}.items():
+    for task, prompts in {"grounded": grounded_prompts(), "proofread": proofread_prompts(), "chat": chat_prompts()}.items():
         outs = llm.chat(prompts, params, use_tqdm=False)
         answers = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
         mean_len = sum(len(a) for _, a in answers) / len(answers)
@@ -155,7 +183,7 @@ def main() -> None:
         return ngram_ceiling(args.threads, args.max_tokens)
     batches = [int(b) for b in args.batches.split(",")]
     logging.basicConfig(level=logging.WARNING)
-    tasks = {"grounded": grounded_prompts(), "chat": chat_prompts()}
+    tasks = {"grounded": grounded_prompts(), "proofread": proofread_prompts(), "chat": chat_prompts()}
     names = args.configs.split(",")
     # Every engine is loaded first and the configurations take turns on each workload, round after
     # round, so that drift in the machine's speed hits them all alike.

@@ -426,6 +426,31 @@ def test_adaptive_controller_speculates_only_where_it_pays():
     assert [i for i, k in enumerate(more) if k] == [2 * PROBE_INTERVAL - 1, 6 * PROBE_INTERVAL]  # gaps 2x, 4x
 
 
+def test_ngram_lookups_are_skipped_while_speculation_cannot_pay():
+    """A compute-bound batch: no number of sequences with drafts would pay, so the step skips the
+    lookups (counted as a step without speculation) until a probe is due; a cheap verification
+    (memory-bound sizes) or a draft model never skips."""
+    big = AdaptiveController(max_k=4, has_draft_model=False)
+    assert not big.can_skip_proposals(32, 32, 32)  # nothing measured yet
+    for n in range(1, 200):
+        big.record_step(n, 0.001 * n)
+    for _ in range(20):
+        big.record_acceptance(4, 1)
+    skipped = [big.can_skip_proposals(32, 32, 32) for _ in range(PROBE_INTERVAL)]
+    assert skipped.count(True) == PROBE_INTERVAL - 1 and not skipped[-1]  # the probe's step looks up
+    assert 4 in [big.choose(32, 32, 32, 32) for _ in range(2)] and big.probing  # (one may be a refresh)
+    cheap = AdaptiveController(max_k=4, has_draft_model=False)
+    for n in range(1, 200):
+        cheap.record_step(n, 0.010 if n <= 48 else 0.001 * n)  # fused up to 48 tokens
+    for _ in range(20):
+        cheap.record_acceptance(4, 4)
+    assert not cheap.can_skip_proposals(32, 32, 32)  # a few sequences with drafts would pay
+    draft = AdaptiveController(max_k=4)
+    for n in range(1, 200):
+        draft.record_step(n, 0.001 * n)
+    assert not draft.can_skip_proposals(32, 32, 32)
+
+
 def test_cost_model_bounds_outside_the_measured_range():
     cost = CostModel()
     assert cost.estimate(8, high=True) is None

@@ -128,14 +128,7 @@ class AdaptiveController:
             # A round of k >= 2 includes one-token draft forwards: measure them (a first round's
             # catch-up forward, a whole prompt, says nothing about the steady state).
             return self._probe(min(2, self.max_k))
-        best_k, best_rate = 0, 0.0
-        for k in range(1, self.max_k + 1):
-            cost = self.target_cost.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
-            rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        if best_rate < MIN_GAIN * num_decodes / base:
-            best_k = 0
+        best_k = self._best_k(num_spec, num_decodes, base_tokens, base)
         if best_k == 0 and self.steps_without_spec >= self.probe_interval:
             self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
             # Keep the acceptance and cost estimates current: a draft model's probe is short (its
@@ -145,6 +138,35 @@ class AdaptiveController:
             self.probe_interval = PROBE_INTERVAL
             return self._spec(best_k)
         return self._no_spec()
+
+    def _best_k(self, num_spec: int, num_decodes: int, base_tokens: int, base: float) -> int:
+        """The k with the best expected tokens per second, or 0 unless it beats plain decoding
+        (`base` seconds) by MIN_GAIN."""
+        best_k, best_rate = 0, 0.0
+        for k in range(1, self.max_k + 1):
+            cost = self.target_cost.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
+            rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k if best_rate >= MIN_GAIN * num_decodes / base else 0
+
+    def can_skip_proposals(self, num_candidates: int, num_decodes: int, base_tokens: int) -> bool:
+        """Whether this step will not speculate even if all num_candidates sequences had drafts
+        and no probe is due, so that proposing (n-gram lookups: ~20 µs a sequence, a few percent
+        of a batch-32 step) can be skipped; the step then counts as one without speculation."""
+        if not self.adaptive or self.has_draft_model or self.steps_without_spec + 1 >= self.probe_interval:
+            return False
+        base = self.target_cost.estimate(base_tokens, high=False)
+        if base is None:
+            return False
+        # Fewer sequences with drafts can pay where all of them would not (a step that stays small
+        # enough for the fused kernels), so check every power of two up to all of them.
+        counts = {min(num_candidates, 1 << i) for i in range(num_candidates.bit_length() + 1)}
+        if any(self._best_k(n, num_decodes, base_tokens, base) for n in counts):
+            return False
+        self.steps += 1
+        self._no_spec()
+        return True
 
     def proposal_seconds(self, num_spec: int, k: int) -> float:
         """A draft model's round: a catch-up forward over what the target accepted last time

@@ -80,6 +80,8 @@ class Speculator:
         base_tokens = len(decoding) + min(prefill_tokens, scheduler.max_num_batched_tokens - len(decoding))
 
         lookups: dict[int, list[int]] = {}
+        if self.ngram is not None and self.controller.can_skip_proposals(len(candidates), len(decoding), base_tokens):
+            return
         if self.ngram is not None:
             for seq, cap in candidates:
                 drafts = self.ngram.propose(seq, cap)
