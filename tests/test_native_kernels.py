@@ -104,7 +104,7 @@ def test_paged_attention_matches_reference(dtype, head_dim, block_size):
 
 def test_paged_attention_splits_long_contexts_across_threads():
     """Long contexts are split into segments computed in parallel and merged (flash-decoding); the
-    result must not depend on the thread count at all (nor, by construction, on the batch)."""
+    result must not depend on the thread count nor on the rest of the batch, to the bit."""
     torch.manual_seed(3)
     block_size, kv_heads, heads, head_dim = 16, 3, 9, 64
     counts_starts = [(1, 1500), (3, 2000), (1, 40)]
@@ -131,6 +131,11 @@ def test_paged_attention_splits_long_contexts_across_threads():
         torch.set_num_threads(saved)
     torch.testing.assert_close(results[0], expected, rtol=2e-2, atol=2e-2)
     assert all(torch.equal(results[0], out) for out in results[1:])
+    # Each sequence alone (a batch this small splits its work by KV head too): the same bits.
+    for b, (first, count, _) in enumerate(info.tolist()):
+        alone = torch.empty_like(q)
+        ops.paged_attention(alone, q, k_cache, v_cache, tables[b : b + 1].contiguous(), info[b : b + 1].contiguous(), 0.125)
+        assert torch.equal(alone[first : first + count].float(), results[0][first : first + count])
 
 
 def test_write_kv_and_bad_inputs():

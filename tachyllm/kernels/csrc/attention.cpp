@@ -2,10 +2,10 @@
 // blocks in place: decodes (one query), speculative verifications (a few) and prefill chunks
 // (many) alike, each query seeing the positions up to its own.
 //
-// A work item is (sequence, tile of its queries, segment of its context), all KV heads: for each
-// KV head, the query heads that share it and the tile's queries form the rows of a small matrix,
-// and the item walks the block table in tiles of 16 positions (reading each block's rows of all
-// heads together). Per key tile: the keys are transposed to [head_dim][16] fp32 so that the
+// A work item is (sequence, tile of its queries, segment of its context), all KV heads (or one,
+// when the batch is too small to keep the threads busy otherwise): for each KV head, the query
+// heads that share it and the tile's queries form the rows of a small matrix, and the item walks
+// the block table in tiles of 16 positions (reading each block's rows of its heads together). Per key tile: the keys are transposed to [head_dim][16] fp32 so that the
 // scores of 16 positions for a row are one vector of FMAs shared by all rows; an online softmax
 // (running max and sum per row, flash-attention style) turns them into weights; the weighted
 // values are accumulated in registers, several rows at a time. Long contexts are cut into
@@ -263,6 +263,12 @@ struct Tile {
 // weighted values for the merge, at `partial` (-1: unsplit, writes the output).
 struct WorkItem {
   int64_t seq, first_query, queries, pos_begin, pos_end, partial;
+  int64_t head_begin, head_end;  // KV heads: all of them, unless the batch is too small to share
+};
+
+// A span of queries whose context was split: its segments' partial results, to merge.
+struct SplitSpan {
+  int64_t seq, first_query, queries, first_partial, segments;
 };
 
 // Positions per segment of a long context (contexts of at least twice this many are split).
@@ -348,17 +354,31 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
     }
   }
   // Work items: a long context is cut into segments of SEGMENT positions whatever else is in the
-  // batch and however many threads run, so that a row's result never depends on either.
+  // batch and however many threads run, so that a row's result never depends on either. A batch
+  // with fewer such pieces than threads (a single decode) gives each KV head its own item: heads
+  // are independent, so that changes no result either.
+  struct Segment { int64_t span, pos_begin, pos_end, partial; };
+  std::vector<Segment> segments;
+  std::vector<SplitSpan> splits;
+  int64_t partial_rows = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
+    const Span& sp = spans[i];
+    const int64_t count = sp.context >= 2 * SEGMENT ? (sp.context + SEGMENT - 1) / SEGMENT : 1;
+    const int64_t length = sp.context / count + 1;
+    if (count > 1) splits.push_back({sp.seq, sp.first_query, sp.queries, partial_rows, (sp.context + length - 1) / length});
+    for (int64_t p = 0; p < sp.context; p += length) {
+      segments.push_back({i, p, std::min(sp.context, p + length), count > 1 ? partial_rows : -1});
+      if (count > 1) partial_rows += sp.queries * num_heads;
+    }
+  }
+  const int64_t heads_per_item = static_cast<int64_t>(segments.size()) >= 2 * threads ? kv_heads : 1;
   std::vector<WorkItem> items;
   std::vector<int64_t> costs;
-  int64_t partial_rows = 0;
-  for (const Span& sp : spans) {
-    const int64_t segments = sp.context >= 2 * SEGMENT ? (sp.context + SEGMENT - 1) / SEGMENT : 1;
-    for (int64_t p = 0; p < sp.context; p += sp.context / segments + 1) {
-      const int64_t end = std::min(sp.context, p + sp.context / segments + 1);
-      items.push_back({sp.seq, sp.first_query, sp.queries, p, end, segments > 1 ? partial_rows : -1});
-      costs.push_back(sp.queries * (end - p));
-      if (segments > 1) partial_rows += sp.queries * num_heads;
+  for (const Segment& seg : segments) {
+    const Span& sp = spans[seg.span];
+    for (int64_t h = 0; h < kv_heads; h += heads_per_item) {
+      items.push_back({sp.seq, sp.first_query, sp.queries, seg.pos_begin, seg.pos_end, seg.partial, h, h + heads_per_item});
+      costs.push_back(sp.queries * (seg.pos_end - seg.pos_begin) * heads_per_item);
     }
   }
   std::vector<int64_t> order(items.size());
@@ -386,7 +406,7 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
         // Row r of KV head h = (query j, group member g) with r = j * group + g; query head h * group + g.
         row_last.resize(rows);
         for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
-        for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t h = it.head_begin; h < it.head_end; ++h) {
           Tile& tile = heads[h];
           tile.reset(head_dim, rows);
           for (int64_t r = 0; r < rows; ++r) {
@@ -404,20 +424,24 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
           // now so that they arrive while this tile computes.
           const int64_t ahead = pos + PREFETCH_DISTANCE;
           if (ahead < it.pos_end) {
-            const char* next_k = reinterpret_cast<const char*>(kc + row_at(ahead));
-            const char* next_v = reinterpret_cast<const char*>(vc + row_at(ahead));
-            const int64_t bytes = std::min({KEY_TILE, block_size - ahead % block_size, it.pos_end - ahead}) * slot_stride * sizeof(scalar_t);
-            for (int64_t byte = 0; byte < bytes; byte += 64) {
-              __builtin_prefetch(next_k + byte);
-              __builtin_prefetch(next_v + byte);
+            const int64_t rows_ahead = std::min({KEY_TILE, block_size - ahead % block_size, it.pos_end - ahead});
+            const int64_t first_byte = it.head_begin * head_dim * sizeof(scalar_t);
+            const int64_t last_byte = it.head_end * head_dim * sizeof(scalar_t);
+            for (int64_t t = 0; t < rows_ahead; ++t) {
+              const char* next_k = reinterpret_cast<const char*>(kc + row_at(ahead) + t * slot_stride);
+              const char* next_v = reinterpret_cast<const char*>(vc + row_at(ahead) + t * slot_stride);
+              for (int64_t byte = first_byte; byte < last_byte; byte += 64) {
+                __builtin_prefetch(next_k + byte);
+                __builtin_prefetch(next_v + byte);
+              }
             }
           }
           const int64_t at = row_at(pos);
-          for (int64_t h = 0; h < kv_heads; ++h)
+          for (int64_t h = it.head_begin; h < it.head_end; ++h)
             heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
           pos += n;
         }
-        for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t h = it.head_begin; h < it.head_end; ++h) {
           const Tile& tile = heads[h];
           for (int64_t r = 0; r < rows; ++r) {
             const float* acc = tile.acc.data() + r * head_dim;
@@ -437,25 +461,18 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
 
     // Merge the segments of each split span: rescale each to the overall max, sum, normalise.
     std::vector<float> merged(head_dim);
-    for (size_t i = 0; i < items.size();) {
-      const WorkItem& head_item = items[i];
-      size_t end = i;
-      while (end < items.size() && items[end].partial >= 0 && items[end].seq == head_item.seq &&
-             items[end].first_query == head_item.first_query)
-        ++end;
-      if (end == i) {
-        ++i;
-        continue;
-      }
-      const int64_t rows = head_item.queries * group;
-      const int64_t first = info[3 * head_item.seq] + head_item.first_query;
+    for (const SplitSpan& sp : splits) {
+      const int64_t rows = sp.queries * group, first = info[3 * sp.seq] + sp.first_query;
+      const auto part_at = [&](int64_t segment, int64_t row) {
+        return partials.data() + (sp.first_partial + segment * sp.queries * num_heads + row) * (head_dim + 2);
+      };
       for (int64_t hr = 0; hr < kv_heads * rows; ++hr) {
         float peak = NEG_INF;
-        for (size_t s = i; s < end; ++s) peak = std::max(peak, partials[(items[s].partial + hr) * (head_dim + 2)]);
+        for (int64_t s = 0; s < sp.segments; ++s) peak = std::max(peak, part_at(s, hr)[0]);
         float total = 0;
         std::fill(merged.begin(), merged.end(), 0.0f);
-        for (size_t s = i; s < end; ++s) {
-          const float* part = partials.data() + (items[s].partial + hr) * (head_dim + 2);
+        for (int64_t s = 0; s < sp.segments; ++s) {
+          const float* part = part_at(s, hr);
           if (part[0] == NEG_INF) continue;  // no position of this segment is visible to the row
           const float w = std::exp(part[0] - peak);
           total += part[1] * w;
@@ -465,7 +482,6 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
         scalar_t* dst = op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
       }
-      i = end;
     }
   });
 }
