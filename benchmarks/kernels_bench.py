@@ -11,6 +11,8 @@ quant:     the C++ block kernels (kernels/csrc/quant_gemv.cpp; 16- and 8-bit act
            the Q8_0 LM head vs bf16, at 1 / 4 / 16 / 64 rows. Each call reads a different copy of
            the weights (>= 128 MB in all) so that they come from DRAM, as in a decode step, not
            from the 32 MiB L3; times are the best of 5 runs. GB/s = packed weight bytes / time.
+sampling:  drawing a token per row from 64 x 49,152 probabilities: the sampler's CDF inversion vs
+           the exponential race it replaced.
 bf16:      the C++ bf16 matrix-vector kernel (kernels/csrc/bf16_gemv.cpp) vs the oneDNN-prepacked
            weight vs F.linear, at the default model's shapes and 1 / 4 / 16 / 64 / 512 rows (the
            LM head up to 64), weights from DRAM as in quant. GB/s = weight bytes / time.
@@ -195,12 +197,32 @@ def bench_bf16() -> None:
             print(f"| {out_f}x{in_f} | {rows} | {tn:.0f}{gbs} | {tp:.0f} | {tf:.0f} | {ratios} |")
 
 
+def bench_sampling() -> None:
+    """Drawing one token per row from a [64, 49152] distribution: the sampler's CDF inversion (one
+    uniform per row) against the exponential race it replaced (argmax of p / E, E ~ Exp(1) for
+    every vocabulary entry)."""
+    from tachyllm.runner.sampler import Sampler
+
+    sampler = Sampler(49152, [], torch.device("cpu"), seed=0)
+    probs = torch.softmax(torch.randn(64, 49152) * 3, dim=-1)
+    seqs = [type("Row", (), {"generator": None})() for _ in range(64)]
+    generator = torch.Generator().manual_seed(0)
+
+    def race():
+        return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=-1)
+
+    inversion = per_call_us(lambda: sampler.draw(probs, seqs), 20) / 1e3
+    exponential = per_call_us(race, 20) / 1e3
+    print("\n| draw, 64 rows x 49,152 | CDF inversion ms | exponential race ms | ratio |\n|---|---|---|---|")
+    print(f"| one token per row | {inversion:.2f} | {exponential:.2f} | {exponential / inversion:.1f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("sections", nargs="*", help="linear, attention, quant and/or bf16 (default: all)")
+    ap.add_argument("sections", nargs="*", help="linear, attention, quant, bf16 and/or sampling (default: all)")
     args = ap.parse_args()
-    args.sections = args.sections or ["linear", "attention", "quant", "bf16"]
+    args.sections = args.sections or ["linear", "attention", "quant", "bf16", "sampling"]
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads")
     with torch.inference_mode():
@@ -212,6 +234,8 @@ def main() -> None:
             bench_quant()
         if "bf16" in args.sections:
             bench_bf16()
+        if "sampling" in args.sections:
+            bench_sampling()
 
 
 if __name__ == "__main__":
