@@ -355,8 +355,8 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
   }
   // Work items: a long context is cut into segments of SEGMENT positions whatever else is in the
   // batch and however many threads run, so that a row's result never depends on either. A batch
-  // with fewer such pieces than threads (a single decode) gives each KV head its own item: heads
-  // are independent, so that changes no result either.
+  // of fewer than two such pieces per thread (a single decode) gives each KV head its own item:
+  // heads are independent, so that changes no result either.
   struct Segment { int64_t span, pos_begin, pos_end, partial; };
   std::vector<Segment> segments;
   std::vector<SplitSpan> splits;
@@ -393,6 +393,10 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t slot_stride = kv_heads * head_dim;
+    // Output row of row r of KV head h for queries starting at batch row `first`.
+    const auto out_row = [&](int64_t first, int64_t h, int64_t r) {
+      return op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
+    };
     std::atomic<int64_t> next{0};
     const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -451,7 +455,7 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
               std::copy_n(acc, head_dim, dst + 2);
               continue;
             }
-            scalar_t* dst = op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
+            scalar_t* dst = out_row(first, h, r);
             const float inv = 1.0f / tile.sum[r];
             for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
           }
@@ -478,8 +482,7 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
           total += part[1] * w;
           for (int64_t d = 0; d < head_dim; ++d) merged[d] += part[2 + d] * w;
         }
-        const int64_t h = hr / rows, r = hr % rows;
-        scalar_t* dst = op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
+        scalar_t* dst = out_row(first, hr / rows, hr % rows);
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
       }
     }
