@@ -45,7 +45,7 @@ class PackedLinear(nn.Module):
 
     def native_spec(self) -> tuple | None:
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
-        return None if self.ops is None else (0, self.weight, self.bias, self.out_features, 0)
+        return None if self.ops is None else (0, self.weight, self.bias, self.out_features, 0, NATIVE_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

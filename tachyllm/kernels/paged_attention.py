@@ -63,6 +63,12 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
 
 
+def runs_native(k_cache: torch.Tensor | QuantizedKV) -> bool:
+    """Whether the C++ kernel computes attention over this cache (CPU, unquantized): the caller
+    then describes sequences by `seq_info` / `block_tables`."""
+    return isinstance(k_cache, torch.Tensor) and cpu_ops(k_cache.device) is not None
+
+
 def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]

@@ -10,7 +10,6 @@ from torch import nn
 
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
-from tachyllm.kernels.linear import NATIVE_MAX_ROWS
 from tachyllm.kernels.native import cpu_ops
 from tachyllm.kernels.paged_attention import AttentionMetadata, paged_attention
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -49,11 +48,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        self._fused: object | None = None  # the C++ DecodeLayer, built at the first decode step
+        self._fused: object | None = None  # the C++ DecodeLayer, built at its first use
         self._fusable = True
 
     def fused(self, rotary: RotaryEmbedding):
-        """This layer as one C++ call for decode-only steps (kernels/csrc/decode_layer.cpp), or None
+        """This layer as one C++ call for steps whose attention runs in the C++ kernel (kernels/csrc/decode_layer.cpp), or None
         when a part of it has no kernel (other linear types, q/k norms, dtypes the kernels lack)."""
         if self._fused is None and self._fusable:
             attn, mlp = self.self_attn, self.mlp
@@ -111,9 +110,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        # A step of few tokens whose attention runs in the C++ kernel runs each layer as one C++
-        # call; the bf16 GEMV kernel is the faster one up to NATIVE_MAX_ROWS rows.
-        fuse = meta.seq_info is not None and input_ids.numel() <= NATIVE_MAX_ROWS
+        # A step whose attention runs in the C++ kernel runs each layer as one C++ call (its linears
+        # pick their kernel by row count as the modules do).
+        fuse = meta.seq_info is not None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, fuse)
         x, _ = self.norm.add_and_norm(x, residual)

@@ -8,7 +8,7 @@ from importlib import resources
 import torch
 from torch import nn
 
-from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan
+from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, runs_native
 
 CALIBRATION_FILE = "calibration.txt"
 HELDOUT_FILE = "heldout.txt"
@@ -43,13 +43,19 @@ def scratch_kv_caches(model: nn.Module, num_tokens: int) -> list[tuple[torch.Ten
 def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches, read_cache: bool = False) -> torch.Tensor:
     """Final hidden states [n, hidden] of one sequence written to cache slots 0..n-1.
 
-    read_cache=True makes attention read K/V back from the cache (so a quantized cache's rounding
-    is part of the result); False attends to the fresh K/V, like the engine's first prefill chunk.
+    read_cache=True computes the step as the engine does: attention reads K/V back from the cache
+    (so a quantized cache's rounding is part of the result), in the C++ kernel where the engine
+    uses it (the quality report). False attends to the fresh K/V through the Python modules, so
+    that calibration hooks on them see every layer.
     """
     device = model.embed_tokens.weight.device
     n = len(token_ids)
     slots = torch.arange(n, device=device)
     span = PrefillSpan(0, n, slots if read_cache else None, 0)
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, decode_slots=None, decode_bias=None, prefills=[span])
+    k_cache = kv_caches[0][0]
+    if read_cache and runs_native(k_cache):
+        meta.seq_info = torch.tensor([[0, n, 0]], dtype=torch.int32)
+        meta.block_tables = torch.arange(-(-n // k_cache.shape[1]), dtype=torch.int32).view(1, -1)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     return model(ids, slots, kv_caches, meta)

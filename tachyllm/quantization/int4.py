@@ -130,7 +130,7 @@ class Int4Linear(nn.Module):
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
         if self.kernel != "blocks" or self.input_scale is not None:
             return None
-        return (1, self.packed, self.bias, self.out_features, ACTIVATION_BITS)
+        return (1, self.packed, self.bias, self.out_features, ACTIVATION_BITS, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "blocks" and self.input_scale is None and self.bias is None and x.dtype in KERNEL_DTYPES:

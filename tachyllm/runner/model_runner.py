@@ -13,8 +13,7 @@ import torch
 
 from tachyllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tachyllm.engine.sequence import Sequence, SequenceStatus
-from tachyllm.kernels.native import cpu_ops
-from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan
+from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, runs_native
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.sampler import Sampler
 from tachyllm.spec_decode.rejection import verify
@@ -61,7 +60,7 @@ class ModelRunner:
         # Whether the C++ kernel computes attention (CPU, unquantized cache): it reads every
         # sequence's context from the paged cache by block table.
         k_cache = kv_caches[0][0]
-        self.native_attention = isinstance(k_cache, torch.Tensor) and cpu_ops(k_cache.device) is not None
+        self.native_attention = runs_native(k_cache)
         # Otherwise a long prompt prefilled in chunks keeps a contiguous K/V copy; quantized caches
         # dequantize on read, which the copy would skip.
         self.use_chunk_buffers = isinstance(k_cache, torch.Tensor) and not self.native_attention

@@ -1,4 +1,4 @@
-// One decoder layer of a decode-only step in a single call.
+// One decoder layer of a step whose attention runs in paged_attention, in a single call.
 //
 // After the kernels of this folder, what was left of a small decode step was Python: ~20 calls per
 // layer (modules, views, checks), ~2.5 ms of a 6.4 ms step at batch 1. A DecodeLayer holds one
@@ -16,9 +16,13 @@ struct Linear {
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
   int64_t activation_bits;
+  int64_t kernel_max_rows;  // bf16: larger inputs go to at::linear (oneDNN GEMM); -1: no limit
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (kind == LinearKind::Bf16) return bf16_linear(x, weight, bias);
+    if (kind == LinearKind::Bf16) {
+      if (kernel_max_rows >= 0 && x.size(0) > kernel_max_rows) return at::linear(x, weight, bias);
+      return bf16_linear(x, weight, bias);
+    }
     torch::Tensor y = quant_gemv_q4_1(x, weight, out_features, activation_bits);
     if (bias) y.add_(*bias);
     return y;
@@ -26,9 +30,10 @@ struct Linear {
 };
 
 Linear make_linear(const pybind11::tuple& spec) {
-  TORCH_CHECK(spec.size() == 5, "a linear spec is (kind, weight, bias, out_features, activation_bits)");
+  TORCH_CHECK(spec.size() == 6, "a linear spec is (kind, weight, bias, out_features, activation_bits, kernel_max_rows)");
   return Linear{static_cast<LinearKind>(spec[0].cast<int64_t>()), spec[1].cast<torch::Tensor>(),
-                spec[2].cast<c10::optional<torch::Tensor>>(), spec[3].cast<int64_t>(), spec[4].cast<int64_t>()};
+                spec[2].cast<c10::optional<torch::Tensor>>(), spec[3].cast<int64_t>(), spec[4].cast<int64_t>(),
+                spec[5].cast<int64_t>()};
 }
 
 class DecodeLayer {
