@@ -8,7 +8,7 @@ import pytest
 
 from tachyllm.config import EngineConfig
 from tachyllm.entrypoints.cli import main
-from tachyllm.eval.quality import compare, eval_engine, format_report, heldout_windows
+from tachyllm.eval.quality import compare, eval_engine, format_report, heldout_windows, sequence_logprobs
 from tachyllm.quantization.calibration import CALIBRATION_FILE, HELDOUT_FILE, load_text
 
 
@@ -66,3 +66,19 @@ def test_awq_beats_plain_int4_on_the_default_model():
     awq = compare(eval_engine(EngineConfig(quantization="awq", threads=2), 128), ref, windows, ("awq", "fp32"))
     assert awq.kl_mean < int4.kl_mean
     assert awq.ppl_config < int4.ppl_config
+
+
+def test_report_scores_what_the_engine_computes(tiny_model_factory):
+    """The report's teacher-forced pass takes the engine's own path (in bf16 on the CPU: the C++
+    attention kernel and fused layers), so its log-probs are the ones the engine samples from."""
+    from tachyllm import LLM, SamplingParams
+
+    path = str(tiny_model_factory("llama"))
+    engine = eval_engine(EngineConfig(model=path, dtype="bfloat16", threads=1), 32)
+    ids = heldout_windows(engine, 32, 1)[0]
+    report_lp = sequence_logprobs(engine, ids)
+    llm = LLM(model=path, dtype="bfloat16", threads=1, kv_cache_memory=1 << 22)
+    for n in (7, 20):
+        out = llm.generate([ids[:n]], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)[0].outputs[0]
+        for token, lp in out.logprobs[0].items():
+            assert lp.logprob == pytest.approx(report_lp[n - 1, token].item(), abs=1e-5), (n, token)
