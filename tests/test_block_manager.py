@@ -284,3 +284,23 @@ def test_caching_off_never_hits():
     bm.free_seq(computed(bm, [1, 2, 3, 4, 5]))
     assert bm.match_prefix(make_seq([1, 2, 3, 4, 5])) == []
     assert bm.cached == {}
+
+
+def test_blocks_holding_nothing_reusable_are_handed_out_first():
+    """A freed partial block (no hash) is reused before cached blocks and before never-used ones
+    (whose memory has not been touched yet); cached blocks keep their LRU order behind it."""
+    bm = BlockManager(8, 2)
+    first = computed(bm, [1, 2, 3, 4, 5])  # blocks 0, 1 cached; block 2 holds one token
+    bm.free_seq(first)
+    taker = make_seq([9, 9])
+    assert bm.allocate(taker, 2)
+    assert taker.block_table == [2]
+    assert len(bm.match_prefix(make_seq([1, 2, 3, 4, 0]))) == 2  # the cached blocks survived
+    bm.check_invariants([taker])
+    # Without prefix caching every freed block is such a block: a steady load reuses the same few.
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    seq = computed(bm, [1, 2, 3, 4])
+    used = set(seq.block_table)
+    bm.free_seq(seq)
+    again = computed(bm, [5, 6, 7, 8])
+    assert set(again.block_table) == used
