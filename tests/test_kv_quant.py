@@ -108,3 +108,24 @@ def test_default_model_quantized_kv_greedy_agrees(kv):
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
     ref = greedy(engine_for(None), prompts, 24)
     assert agreement(greedy(engine_for(None, kv_cache_dtype=kv), prompts, 24), ref) >= 0.6
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_cache_cold_and_warm_agree(tiny_model_factory, kv):
+    """A prompt whose prefix comes from the cache computes what it computed cold: with a quantized
+    cache the first prefill chunk also attends to its K/V as stored (read back), not to the fresh
+    values, so a prefix-cache hit changes nothing but the work done."""
+    from test_hf_parity import mixed_prompts
+
+    from tachyllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", kv_cache_dtype=kv, max_num_batched_tokens=16,
+              kv_cache_memory=4 << 20)  # fmt: skip
+    prompts = mixed_prompts(300, lengths=(5, 40, 9, 23), seed=1)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    stats = llm.engine.scheduler.stats
+    cold = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    hits = stats.prefix_cache_hits
+    warm = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert stats.prefix_cache_hits > hits  # the second pass did reuse cached blocks
+    assert warm == cold

@@ -61,6 +61,9 @@ class ModelRunner:
         # sequence's context from the paged cache by block table.
         k_cache = kv_caches[0][0]
         self.native_attention = runs_native(k_cache)
+        # A quantized cache is read back even by a prompt's first chunk (instead of its fresh K/V),
+        # so that a prompt computes the same whether its prefix comes from the cache or not.
+        self.read_back_first_chunk = not isinstance(k_cache, torch.Tensor)
         # Otherwise a long prompt prefilled in chunks keeps a contiguous K/V copy; quantized caches
         # dequantize on read, which the copy would skip.
         self.use_chunk_buffers = isinstance(k_cache, torch.Tensor) and not self.native_attention
@@ -167,7 +170,8 @@ class ModelRunner:
                 counts.append(n)
             else:
                 offset = len(input_ids) - n
-                slots = None if start == 0 else self._slots([table], start + n)[0].to(self.device)
+                read_back = start > 0 or self.read_back_first_chunk
+                slots = self._slots([table], start + n)[0].to(self.device) if read_back else None
                 span = PrefillSpan(offset, offset + n, slots, start)
                 buffer = self._chunk_buffer(s)
                 if buffer is not None:
