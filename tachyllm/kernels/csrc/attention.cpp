@@ -5,12 +5,13 @@
 // A work item is (sequence, tile of its queries, segment of its context), all KV heads (or one,
 // when the batch is too small to keep the threads busy otherwise): for each KV head, the query
 // heads that share it and the tile's queries form the rows of a small matrix, and the item walks
-// the block table in tiles of 16 positions (reading each block's rows of its heads together). Per key tile: the keys are transposed to [head_dim][16] fp32 so that the
-// scores of 16 positions for a row are one vector of FMAs shared by all rows; an online softmax
-// (running max and sum per row, flash-attention style) turns them into weights; the weighted
-// values are accumulated in registers, several rows at a time. Long contexts are cut into
-// segments merged at the end (flash-decoding), so that one long prompt keeps both threads busy.
-// Everything is fp32 whatever the cache dtype. Items differ a lot in cost, so threads take them
+// the block table in tiles of 16 positions (reading each block's rows of its heads together).
+// Per key tile: the keys are transposed to [head_dim][16] (fp32, or bf16 pairs for a bf16 cache)
+// so that the scores of 16 positions for a row are one vector of dot products shared by all rows;
+// an online softmax (running max and sum per row, flash-attention style) turns them into weights;
+// the weighted values are accumulated in registers, several rows at a time. Sums are fp32 whatever
+// the cache dtype. Long contexts are cut into segments merged at the end (flash-decoding), so that
+// one long prompt keeps both threads busy. Items differ a lot in cost, so threads take them
 // heaviest first from a shared counter; how an item is cut never depends on the batch or the
 // thread count, so neither changes a row's result.
 #include <ATen/Parallel.h>
@@ -587,15 +588,18 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       std::vector<Tile> heads(kv_heads);
       std::vector<int64_t> row_last;
+      // Position `pos` of sequence `seq`: the offset of its K/V row (all heads) in the caches.
+      const auto row_of = [&](int64_t seq, int64_t pos) {
+        return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) * slot_stride;
+      };
       // Asks for the K/V rows of positions [pos, pos + n) of an item, KV heads [head_begin,
       // head_end), ahead of their use.
       const auto prefetch = [&](const WorkItem& it, int64_t pos, int64_t n, int64_t head_begin, int64_t head_end) {
-        const int32_t* table = tables + it.seq * width;
         const int64_t first_byte = head_begin * head_dim * sizeof(scalar_t);
         const int64_t last_byte = head_end * head_dim * sizeof(scalar_t);
         const int64_t end = std::min(pos + n, it.pos_end);
         for (int64_t p = pos; p < end; ++p) {
-          const int64_t row = (static_cast<int64_t>(table[p / block_size]) * block_size + p % block_size) * slot_stride;
+          const int64_t row = row_of(it.seq, p);
           const char* k_row = reinterpret_cast<const char*>(kc + row);
           const char* v_row = reinterpret_cast<const char*>(vc + row);
           for (int64_t byte = first_byte; byte < last_byte; byte += 64) {
@@ -615,7 +619,6 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
         }
         const int64_t first = info[3 * it.seq] + it.first_query, start = info[3 * it.seq + 2] + it.first_query;
         const int64_t rows = it.queries * group;
-        const int32_t* table = tables + it.seq * width;
         // Row r of KV head h = (query j, group member g) with r = j * group + g; query head h * group + g.
         row_last.resize(rows);
         for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
@@ -625,13 +628,9 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
           for (int64_t r = 0; r < rows; ++r)
             tile.load_query(r, qp + (first + r / group) * q.stride(0) + (h * group + r % group) * head_dim);
         }
-        // Position `pos` of the sequence: the offset of its K/V row (all heads) in the caches.
-        const auto row_at = [&](int64_t pos) {
-          return (static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size) * slot_stride;
-        };
         for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
           const int64_t n = std::min({KEY_TILE, block_size - pos % block_size, it.pos_end - pos});
-          const int64_t at = row_at(pos);
+          const int64_t at = row_of(it.seq, pos);
           for (int64_t h = it.head_begin; h < it.head_end; ++h) {
             prefetch(it, pos + PREFETCH_DISTANCE, n, h, h + 1);
             heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
