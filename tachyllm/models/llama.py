@@ -52,8 +52,9 @@ class DecoderLayer(nn.Module):
         self._fusable = True
 
     def fused(self, rotary: RotaryEmbedding):
-        """This layer as one C++ call for steps whose attention runs in the C++ kernel (kernels/csrc/decode_layer.cpp), or None
-        when a part of it has no kernel (other linear types, q/k norms, dtypes the kernels lack)."""
+        """This layer as one C++ call (kernels/csrc/decode_layer.cpp) for steps whose attention runs
+        in the C++ kernel, or None when a part of it has no kernel (other linear types, q/k norms,
+        dtypes the kernels lack)."""
         if self._fused is None and self._fusable:
             attn, mlp = self.self_attn, self.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
