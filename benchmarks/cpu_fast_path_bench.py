@@ -1,7 +1,8 @@
 """The CPU fast path (issue #8): the engine with and without its C++ kernels, side by side in one run.
 
 For each of bf16 weights and the GGUF's own Q4_1 weights (`--quantization gguf`), with the C++
-kernels (tachyllm/kernels/csrc) and with the pure-PyTorch path (what TACHY_NATIVE=0 gives):
+kernels (tachyllm/kernels/csrc) and with the pure-PyTorch path (what TACHY_NATIVE=0 gives), and
+for the Q4_1 weights with the kernels' opt-in 8-bit activations (`--quant-activation-bits 8`):
   - single stream: 32-token prompt, 128 new tokens, decode tokens/s (median of --repeats) and the
     achieved weight bandwidth (weight bytes read per step x steps/s) against a measured copy;
   - offline batch: 64 prompts x 128 tokens, 128 new tokens each, output tokens/s (prefill included).
@@ -24,6 +25,8 @@ import torch
 from tachyllm import LLM, SamplingParams
 from tachyllm.bench.offline import measure_bandwidth_gbs
 from tachyllm.kernels import native
+
+VLLM_OFFLINE_TOK_S, VLLM_SINGLE_TOK_S = 458, 41
 
 
 @contextlib.contextmanager
@@ -66,19 +69,21 @@ def main() -> None:
         raise SystemExit("the C++ kernels are not available here: nothing to compare")
 
     rows = []
-    for quantization in (None, "gguf"):
-        for enabled in (True, False):
-            with kernels(enabled):
-                llm = LLM(dtype="bfloat16", quantization=quantization, threads=args.threads, max_num_seqs=args.batch,
-                          max_num_batched_tokens=4096)  # fmt: skip
-                vocab = llm.engine.model_config.vocab_size
-                one = single_stream(llm, prompts(1, 32, vocab, 0)[0], 128, args.repeats)
-                many = None
-                if enabled or not args.skip_eager_batch:
-                    many = batch(llm, prompts(args.batch, 128, vocab, 1), 128)
-                rows.append((quantization or "bf16", enabled, one, many, llm.engine.weight_bytes))
-            del llm
-            gc.collect()
+    # (label, quantization, activation bits, kernels on); 8-bit activations exist only in the kernels.
+    configs = [("bf16", None, 16, True), ("bf16", None, 16, False), ("gguf", "gguf", 16, True), ("gguf", "gguf", 16, False),
+               ("gguf, 8-bit activations", "gguf", 8, True)]  # fmt: skip
+    for name, quantization, bits, enabled in configs:
+        with kernels(enabled):
+            llm = LLM(dtype="bfloat16", quantization=quantization, quant_activation_bits=bits, threads=args.threads,
+                      max_num_seqs=args.batch, max_num_batched_tokens=4096)  # fmt: skip
+            vocab = llm.engine.model_config.vocab_size
+            one = single_stream(llm, prompts(1, 32, vocab, 0)[0], 128, args.repeats)
+            many = None
+            if enabled or not args.skip_eager_batch:
+                many = batch(llm, prompts(args.batch, 128, vocab, 1), 128)
+            rows.append((name, enabled, one, many, llm.engine.weight_bytes))
+        del llm
+        gc.collect()
     gbs = measure_bandwidth_gbs(torch.device("cpu"))
 
     print(f"default model, {torch.get_num_threads()} threads, torch {torch.__version__}, measured copy bandwidth {gbs:.1f} GB/s")
@@ -92,6 +97,11 @@ def main() -> None:
         fast, slow = (r for r in rows if r[0] == name)
         ratio_b = f", batch {fast[3] / slow[3]:.2f}x" if slow[3] else ""
         print(f"{name}: C++ kernels / PyTorch path: single stream {fast[2] / slow[2]:.2f}x{ratio_b}")
+    # vLLM is not installed here; its figures are issue #8's measurements on this machine type.
+    for name, enabled, one, many, _ in rows:
+        if enabled and many is not None:
+            print(f"{name}: offline {many / VLLM_OFFLINE_TOK_S:.2f}x vLLM CPU bf16's {VLLM_OFFLINE_TOK_S} tok/s, single stream "
+                  f"{one / VLLM_SINGLE_TOK_S:.2f}x its {VLLM_SINGLE_TOK_S} tok/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -178,10 +178,11 @@ def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, m
     assert _greedy(tiny_llama, prompts, speculative_config=spec) == with_kernels
 
 
-@pytest.mark.parametrize("quantization", [None, "int4"])
-def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantization, monkeypatch):
+@pytest.mark.parametrize("quantization, activation_bits", [(None, 16), ("int4", 16), ("int4", 8)])
+def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantization, activation_bits, monkeypatch):
     """Decode-only steps run each layer as one C++ DecodeLayer call, chaining the kernels the
-    modules call: in bf16 (and int4) the tokens and their logprobs are identical."""
+    modules call: in bf16 (and int4, with either activation rounding) the tokens and their
+    logprobs are identical."""
     from tachyllm import LLM, SamplingParams
     from tachyllm.models.llama import DecoderLayer
 
@@ -194,7 +195,7 @@ def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantiza
         if not fused:
             monkeypatch.setattr(DecoderLayer, "fused", lambda self, rotary: None)
         llm = LLM(model=path, dtype="bfloat16", quantization=quantization, quant_group_size=32 if quantization else None,
-                  kv_cache_memory=1 << 22, speculative_config=spec)  # fmt: skip
+                  quant_activation_bits=activation_bits, kv_cache_memory=1 << 22, speculative_config=spec)  # fmt: skip
         outs = llm.generate(prompts, params)
         runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
         if fused:

@@ -43,7 +43,7 @@ class LLMEngine:
 
         self.model, self.weight_bytes = build_model(
             ckpt, self.dtype, self.device, self.max_model_len,
-            config.quantization, config.quant_group_size, config.quant_skip,
+            config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
         )  # fmt: skip
         model = self.model
 

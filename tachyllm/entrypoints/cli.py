@@ -67,6 +67,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, help="weight-only quantization: int8, int4, awq, gguf (default: none)")
     g.add_argument("--quant-group-size", type=int, default=None, help="int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)")
     g.add_argument("--quant-skip", default=None, help="layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)")
+    g.add_argument(
+        "--quant-activation-bits", type=int, default=16, choices=(8, 16),
+        help="activation rounding of the int4/gguf C++ kernels: 16, or 8 (llama.cpp's Q8_1: faster batches, lower fidelity) (default: 16)",
+    )  # fmt: skip
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage: auto (model dtype), fp8, fp8_e5m2, int8")
     g.add_argument(
         "--speculative-config", default=None,
@@ -109,6 +113,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         quant_group_size=args.quant_group_size,
         quant_skip=args.quant_skip,
+        quant_activation_bits=args.quant_activation_bits,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
     )

@@ -49,7 +49,8 @@ class QualityReport:
 
 def describe(config: EngineConfig) -> str:
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
-    return f"{dtype}, weights {config.quantization or 'unquantized'}, kv {config.kv_cache_dtype}"
+    bits = f" (activations {config.quant_activation_bits}-bit)" if config.quant_activation_bits != 16 else ""
+    return f"{dtype}, weights {config.quantization or 'unquantized'}{bits}, kv {config.kv_cache_dtype}"
 
 
 def eval_engine(config: EngineConfig, seq_len: int) -> LLMEngine:
@@ -122,7 +123,10 @@ def cmd_quality(args: argparse.Namespace) -> int:
     from tachyllm.entrypoints.cli import engine_config
 
     config = engine_config(args)
-    ref_config = replace(config, dtype=args.reference_dtype, quantization=None, quant_group_size=None, quant_skip=None, kv_cache_dtype="auto")
+    ref_config = replace(
+        config, dtype=args.reference_dtype, quantization=None, quant_group_size=None, quant_skip=None,
+        quant_activation_bits=16, kv_cache_dtype="auto",
+    )  # fmt: skip
     reference = eval_engine(ref_config, args.seq_len)
     engine = eval_engine(config, args.seq_len)
     windows = heldout_windows(engine, args.seq_len, args.max_sequences)

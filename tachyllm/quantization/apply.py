@@ -12,7 +12,7 @@ from tachyllm.errors import ConfigError
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
 from tachyllm.quantization.gguf_packed import Q8_0Linear, Q8_0Weight, head_weight_name, packed_gguf_weights
-from tachyllm.quantization.int4 import GROUP_SIZES, Int4Linear, Int4Weight, block_kernels
+from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight, block_kernels
 from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.quantization.policy import select_linears
 
@@ -65,6 +65,7 @@ def quantize_model(
     skip: tuple[str, ...],
     tokenizer=None,
     gguf_path: str | None = None,
+    activation_bits: int = ACTIVATION_BITS,
 ) -> QuantizationResult:
     targets, skipped = select_linears(model, skip)
     result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
@@ -97,8 +98,22 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         result.quantized.append(name)
+    _set_activation_bits(model, activation_bits)
     _log(method, result, groups)
     return result
+
+
+def _set_activation_bits(model: nn.Module, bits: int) -> None:
+    """Activation rounding of every layer on the C++ block kernels (int4/awq/gguf layers, a Q8_0
+    head); the other kernels take the activations as they are, so other bits are only logged."""
+    block_layers = [m for m in model.modules() if isinstance(m, Q8_0Linear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")]
+    for m in block_layers:
+        m.activation_bits = bits
+    if bits != ACTIVATION_BITS:
+        if block_layers:
+            logger.info("quant_activation_bits %d: %d layers round activations to int8 per 32 inputs (llama.cpp's Q8_1)", bits, len(block_layers))
+        else:
+            logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
 
 def _awq(model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer) -> dict[str, nn.Module]:

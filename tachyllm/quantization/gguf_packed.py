@@ -115,9 +115,10 @@ class Q8_0Linear(nn.Module):
         self.register_buffer("packed", ops.quant_pack_q8_0(weight.codes, weight.scales))
         self._gemv = ops.quant_gemv_q8_0  # the kernel this layout was packed for
         self.bias = bias
+        self.activation_bits = int4.ACTIVATION_BITS  # quantize_model sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gemv(x if x.dtype in KERNEL_DTYPES else x.float(), self.packed, self.out_features, int4.ACTIVATION_BITS)
+        y = self._gemv(x if x.dtype in KERNEL_DTYPES else x.float(), self.packed, self.out_features, self.activation_bits)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)

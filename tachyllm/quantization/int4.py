@@ -20,13 +20,14 @@ INT4_MAX = 15
 GROUP_SIZES = (32, 64, 128)
 # Block size of tachyllm's C++ kernels (kernels/csrc/quant_gemv.cpp): GGUF's 32 weights.
 BLOCK = 32
-# Activation rounding of those kernels, per 32-block: 16 = two int8 parts (x ≈ s/256 * (256 q + q2)),
-# or 8 = llama.cpp's Q8_1. One decode token costs the same either way (the weights' bytes set the
-# time); batched steps cost ~1.6x more dot products at 16. Measured on the default model against the
-# fp32 engine (6 held-out windows of 128 tokens): mean KL 0.0012 at 16 bits vs 0.0044 at 8 (aten's
-# bf16 path: 0.0015), and at 8 bits the greedy-text agreement with the bf16 engine falls to 75%,
-# under test_quantization.py's 85% for gguf (16 bits: 93%). One setting for every row count keeps a
-# row's result independent of the batch it runs in (prefill, decode, speculative verification).
+# Activation rounding of those kernels, per 32-block (EngineConfig.quant_activation_bits): 16 = two
+# int8 parts (x ≈ s/256 * (256 q + q2)), the default, or 8 = llama.cpp's Q8_1. One decode token
+# costs the same either way (the weights' bytes set the time); batched steps cost ~1.6x more dot
+# products at 16. Measured on the default model against the fp32 engine (6 held-out windows of 128
+# tokens): mean KL 0.0012 at 16 bits vs 0.0044 at 8 (aten's bf16 path: 0.0015), and at 8 bits the
+# greedy-text agreement with the bf16 engine falls to 75% (16 bits: 93%); 8 bits is therefore opt-in,
+# for throughput (offline 64 x 128/128: ~1.4x). One setting for every row count keeps a row's
+# result independent of the batch it runs in (prefill, decode, speculative verification).
 ACTIVATION_BITS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernels take (and return)
 
@@ -120,6 +121,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("mins", weight.mins.to(torch.bfloat16))
         self.bias = bias
         self.input_scale = None if input_scale is None else input_scale.to(torch.bfloat16)
+        self.activation_bits = ACTIVATION_BITS  # the block kernels' activation rounding; quantize_model sets it
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
@@ -130,18 +132,18 @@ class Int4Linear(nn.Module):
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
         if self.kernel != "blocks" or self.input_scale is not None:
             return None
-        return (1, self.packed, self.bias, self.out_features, ACTIVATION_BITS, -1)
+        return (1, self.packed, self.bias, self.out_features, self.activation_bits, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "blocks" and self.input_scale is None and self.bias is None and x.dtype in KERNEL_DTYPES:
             # The decode path: one call (each extra torch op costs ~1 µs, against ~5-50 µs of kernel).
-            return self._gemv(x, self.packed, self.out_features, ACTIVATION_BITS)
+            return self._gemv(x, self.packed, self.out_features, self.activation_bits)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = x2.to(torch.bfloat16) * self.input_scale.to(x2.device)
         if self.kernel == "blocks":
-            y = self._gemv(x2 if x2.dtype in KERNEL_DTYPES else x2.float(), self.packed, self.out_features, ACTIVATION_BITS)
+            y = self._gemv(x2 if x2.dtype in KERNEL_DTYPES else x2.float(), self.packed, self.out_features, self.activation_bits)
         elif self.kernel == "aten":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros)
         else:

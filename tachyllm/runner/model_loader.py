@@ -20,6 +20,7 @@ def build_model(
     quantization: str | None = None,
     quant_group_size: int | None = None,
     quant_skip: str | None = None,
+    quant_activation_bits: int = 16,
 ) -> tuple[LlamaForCausalLM, int]:
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config).to(dtype)  # casting on meta costs nothing
@@ -31,7 +32,9 @@ def build_model(
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
         gguf_path = ckpt.source if ckpt.format == "gguf" else None
-        quantize_model(model, quantization, quant_group_size, parse_skip(quant_skip), ckpt.tokenizer, gguf_path)
+        quantize_model(
+            model, quantization, quant_group_size, parse_skip(quant_skip), ckpt.tokenizer, gguf_path, quant_activation_bits
+        )
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
         pack_linears(model)
