@@ -136,7 +136,7 @@ def test_against_our_server(tmp_path, model_path, capsys):
         ["serve", "--model", model_path, "--port", "0", "--dtype", "float32", "--kv-cache-memory", "4M",
          "--log-stats-interval", "0", "--api-key", "secret"]
     )  # fmt: skip
-    server = make_server(build_app(AsyncEngine(LLMEngine(engine_config(args))), args), args)
+    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
     common = ["--model", model_path, "--input-len", "16", "--output-len", "6", "--ignore-eos"]
     with serving(server) as url:
         result = run_bench(

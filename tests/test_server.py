@@ -40,7 +40,7 @@ API_KEY = "test-key"
 def running_server(model: str, *flags: str) -> Iterator[str]:
     """A real uvicorn server in a thread, on a free port; yields its base URL."""
     args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
-    app = build_app(AsyncEngine(LLMEngine(engine_config(args))), args)
+    app = build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args)
     with serving(make_server(app, args)) as base:
         yield base
 
@@ -143,7 +143,7 @@ def thread_cpu_ticks(native_id: int) -> int:
 
 def test_async_engine_streams_aborts_and_idles(model_path):
     engine = AsyncEngine(
-        LLMEngine(engine_config(build_parser().parse_args(["serve", "--model", model_path, *ENGINE_FLAGS])))
+        lambda: LLMEngine(engine_config(build_parser().parse_args(["serve", "--model", model_path, *ENGINE_FLAGS])))
     )
     params = SamplingParams(max_tokens=200, **GREEDY)
 
@@ -173,6 +173,24 @@ def test_async_engine_streams_aborts_and_idles(model_path):
     finally:
         engine.shutdown()
     assert not engine._thread.is_alive()
+
+
+def test_async_engine_builds_its_engine_on_the_loop_thread(model_path):
+    """All of the engine's compute, loading included, runs on one thread (one OpenMP thread pool:
+    see async_engine.py); a build that fails raises from the constructor."""
+    built_on = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(engine_config(build_parser().parse_args(["serve", "--model", model_path, *ENGINE_FLAGS])))
+
+    engine = AsyncEngine(build)
+    try:
+        assert built_on == [engine._thread] and engine.model_name == model_path
+    finally:
+        engine.shutdown()
+    with pytest.raises(ConfigError, match="block_size must be >= 1"):
+        AsyncEngine(lambda: LLMEngine(engine_config(build_parser().parse_args(["serve", "--model", model_path, "--block-size", "0"]))))
 
 
 # -- the openai client -------------------------------------------------------------------------

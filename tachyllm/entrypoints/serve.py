@@ -102,9 +102,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tachyllm.server.app import build_app
     from tachyllm.server.async_engine import AsyncEngine
 
-    llm_engine = LLMEngine(engine_config(args))
-    # The engine's own periodic status line is the server's too; 0 turns it off.
-    llm_engine.stats_logger.interval_s = args.log_stats_interval or math.inf
-    engine = AsyncEngine(llm_engine)
+    def build_engine() -> LLMEngine:
+        llm_engine = LLMEngine(engine_config(args))
+        # The engine's own periodic status line is the server's too; 0 turns it off.
+        llm_engine.stats_logger.interval_s = args.log_stats_interval or math.inf
+        return llm_engine
+
+    engine = AsyncEngine(build_engine)
     make_server(build_app(engine, args), args).run()
     return 0
