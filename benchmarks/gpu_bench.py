@@ -230,15 +230,21 @@ def tachy_batch(llm: LLM, prompts: list[list[int]], new: int, device: str) -> di
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     stats = llm.engine.stats
     return {
+        **batch_figures(prompts, new, tokens, seconds),
+        "engine_steps_so_far": stats.num_steps,
+        "preemptions_so_far": stats.num_preemptions,
+        "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
+    }
+
+
+def batch_figures(prompts: list[list[int]], new: int, tokens: int, seconds: float) -> dict[str, Any]:
+    return {
         "prompts": len(prompts),
         "generated_tokens": tokens,
         "expected_tokens": len(prompts) * new,
         "seconds": seconds,
         "output_tok_s": tokens / seconds,
         "total_tok_s": (tokens + sum(map(len, prompts))) / seconds,
-        "engine_steps_so_far": stats.num_steps,
-        "preemptions_so_far": stats.num_preemptions,
-        "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
     }
 
 
@@ -287,16 +293,7 @@ def hf_generate(model, prompts: list[list[int]], new: int, device: str) -> tuple
 
 def hf_batch(model, prompts: list[list[int]], new: int, device: str) -> dict[str, Any]:
     seconds, out = hf_generate(model, prompts, new, device)
-    tokens = out.numel()
-    return {
-        "prompts": len(prompts),
-        "generated_tokens": tokens,
-        "expected_tokens": len(prompts) * new,
-        "seconds": seconds,
-        "output_tok_s": tokens / seconds,
-        "total_tok_s": (tokens + sum(map(len, prompts))) / seconds,
-        "first_tokens": out[:, 0].tolist(),
-    }
+    return {**batch_figures(prompts, new, out.numel(), seconds), "first_tokens": out[:, 0].tolist()}
 
 
 def hf_single(model, prompt: list[int], new: int, device: str) -> dict[str, Any]:
