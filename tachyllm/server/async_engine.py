@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from tachyllm.config import default_threads
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.outputs import RequestOutput, StepStats
@@ -136,23 +132,6 @@ def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
-
-
-# With this many sequences or fewer, a step is short and bound by memory bandwidth.
-SMALL_BATCH = 4
-
-
-def _small_batch_threads(threads: int) -> int:
-    """Compute threads for small batches: one fewer when `threads` would occupy every core.
-
-    The HTTP event loop streams each token from another thread. A short step runs ~250 parallel
-    regions, and each waits for its slowest thread: when the event loop takes a compute thread's
-    core, every region stalls. Measured with one stream on 2 cores (Q4_1): TPOT 11.45 ms with two
-    compute threads, 5.44 ms with one. Larger batches have long steps and keep every thread
-    (64 streams: 288 tok/s with two threads, 191 with one).
-    """
-    cores = os.cpu_count() or 1
-    return max(1, threads - 1) if threads >= cores else threads
 
 
 class AsyncEngine:
@@ -269,10 +248,7 @@ class AsyncEngine:
             return
         finally:
             built.set()
-        # Intra-op thread settings are per thread in some torch builds; set them where the work runs.
-        threads = self._engine.config.threads or default_threads()
-        small_batch_threads = _small_batch_threads(threads)
-        engine = self._engine
+        engine = self._engine  # its constructor set this thread's compute threads
         try:
             while True:
                 with self._cond:
@@ -292,8 +268,6 @@ class AsyncEngine:
                     num_adds = 0
                     outbox.flush()  # acceptances go out before the step, not after it
                 if not stopping and engine.has_unfinished_requests():
-                    small = engine.scheduler.num_unfinished <= SMALL_BATCH
-                    torch.set_num_threads(small_batch_threads if small else threads)
                     outputs += engine.step()
                 self._deliver(outputs, outbox)
                 self._publish(num_adds)
