@@ -189,3 +189,18 @@ def test_cli_chat_repl_answers_each_turn(tiny_model_factory):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("assistant> ") == 2
+
+
+def test_generate_from_another_thread_warns_once(llm, caplog):
+    """A second thread running the engine gets its own OpenMP pool (slower on CPU): said once."""
+    import threading
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with caplog.at_level("WARNING", logger="tachyllm"):
+        llm.generate(["main thread"], params, use_tqdm=False)
+        assert "another thread" not in caplog.text
+        for _ in range(2):
+            worker = threading.Thread(target=lambda: llm.generate(["other thread"], params, use_tqdm=False))
+            worker.start()
+            worker.join()
+    assert caplog.text.count("LLM.generate called from another thread") == 1
