@@ -102,6 +102,51 @@ def test_paged_attention_matches_reference(dtype, head_dim, block_size):
     assert (out[66:] == 7.0).all(), "rows of other tokens must stay untouched"
 
 
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_reads_quantized_caches(storage, q_dtype):
+    """An int8 / fp8 cache with a scale per KV head, read in place: the same as the kernel over its
+    dequantized fp32 copy (every stored code, fp8 subnormals and negatives included, appears), for
+    decodes, a chunk after cached context and a context long enough to be split; bad scales fail."""
+    torch.manual_seed(4)
+    blocks, block_size, kv_heads, heads, head_dim = 96, 16, 2, 6, 64
+    codes = torch.randint(0, 256, (2, blocks, block_size, kv_heads, head_dim), dtype=torch.uint8)
+    if storage == torch.int8:
+        stored = codes.view(torch.int8)
+    else:  # any byte but NaN
+        stored = codes.view(storage).float().nan_to_num(0.0).clamp(-200, 200).to(storage)
+    k_cache, v_cache = stored[0], stored[1]
+    k_scale, v_scale = torch.tensor([0.02, 0.05]), torch.tensor([0.01, 0.03])
+    deq_k = k_cache.float() * k_scale.view(1, 1, -1, 1)
+    deq_v = v_cache.float() * v_scale.view(1, 1, -1, 1)
+    counts_starts = [(1, 40), (1, 1100), (9, 3 * block_size + 5)]
+    first_rows = [0, 1, 2]
+    info = torch.tensor([[f, c, s] for f, (c, s) in zip(first_rows, counts_starts)], dtype=torch.int32)
+    width = max(-(-(c + s) // block_size) for c, s in counts_starts)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in counts_starts]).to(torch.int32)
+    q = torch.randn(11, heads, head_dim, dtype=q_dtype)
+    out = torch.empty_like(q)
+    ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125, k_scale, v_scale)
+    expected = torch.empty(q.shape)
+    ops.paged_attention(expected, q.float(), deq_k, deq_v, tables, info, 0.125)
+    tol = TOLERANCE[q_dtype]
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol)
+    # A context of one position returns its value row: every code converts exactly.
+    all_codes = torch.arange(256, dtype=torch.uint8).view(2, 1, kv_heads, head_dim)  # two positions' rows
+    one = v_cache.clone()
+    one.view(torch.uint8)[:2, 0] = all_codes[:, 0]
+    single = torch.tensor([[0, 1, 0], [1, 1, 0]], dtype=torch.int32)
+    rows = torch.empty(2, heads, head_dim)
+    ops.paged_attention(rows, torch.zeros(2, heads, head_dim), k_cache, one, torch.tensor([[0], [1]], dtype=torch.int32), single, 0.125, k_scale, v_scale)  # fmt: skip
+    exact = one[:2, 0].float() * v_scale.view(1, -1, 1)
+    finite = exact.isfinite()  # NaN / infinity codes aside: writes saturate, never store them
+    assert torch.equal(rows.view(2, kv_heads, heads // kv_heads, head_dim)[:, :, 0][finite], exact[finite])
+    with pytest.raises(RuntimeError, match="one scale per KV head"):
+        ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125)
+    with pytest.raises(RuntimeError, match="one scale per KV head"):
+        ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125, k_scale[:1], v_scale)
+
+
 def test_paged_attention_splits_long_contexts_across_threads():
     """Long contexts are split into segments computed in parallel and merged (flash-decoding); the
     result must not depend on the thread count nor on the rest of the batch, to the bit."""
@@ -158,24 +203,25 @@ def test_write_kv_and_bad_inputs():
                              torch.tensor([[0, 1, 2]], dtype=torch.int32), 1.0)
 
 
-def _greedy(path, prompts, **kwargs):
+def _greedy(path, prompts, expect_native: bool, **kwargs):
     from tachyllm import LLM, SamplingParams
 
     llm = LLM(model=str(path), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=32, **kwargs)
+    assert llm.engine.runner.native_attention == expect_native
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, monkeypatch):
+@pytest.mark.parametrize("arch, kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8"), ("llama", "fp8")])
+def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, kv_cache_dtype, monkeypatch):
     """Mixed prefill chunks and decodes, n-gram speculation (several queries per decode); Qwen3's
-    q/k norms run before the in-place rotary."""
+    q/k norms run before the in-place rotary; int8 / fp8 caches read in place by the kernel."""
     tiny_llama = tiny_model_factory(arch)
     prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
-    with_kernels = _greedy(tiny_llama, prompts, speculative_config=spec)
+    with_kernels = _greedy(tiny_llama, prompts, speculative_config=spec, kv_cache_dtype=kv_cache_dtype, expect_native=True)
     monkeypatch.setattr(native, "native_ops", lambda: None)
-    assert _greedy(tiny_llama, prompts, speculative_config=spec) == with_kernels
+    assert _greedy(tiny_llama, prompts, speculative_config=spec, kv_cache_dtype=kv_cache_dtype, expect_native=False) == with_kernels
 
 
 @pytest.mark.parametrize("quantization, activation_bits", [(None, 16), ("int4", 16), ("int4", 8)])

@@ -26,10 +26,15 @@ def qmax(dtype: torch.dtype) -> float:
 @dataclass
 class QuantizedKV:
     """One layer's K or V cache: `data` [slots, kv_heads, head_dim] in the storage dtype and a
-    per-head `scale` [kv_heads, 1] (fp32) with value ≈ stored * scale."""
+    per-head `scale` [kv_heads, 1] (fp32) with value ≈ stored * scale. With `block_size`, the C++
+    attention kernel reads it in place as [blocks, block_size, kv_heads, head_dim]."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    block_size: int | None = None
+
+    def paged(self) -> torch.Tensor:
+        return self.data.view(-1, self.block_size, *self.data.shape[1:])
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         dtype = self.data.dtype

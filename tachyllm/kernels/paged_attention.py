@@ -7,10 +7,11 @@ padded contexts, with their queries padded to the longest decode's; each prefill
 SDPA's CPU paths for these shapes (SDPA with a mask and grouped KV heads was ~5x slower per layer
 for a chunk with cached context, see docs/scheduler.md).
 
-On the CPU with a plain (unquantized) cache, the C++ kernels (kernels/csrc/attention.cpp) write
-K/V and compute every sequence of the batch, decodes and prefill chunks alike, straight from the
-block tables instead (the runner then fills `seq_info` / `block_tables` rather than the gathered
-slots, masks and prefill spans).
+On the CPU, the C++ kernels (kernels/csrc/attention.cpp) compute every sequence of the batch,
+decodes and prefill chunks alike, straight from the block tables instead (the runner then fills
+`seq_info` / `block_tables` rather than the gathered slots, masks and prefill spans); they also
+write K/V into a plain cache, while an int8 / fp8 cache is written here (quantized) and read by
+the kernel with its per-head scales.
 """
 
 
@@ -64,9 +65,11 @@ class AttentionMetadata:
 
 
 def runs_native(k_cache: torch.Tensor | QuantizedKV) -> bool:
-    """Whether the C++ kernel computes attention over this cache (CPU, unquantized): the caller
-    then describes sequences by `seq_info` / `block_tables`."""
-    return isinstance(k_cache, torch.Tensor) and cpu_ops(k_cache.device) is not None
+    """Whether the C++ kernel computes attention over this cache (CPU; a quantized cache laid out
+    in blocks): the caller then describes sequences by `seq_info` / `block_tables`."""
+    if isinstance(k_cache, QuantizedKV):
+        return k_cache.block_size is not None and cpu_ops(k_cache.data.device) is not None
+    return cpu_ops(k_cache.device) is not None
 
 
 def paged_attention(
@@ -83,8 +86,8 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     k_flat = kv_flat(k_cache, num_kv_heads, head_dim)
     v_flat = kv_flat(v_cache, num_kv_heads, head_dim)
-    ops = cpu_ops(q.device) if isinstance(k_cache, torch.Tensor) else None
-    if ops is not None:
+    ops = cpu_ops(q.device)
+    if ops is not None and isinstance(k_cache, torch.Tensor):
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
         kv_write(k_flat, meta.slot_mapping, k)
@@ -92,7 +95,11 @@ def paged_attention(
 
     out = torch.empty_like(q)
     if meta.seq_info is not None:
-        ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_info, scale)
+        if isinstance(k_cache, QuantizedKV):
+            ops.paged_attention(out, q, k_cache.paged(), v_cache.paged(), meta.block_tables, meta.seq_info, scale,
+                                k_cache.scale.view(-1), v_cache.scale.view(-1))  # fmt: skip
+        else:
+            ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_info, scale)
         return out
     nd = meta.num_decode_tokens
     if nd:

@@ -112,8 +112,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         # A step whose attention runs in the C++ kernel runs each layer as one C++ call (its linears
-        # pick their kernel by row count as the modules do).
-        fuse = meta.seq_info is not None
+        # pick their kernel by row count as the modules do); not with a quantized cache, which the
+        # module path writes.
+        fuse = meta.seq_info is not None and isinstance(kv_caches[0][0], torch.Tensor)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, fuse)
         x, _ = self.norm.add_and_norm(x, residual)

@@ -54,8 +54,8 @@ def quantized_kv_caches(
         device = k.device
         ks = (ka.clamp(min=1e-4) * factor).view(-1, 1).to(device)
         vs = (va.clamp(min=1e-4) * factor).view(-1, 1).to(device)
-        shape = (-1, cfg.num_kv_heads, cfg.head_dim)
-        out.append((QuantizedKV(k.view(shape), ks), QuantizedKV(v.view(shape), vs)))
+        shape, block_size = (-1, cfg.num_kv_heads, cfg.head_dim), k.shape[1]  # k: [blocks, block_size, heads, dim]
+        out.append((QuantizedKV(k.view(shape), ks, block_size), QuantizedKV(v.view(shape), vs, block_size)))
     logger.info(
         "KV cache scales calibrated per layer and KV head on %d tokens (largest |K| %.1f, |V| %.1f)",
         sum(map(len, windows)), max(float(a[0].max()) for a in amax), max(float(a[1].max()) for a in amax),

@@ -57,8 +57,8 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = device
-        # Whether the C++ kernel computes attention (CPU, unquantized cache): it reads every
-        # sequence's context from the paged cache by block table.
+        # Whether the C++ kernel computes attention (CPU): it reads every sequence's context from
+        # the paged cache by block table.
         k_cache = kv_caches[0][0]
         self.native_attention = runs_native(k_cache)
         # A quantized cache is read back even by a prompt's first chunk (instead of its fresh K/V),

@@ -10,7 +10,8 @@
 // so that the scores of 16 positions for a row are one vector of dot products shared by all rows;
 // an online softmax (running max and sum per row, flash-attention style) turns them into weights;
 // the weighted values are accumulated in registers, several rows at a time. Sums are fp32 whatever
-// the cache dtype. Long contexts are cut into segments merged at the end (flash-decoding), so that
+// the cache dtype; an int8 / fp8 cache is converted in registers as its stored values, its per-KV-head
+// scale folded into the score scale (keys) and into the output (values). Long contexts are cut into segments merged at the end (flash-decoding), so that
 // one long prompt keeps both threads busy. Items differ a lot in cost, so threads take them
 // heaviest first from a shared counter; how an item is cut never depends on the batch or the
 // thread count, so neither changes a row's result.
@@ -35,6 +36,28 @@ constexpr int64_t KEY_TILE = 16;
 constexpr int64_t MAX_ROWS = 32;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// Quantized cache elements, read as the stored value (the per-head scale is applied outside:
+// folded into the score scale for keys, into the output for values).
+struct KvInt8 {
+  int8_t bits;
+  explicit operator float() const { return static_cast<float>(bits); }
+};
+struct KvE4M3 {  // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+  uint8_t bits;
+  explicit operator float() const {
+    const int e = (bits >> 3) & 0xF, m = bits & 7;
+    const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+    return bits & 0x80 ? -mag : mag;
+  }
+};
+struct KvE5M2 {  // float8_e5m2: the high byte of an IEEE half
+  uint8_t bits;
+  explicit operator float() const {
+    c10::Half h;
+    h.x = static_cast<uint16_t>(bits << 8);
+    return static_cast<float>(h);
+  }
+};
 template <typename T>
 inline void to_float(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -48,6 +71,22 @@ inline __m512 load16(const c10::BFloat16* p) {
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i load16_bytes(const void* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512 load16(const KvInt8* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const KvE5M2* p) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(load16_bytes(p), 8))); }
+// e4m3 normals: exponent and mantissa bits moved into fp32's with the bias difference (120) added;
+// subnormals (exponent 0): mantissa * 2^-9.
+inline __m512 load16(const KvE4M3* p) {
+  const __m512i b = load16_bytes(p);
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
+  const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
+  const __m512 v = _mm512_mask_blend_ps(is_sub, normal, subnormal);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
 }
 
 // In place: r[i] lane j <- r[j] lane i.
@@ -500,9 +539,23 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
   });
 }
 
+template <typename T>
+struct CacheType {
+  using type = T;
+};
+
+// Per KV head: the cache's scale (1 for an unquantized cache).
+std::vector<float> head_scales(const c10::optional<torch::Tensor>& given, bool quantized, int64_t kv_heads, const char* name) {
+  if (!quantized) return std::vector<float>(kv_heads, 1.0f);
+  TORCH_CHECK(given.has_value() && given->scalar_type() == at::kFloat && given->is_contiguous() && given->numel() == kv_heads,
+              name, " must be a contiguous float32 tensor with one scale per KV head for a quantized cache");
+  const float* p = given->data_ptr<float>();
+  return std::vector<float>(p, p + kv_heads);
+}
+
 void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                     double scale) {
+                     double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   RECORD_FUNCTION("native::paged_attention", c10::ArrayRef<const c10::IValue>{});
   // q, out: [tokens, heads, head_dim]. seq_info: int32 [seqs, 3] = (first query row, number of
   // queries, position of the first query); query j of a sequence sits at position start + j and
@@ -511,8 +564,11 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
   check_heads(out, "out");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [blocks, block_size, kv_heads, head_dim] tensors");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-              out.scalar_type() == q.scalar_type(), "q, out and the caches must share a dtype");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && out.scalar_type() == q.scalar_type() &&
+              (quantized || cache_type == q.scalar_type()),
+              "q and out must share a dtype, and the caches too: q's, or int8 / float8_e4m3fn / float8_e5m2 with scales");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt && block_tables.dim() == 2);
   TORCH_CHECK(seq_info.is_contiguous() && seq_info.scalar_type() == at::kInt && seq_info.dim() == 2 &&
               seq_info.size(1) == 3 && seq_info.size(0) == block_tables.size(0));
@@ -521,6 +577,8 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
   TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head shapes of q and the cache disagree");
   const int64_t group = num_heads / kv_heads, seqs = seq_info.size(0), width = block_tables.size(1);
   const int64_t num_blocks = k_cache.size(0);
+  const std::vector<float> k_scales = head_scales(k_scale, quantized, kv_heads, "k_scale");
+  const std::vector<float> v_scales = head_scales(v_scale, quantized, kv_heads, "v_scale");
   const int32_t* info = seq_info.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   // A tile of queries shares every key and value it reads; its rows are bounded by MAX_ROWS.
@@ -574,109 +632,118 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
   std::vector<float> partials(partial_rows * (head_dim + 2));
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t slot_stride = kv_heads * head_dim;
-    // Output row of row r of KV head h for queries starting at batch row `first`.
-    const auto out_row = [&](int64_t first, int64_t h, int64_t r) {
-      return op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
-    };
-    std::atomic<int64_t> next{0};
-    const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      std::vector<Tile> heads(kv_heads);
-      std::vector<int64_t> row_last;
-      // Position `pos` of sequence `seq`: the offset of its K/V row (all heads) in the caches.
-      const auto row_of = [&](int64_t seq, int64_t pos) {
-        return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) * slot_stride;
+    const auto run = [&](auto cache_tag) {
+      using cache_t = typename decltype(cache_tag)::type;
+      const cache_t* kc = static_cast<const cache_t*>(k_cache.data_ptr());
+      const cache_t* vc = static_cast<const cache_t*>(v_cache.data_ptr());
+      const scalar_t* qp = q.data_ptr<scalar_t>();
+      scalar_t* op = out.data_ptr<scalar_t>();
+      const int64_t slot_stride = kv_heads * head_dim;
+      // Output row of row r of KV head h for queries starting at batch row `first`.
+      const auto out_row = [&](int64_t first, int64_t h, int64_t r) {
+        return op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
       };
-      // Asks for the K/V rows of positions [pos, pos + n) of an item, KV heads [head_begin,
-      // head_end), ahead of their use.
-      const auto prefetch = [&](const WorkItem& it, int64_t pos, int64_t n, int64_t head_begin, int64_t head_end) {
-        const int64_t first_byte = head_begin * head_dim * sizeof(scalar_t);
-        const int64_t last_byte = head_end * head_dim * sizeof(scalar_t);
-        const int64_t end = std::min(pos + n, it.pos_end);
-        for (int64_t p = pos; p < end; ++p) {
-          const int64_t row = row_of(it.seq, p);
-          const char* k_row = reinterpret_cast<const char*>(kc + row);
-          const char* v_row = reinterpret_cast<const char*>(vc + row);
-          for (int64_t byte = first_byte; byte < last_byte; byte += 64) {
-            prefetch_to_l2(k_row + byte);
-            prefetch_to_l2(v_row + byte);
-          }
-        }
-      };
-      const int64_t num_items = static_cast<int64_t>(items.size());
-      for (int64_t index = next.fetch_add(1); index < num_items;) {
-        const WorkItem& it = items[order[index]];
-        // The thread's next item is taken now, so that its first tiles load while this one computes.
-        index = next.fetch_add(1);
-        if (index < num_items) {
-          const WorkItem& upcoming = items[order[index]];
-          prefetch(upcoming, upcoming.pos_begin, PREFETCH_DISTANCE, upcoming.head_begin, upcoming.head_end);
-        }
-        const int64_t first = info[3 * it.seq] + it.first_query, start = info[3 * it.seq + 2] + it.first_query;
-        const int64_t rows = it.queries * group;
-        // Row r of KV head h = (query j, group member g) with r = j * group + g; query head h * group + g.
-        row_last.resize(rows);
-        for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
-        for (int64_t h = it.head_begin; h < it.head_end; ++h) {
-          Tile& tile = heads[h];
-          tile.reset<scalar_t>(head_dim, rows, static_cast<float>(scale));
-          for (int64_t r = 0; r < rows; ++r)
-            tile.load_query(r, qp + (first + r / group) * q.stride(0) + (h * group + r % group) * head_dim);
-        }
-        for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
-          const int64_t n = std::min({KEY_TILE, block_size - pos % block_size, it.pos_end - pos});
-          const int64_t at = row_of(it.seq, pos);
-          for (int64_t h = it.head_begin; h < it.head_end; ++h) {
-            prefetch(it, pos + PREFETCH_DISTANCE, n, h, h + 1);
-            heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
-          }
-          pos += n;
-        }
-        for (int64_t h = it.head_begin; h < it.head_end; ++h) {
-          Tile& tile = heads[h];
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* acc = tile.finish_row(r);
-            if (it.partial >= 0) {
-              float* dst = partials.data() + (it.partial + h * rows + r) * (head_dim + 2);
-              dst[0] = tile.max[r], dst[1] = tile.sum[r];
-              std::copy_n(acc, head_dim, dst + 2);
-              continue;
+      std::atomic<int64_t> next{0};
+      const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+        std::vector<Tile> heads(kv_heads);
+        std::vector<int64_t> row_last;
+        // Position `pos` of sequence `seq`: the offset of its K/V row (all heads) in the caches.
+        const auto row_of = [&](int64_t seq, int64_t pos) {
+          return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) * slot_stride;
+        };
+        // Asks for the K/V rows of positions [pos, pos + n) of an item, KV heads [head_begin,
+        // head_end), ahead of their use.
+        const auto prefetch = [&](const WorkItem& it, int64_t pos, int64_t n, int64_t head_begin, int64_t head_end) {
+          const int64_t first_byte = head_begin * head_dim * sizeof(cache_t);
+          const int64_t last_byte = head_end * head_dim * sizeof(cache_t);
+          const int64_t end = std::min(pos + n, it.pos_end);
+          for (int64_t p = pos; p < end; ++p) {
+            const int64_t row = row_of(it.seq, p);
+            const char* k_row = reinterpret_cast<const char*>(kc + row);
+            const char* v_row = reinterpret_cast<const char*>(vc + row);
+            for (int64_t byte = first_byte; byte < last_byte; byte += 64) {
+              prefetch_to_l2(k_row + byte);
+              prefetch_to_l2(v_row + byte);
             }
-            scalar_t* dst = out_row(first, h, r);
-            const float inv = 1.0f / tile.sum[r];
-            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+          }
+        };
+        const int64_t num_items = static_cast<int64_t>(items.size());
+        for (int64_t index = next.fetch_add(1); index < num_items;) {
+          const WorkItem& it = items[order[index]];
+          // The thread's next item is taken now, so that its first tiles load while this one computes.
+          index = next.fetch_add(1);
+          if (index < num_items) {
+            const WorkItem& upcoming = items[order[index]];
+            prefetch(upcoming, upcoming.pos_begin, PREFETCH_DISTANCE, upcoming.head_begin, upcoming.head_end);
+          }
+          const int64_t first = info[3 * it.seq] + it.first_query, start = info[3 * it.seq + 2] + it.first_query;
+          const int64_t rows = it.queries * group;
+          // Row r of KV head h = (query j, group member g) with r = j * group + g; query head h * group + g.
+          row_last.resize(rows);
+          for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
+          for (int64_t h = it.head_begin; h < it.head_end; ++h) {
+            Tile& tile = heads[h];
+            tile.reset<cache_t>(head_dim, rows, static_cast<float>(scale) * k_scales[h]);
+            for (int64_t r = 0; r < rows; ++r)
+              tile.load_query(r, qp + (first + r / group) * q.stride(0) + (h * group + r % group) * head_dim);
+          }
+          for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
+            const int64_t n = std::min({KEY_TILE, block_size - pos % block_size, it.pos_end - pos});
+            const int64_t at = row_of(it.seq, pos);
+            for (int64_t h = it.head_begin; h < it.head_end; ++h) {
+              prefetch(it, pos + PREFETCH_DISTANCE, n, h, h + 1);
+              heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
+            }
+            pos += n;
+          }
+          for (int64_t h = it.head_begin; h < it.head_end; ++h) {
+            Tile& tile = heads[h];
+            for (int64_t r = 0; r < rows; ++r) {
+              const float* acc = tile.finish_row(r);
+              if (it.partial >= 0) {
+                float* dst = partials.data() + (it.partial + h * rows + r) * (head_dim + 2);
+                dst[0] = tile.max[r], dst[1] = tile.sum[r];
+                for (int64_t d = 0; d < head_dim; ++d) dst[2 + d] = acc[d] * v_scales[h];
+                continue;
+              }
+              scalar_t* dst = out_row(first, h, r);
+              const float inv = v_scales[h] / tile.sum[r];
+              for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+            }
           }
         }
-      }
-    });
+      });
 
-    // Merge the segments of each split span: rescale each to the overall max, sum, normalise.
-    std::vector<float> merged(head_dim);
-    for (const SplitSpan& sp : splits) {
-      const int64_t rows = sp.queries * group, first = info[3 * sp.seq] + sp.first_query;
-      const auto part_at = [&](int64_t segment, int64_t row) {
-        return partials.data() + (sp.first_partial + segment * sp.queries * num_heads + row) * (head_dim + 2);
-      };
-      for (int64_t hr = 0; hr < kv_heads * rows; ++hr) {
-        float peak = NEG_INF;
-        for (int64_t s = 0; s < sp.segments; ++s) peak = std::max(peak, part_at(s, hr)[0]);
-        float total = 0;
-        std::fill(merged.begin(), merged.end(), 0.0f);
-        for (int64_t s = 0; s < sp.segments; ++s) {
-          const float* part = part_at(s, hr);
-          if (part[0] == NEG_INF) continue;  // no position of this segment is visible to the row
-          const float w = std::exp(part[0] - peak);
-          total += part[1] * w;
-          for (int64_t d = 0; d < head_dim; ++d) merged[d] += part[2 + d] * w;
+      // Merge the segments of each split span: rescale each to the overall max, sum, normalise.
+      std::vector<float> merged(head_dim);
+      for (const SplitSpan& sp : splits) {
+        const int64_t rows = sp.queries * group, first = info[3 * sp.seq] + sp.first_query;
+        const auto part_at = [&](int64_t segment, int64_t row) {
+          return partials.data() + (sp.first_partial + segment * sp.queries * num_heads + row) * (head_dim + 2);
+        };
+        for (int64_t hr = 0; hr < kv_heads * rows; ++hr) {
+          float peak = NEG_INF;
+          for (int64_t s = 0; s < sp.segments; ++s) peak = std::max(peak, part_at(s, hr)[0]);
+          float total = 0;
+          std::fill(merged.begin(), merged.end(), 0.0f);
+          for (int64_t s = 0; s < sp.segments; ++s) {
+            const float* part = part_at(s, hr);
+            if (part[0] == NEG_INF) continue;  // no position of this segment is visible to the row
+            const float w = std::exp(part[0] - peak);
+            total += part[1] * w;
+            for (int64_t d = 0; d < head_dim; ++d) merged[d] += part[2 + d] * w;
+          }
+          scalar_t* dst = out_row(first, hr / rows, hr % rows);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
         }
-        scalar_t* dst = out_row(first, hr / rows, hr % rows);
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
       }
+    };
+    switch (cache_type) {
+      case at::kChar: return run(CacheType<KvInt8>{});
+      case at::kFloat8_e4m3fn: return run(CacheType<KvE4M3>{});
+      case at::kFloat8_e5m2: return run(CacheType<KvE5M2>{});
+      default: return run(CacheType<scalar_t>{});
     }
   });
 }
