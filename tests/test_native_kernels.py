@@ -102,6 +102,30 @@ def test_paged_attention_matches_reference(dtype, head_dim, block_size):
     assert (out[66:] == 7.0).all(), "rows of other tokens must stay untouched"
 
 
+@pytest.mark.parametrize("name", ["int8", "fp8", "fp8_e5m2"])
+def test_write_kv_quantizes_like_the_pytorch_path(name):
+    """write_kv into an int8 / fp8 cache stores exactly the codes QuantizedKV.write stores (divide by
+    the head's scale, saturate, round half to even / convert), and needs the scales."""
+    from tachyllm.kernels.kv_quant import KV_STORAGE, QuantizedKV
+
+    torch.manual_seed(5)
+    kv_heads, head_dim, block_size, blocks = 3, 64, 16, 4
+    k = torch.randn(7, kv_heads, head_dim, dtype=torch.bfloat16) * 3
+    v = torch.randn(7, kv_heads, head_dim, dtype=torch.bfloat16)
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 0.0, 1e-8])  # saturation and tiny values
+    slots = torch.tensor([5, 0, 17, 63, 2, 40, 33])
+    scales = torch.tensor([[0.01], [0.02], [0.05]])
+    dtype = KV_STORAGE[name]
+    ref_k, ref_v = (QuantizedKV(torch.zeros(blocks * block_size, kv_heads, head_dim, dtype=dtype), scales, block_size) for _ in range(2))
+    ref_k.write(slots, k), ref_v.write(slots, v)
+    kc, vc = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype), torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    ops.write_kv(k, v, kc, vc, slots, scales.view(-1), scales.view(-1))
+    assert torch.equal(kc.view(torch.uint8), ref_k.paged().view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), ref_v.paged().view(torch.uint8))
+    with pytest.raises(RuntimeError, match="one scale per KV head"):
+        ops.write_kv(k, v, kc, vc, slots)
+
+
 @pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_reads_quantized_caches(storage, q_dtype):
@@ -224,11 +248,13 @@ def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, k
     assert _greedy(tiny_llama, prompts, speculative_config=spec, kv_cache_dtype=kv_cache_dtype, expect_native=False) == with_kernels
 
 
-@pytest.mark.parametrize("quantization, activation_bits", [(None, 16), ("int4", 16), ("int4", 8)])
-def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantization, activation_bits, monkeypatch):
+@pytest.mark.parametrize(
+    "quantization, activation_bits, kv_cache_dtype", [(None, 16, "auto"), ("int4", 16, "auto"), ("int4", 8, "auto"), (None, 16, "fp8")]
+)
+def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantization, activation_bits, kv_cache_dtype, monkeypatch):
     """Decode-only steps run each layer as one C++ DecodeLayer call, chaining the kernels the
-    modules call: in bf16 (and int4, with either activation rounding) the tokens and their
-    logprobs are identical."""
+    modules call: in bf16 (and int4, with either activation rounding; and an fp8 cache) the tokens
+    and their logprobs are identical."""
     from tachyllm import LLM, SamplingParams
     from tachyllm.models.llama import DecoderLayer
 
@@ -241,7 +267,8 @@ def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantiza
         if not fused:
             monkeypatch.setattr(DecoderLayer, "fused", lambda self, rotary: None)
         llm = LLM(model=path, dtype="bfloat16", quantization=quantization, quant_group_size=32 if quantization else None,
-                  quant_activation_bits=activation_bits, kv_cache_memory=1 << 22, speculative_config=spec)  # fmt: skip
+                  quant_activation_bits=activation_bits, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22,
+                  speculative_config=spec)  # fmt: skip
         outs = llm.generate(prompts, params)
         runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
         if fused:

@@ -36,6 +36,10 @@ class QuantizedKV:
     def paged(self) -> torch.Tensor:
         return self.data.view(-1, self.block_size, *self.data.shape[1:])
 
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache, per-head scales) as the C++ kernels take them."""
+        return self.paged(), self.scale.view(-1)
+
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         dtype = self.data.dtype
         limit = qmax(dtype)

@@ -9,9 +9,8 @@ for a chunk with cached context, see docs/scheduler.md).
 
 On the CPU, the C++ kernels (kernels/csrc/attention.cpp) compute every sequence of the batch,
 decodes and prefill chunks alike, straight from the block tables instead (the runner then fills
-`seq_info` / `block_tables` rather than the gathered slots, masks and prefill spans); they also
-write K/V into a plain cache, while an int8 / fp8 cache is written here (quantized) and read by
-the kernel with its per-head scales.
+`seq_info` / `block_tables` rather than the gathered slots, masks and prefill spans), and write
+K/V, an int8 / fp8 cache included (with its per-head scales).
 """
 
 
@@ -72,6 +71,15 @@ def runs_native(k_cache: torch.Tensor | QuantizedKV) -> bool:
     return cpu_ops(k_cache.device) is not None
 
 
+def kernel_caches(
+    k_cache: torch.Tensor | QuantizedKV, v_cache: torch.Tensor | QuantizedKV
+) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
+    """((K cache, K scales), (V cache, V scales)) as the C++ kernels take them; no scales for a plain cache."""
+    if isinstance(k_cache, QuantizedKV):
+        return k_cache.kernel_args(), v_cache.kernel_args()
+    return (k_cache, None), (v_cache, None)
+
+
 def paged_attention(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
@@ -87,19 +95,16 @@ def paged_attention(
     k_flat = kv_flat(k_cache, num_kv_heads, head_dim)
     v_flat = kv_flat(v_cache, num_kv_heads, head_dim)
     ops = cpu_ops(q.device)
-    if ops is not None and isinstance(k_cache, torch.Tensor):
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if ops is not None and runs_native(k_cache):
+        (kc, ks), (vc, vs) = kernel_caches(k_cache, v_cache)
+        ops.write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
     else:
         kv_write(k_flat, meta.slot_mapping, k)
         kv_write(v_flat, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
     if meta.seq_info is not None:
-        if isinstance(k_cache, QuantizedKV):
-            ops.paged_attention(out, q, k_cache.paged(), v_cache.paged(), meta.block_tables, meta.seq_info, scale,
-                                k_cache.scale.view(-1), v_cache.scale.view(-1))  # fmt: skip
-        else:
-            ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_info, scale)
+        ops.paged_attention(out, q, kc, vc, meta.block_tables, meta.seq_info, scale, ks, vs)
         return out
     nd = meta.num_decode_tokens
     if nd:

@@ -11,7 +11,7 @@ from torch import nn
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
 from tachyllm.kernels.native import cpu_ops
-from tachyllm.kernels.paged_attention import AttentionMetadata, paged_attention
+from tachyllm.kernels.paged_attention import AttentionMetadata, kernel_caches, paged_attention
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -72,9 +72,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rotary, kv_cache, meta, fuse: bool = False):
         if fuse and (layer := self.fused(rotary)) is not None:
+            (kc, ks), (vc, vs) = kernel_caches(*kv_cache)
             return layer.forward(
-                x, residual, positions, rotary.cos, rotary.sin, kv_cache[0], kv_cache[1],
-                meta.slot_mapping, meta.block_tables, meta.seq_info,
+                x, residual, positions, rotary.cos, rotary.sin, kc, vc, meta.slot_mapping, meta.block_tables, meta.seq_info, ks, vs
             )  # fmt: skip
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -112,9 +112,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         # A step whose attention runs in the C++ kernel runs each layer as one C++ call (its linears
-        # pick their kernel by row count as the modules do); not with a quantized cache, which the
-        # module path writes.
-        fuse = meta.seq_info is not None and isinstance(kv_caches[0][0], torch.Tensor)
+        # pick their kernel by row count as the modules do).
+        fuse = meta.seq_info is not None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta, fuse)
         x, _ = self.norm.add_and_norm(x, residual)

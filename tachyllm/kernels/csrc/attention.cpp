@@ -511,22 +511,70 @@ void check_cache(const torch::Tensor& c, const torch::Tensor& like, const char* 
   TORCH_CHECK(c.size(2) == like.size(1) && c.size(3) == like.size(2), name, " does not match the K/V head shape");
 }
 
+bool is_quantized(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
+
+// Per KV head: the cache's scale (1 for an unquantized cache).
+std::vector<float> head_scales(const c10::optional<torch::Tensor>& given, bool quantized, int64_t kv_heads, const char* name) {
+  if (!quantized) return std::vector<float>(kv_heads, 1.0f);
+  TORCH_CHECK(given.has_value() && given->scalar_type() == at::kFloat && given->is_contiguous() && given->numel() == kv_heads,
+              name, " must be a contiguous float32 tensor with one scale per KV head for a quantized cache");
+  const float* p = given->data_ptr<float>();
+  return std::vector<float>(p, p + kv_heads);
+}
+
+// Stores x / scale as the cache's code, as the PyTorch path does (kv_quant.py): clamped to the
+// type's largest finite value, then rounded half to even (int8) or converted (fp8).
+template <typename In>
+void quantize_row(uint8_t* dst, const In* src, int64_t n, float scale, at::ScalarType type) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = static_cast<float>(src[i]) / scale;
+    if (type == at::kChar) {
+      dst[i] = static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(std::clamp(y, -127.0f, 127.0f))));
+    } else if (type == at::kFloat8_e4m3fn) {
+      dst[i] = c10::Float8_e4m3fn(std::clamp(y, -448.0f, 448.0f)).x;
+    } else {
+      dst[i] = c10::Float8_e5m2(std::clamp(y, -57344.0f, 57344.0f)).x;
+    }
+  }
+}
+
 }  // namespace
 
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
-              const torch::Tensor& slots) {
+              const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   RECORD_FUNCTION("native::write_kv", c10::ArrayRef<const c10::IValue>{});
   check_heads(k, "k");
   check_heads(v, "v");
   check_cache(k_cache, k, "k_cache");
   check_cache(v_cache, v, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == v.scalar_type() &&
-              k.scalar_type() == v.scalar_type(), "the cache dtype must match K/V");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  const bool quantized = is_quantized(cache_type);
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && k.scalar_type() == v.scalar_type() && (quantized || cache_type == k.scalar_type()),
+              "the caches' dtype must be K/V's, or int8 / float8_e4m3fn / float8_e5m2 with scales");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.numel() == k.size(0));
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "cache slot out of range");
+  if (quantized) {
+    const int64_t kv_heads = k.size(1), head_dim = k.size(2);
+    const std::vector<float> ks = head_scales(k_scale, true, kv_heads, "k_scale");
+    const std::vector<float> vs = head_scales(v_scale, true, kv_heads, "v_scale");
+    uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+    uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
+      const scalar_t* kp = k.data_ptr<scalar_t>();
+      const scalar_t* vp = v.data_ptr<scalar_t>();
+      at::parallel_for(0, tokens * kv_heads, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t t = i / kv_heads, h = i % kv_heads, at = sp[t] * row + h * head_dim;
+          quantize_row(kc + at, kp + t * k.stride(0) + h * head_dim, head_dim, ks[h], cache_type);
+          quantize_row(vc + at, vp + t * v.stride(0) + h * head_dim, head_dim, vs[h], cache_type);
+        }
+      });
+    });
+    return;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv", [&] {
     const scalar_t* kp = k.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -544,15 +592,6 @@ struct CacheType {
   using type = T;
 };
 
-// Per KV head: the cache's scale (1 for an unquantized cache).
-std::vector<float> head_scales(const c10::optional<torch::Tensor>& given, bool quantized, int64_t kv_heads, const char* name) {
-  if (!quantized) return std::vector<float>(kv_heads, 1.0f);
-  TORCH_CHECK(given.has_value() && given->scalar_type() == at::kFloat && given->is_contiguous() && given->numel() == kv_heads,
-              name, " must be a contiguous float32 tensor with one scale per KV head for a quantized cache");
-  const float* p = given->data_ptr<float>();
-  return std::vector<float>(p, p + kv_heads);
-}
-
 void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                      double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
@@ -565,7 +604,7 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [blocks, block_size, kv_heads, head_dim] tensors");
   const at::ScalarType cache_type = k_cache.scalar_type();
-  const bool quantized = cache_type == at::kChar || cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  const bool quantized = is_quantized(cache_type);
   TORCH_CHECK(v_cache.scalar_type() == cache_type && out.scalar_type() == q.scalar_type() &&
               (quantized || cache_type == q.scalar_type()),
               "q and out must share a dtype, and the caches too: q's, or int8 / float8_e4m3fn / float8_e5m2 with scales");

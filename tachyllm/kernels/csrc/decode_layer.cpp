@@ -51,7 +51,8 @@ class DecodeLayer {
                                                    const torch::Tensor& positions, const torch::Tensor& cos,
                                                    const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
                                                    const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                                   const torch::Tensor& seq_info) const {
+                                                   const torch::Tensor& seq_info, const c10::optional<torch::Tensor>& k_scale,
+                                                   const c10::optional<torch::Tensor>& v_scale) const {
     torch::Tensor res;
     if (residual) {
       res = *residual;
@@ -67,9 +68,9 @@ class DecodeLayer {
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
     rotary_inplace(q, k, positions, cos, sin);
-    write_kv(k, v, k_cache, v_cache, slots);
+    write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale);
     torch::Tensor attn = torch::empty({n, heads_, head_dim_}, qkv.options());
-    paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_);
+    paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_, k_scale, v_scale);
     torch::Tensor h = o_(attn.view({n, q_size}));
     add_rms_norm(h, res, post_norm_, eps_);
     return {down_(silu_mul(gate_up_(h))), res};
@@ -89,5 +90,8 @@ void register_decode_layer(pybind11::module_& m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&,
                           torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double>())
-      .def("forward", &DecodeLayer::forward, ReleaseGil());
+      .def("forward", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("positions"),
+           pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+           pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("seq_info"),
+           pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(), ReleaseGil());
 }

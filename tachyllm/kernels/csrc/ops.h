@@ -16,7 +16,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 // attention.cpp
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
-              const torch::Tensor& slots);
+              const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
+              const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 // A quantized cache (int8, float8_e4m3fn, float8_e5m2) holds value / scale, with one fp32 scale per
 // KV head in k_scale / v_scale (required for those caches, unused otherwise).
 void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
