@@ -10,9 +10,10 @@
 // so that the scores of 16 positions for a row are one vector of dot products shared by all rows;
 // an online softmax (running max and sum per row, flash-attention style) turns them into weights;
 // the weighted values are accumulated in registers, several rows at a time. Sums are fp32 whatever
-// the cache dtype; an int8 / fp8 cache is converted in registers as its stored values, its per-KV-head
-// scale folded into the score scale (keys) and into the output (values). Long contexts are cut into segments merged at the end (flash-decoding), so that
-// one long prompt keeps both threads busy. Items differ a lot in cost, so threads take them
+// the cache dtype; an int8 / fp8 cache is converted in registers as its stored values, its
+// per-KV-head scale folded into the score scale (keys) and into the output (values). Long contexts
+// are cut into segments merged at the end (flash-decoding), so that one long prompt keeps both
+// threads busy. Items differ a lot in cost, so threads take them
 // heaviest first from a shared counter; how an item is cut never depends on the batch or the
 // thread count, so neither changes a row's result.
 #include <ATen/Parallel.h>
