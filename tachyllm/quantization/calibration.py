@@ -8,8 +8,7 @@ from importlib import resources
 import torch
 from torch import nn
 
-from tachyllm.kernels.kv_quant import QuantizedKV
-from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, runs_native
+from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, kernel_caches, runs_native
 
 CALIBRATION_FILE = "calibration.txt"
 HELDOUT_FILE = "heldout.txt"
@@ -54,10 +53,9 @@ def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches, read_cac
     slots = torch.arange(n, device=device)
     span = PrefillSpan(0, n, slots if read_cache else None, 0)
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, decode_slots=None, decode_bias=None, prefills=[span])
-    k_cache = kv_caches[0][0]
-    if read_cache and runs_native(k_cache):
-        block_size = k_cache.block_size if isinstance(k_cache, QuantizedKV) else k_cache.shape[1]
+    if read_cache and runs_native(kv_caches[0][0]):
+        (paged_k, _), _ = kernel_caches(*kv_caches[0])  # [blocks, block_size, kv_heads, head_dim]
         meta.seq_info = torch.tensor([[0, n, 0]], dtype=torch.int32)
-        meta.block_tables = torch.arange(-(-n // block_size), dtype=torch.int32).view(1, -1)
+        meta.block_tables = torch.arange(-(-n // paged_k.shape[1]), dtype=torch.int32).view(1, -1)
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     return model(ids, slots, kv_caches, meta)
