@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tachyllm.config import EngineConfig
+from tachyllm.config import QUANT_ACTIVATION_BITS, EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import TachyError
 from tachyllm.sampling_params import SamplingParams
@@ -68,7 +68,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quant-group-size", type=int, default=None, help="int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)")
     g.add_argument("--quant-skip", default=None, help="layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)")
     g.add_argument(
-        "--quant-activation-bits", type=int, default=16, choices=(8, 16),
+        "--quant-activation-bits", type=int, default=16, choices=QUANT_ACTIVATION_BITS,
         help="activation rounding of the int4/gguf C++ kernels: 16, or 8 (llama.cpp's Q8_1: faster batches, lower fidelity) (default: 16)",
     )  # fmt: skip
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage: auto (model dtype), fp8, fp8_e5m2, int8")

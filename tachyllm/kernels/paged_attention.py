@@ -94,8 +94,8 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     k_flat = kv_flat(k_cache, num_kv_heads, head_dim)
     v_flat = kv_flat(v_cache, num_kv_heads, head_dim)
-    ops = cpu_ops(q.device)
-    if ops is not None and runs_native(k_cache):
+    ops = cpu_ops(q.device) if runs_native(k_cache) else None
+    if ops is not None:
         (kc, ks), (vc, vs) = kernel_caches(k_cache, v_cache)
         ops.write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
     else:
