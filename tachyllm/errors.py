@@ -14,4 +14,14 @@ class ModelLoadError(TachyError):
 
 
 class RequestError(TachyError, ValueError):
-    """A single request cannot be served (empty prompt, too long, ...); other requests are unaffected."""
+    """A single request cannot be served (empty prompt, too long, ...); other requests are unaffected.
+
+    `param` names the request field at fault (e.g. "stop_token_ids"), when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineCorruptedError(TachyError):
+    """The engine's state is no longer consistent (after a failed step): it must be restarted."""

@@ -21,7 +21,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
@@ -72,7 +72,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    # Set when this request alone failed (e.g. prompt too long); outputs is then empty.
+    # Set when this request failed: refused (e.g. prompt too long; outputs is then empty), or the
+    # engine failed while running it (finish_reason "error").
     error: str | None = None
     num_cached_tokens: int = 0
 

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# A temperature below this is greedy: dividing logits by it would overflow float32 (vLLM's rule).
+GREEDY_TEMPERATURE = 1e-5
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on each logit_bias value
 
 
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = disabled
     min_p: float = 0.0
@@ -24,6 +28,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's)
+    logit_bias: dict[int, float] | None = None  # token id -> value added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -36,6 +41,7 @@ class SamplingParams:
         else:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()} if self.logit_bias else None
 
     def _validate(self) -> None:
         def bad(name: str, value: object, why: str) -> ValueError:
@@ -44,13 +50,13 @@ class SamplingParams:
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 
-        def is_num(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        def is_num(x: object) -> bool:  # finite: inf or NaN would reach the logits
+            return is_int(x) or (isinstance(x, float) and math.isfinite(x))
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "must be an integer >= 1")
         if not is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "must be >= 0")
+            raise bad("temperature", self.temperature, "must be a finite number >= 0")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
@@ -77,10 +83,22 @@ class SamplingParams:
         ids = self.stop_token_ids or []
         if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
             raise bad("stop_token_ids", self.stop_token_ids, "must be a list of non-negative token ids")
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict) or not all(
+            is_int(t) and t >= 0 and is_num(v) and abs(v) <= LOGIT_BIAS_RANGE for t, v in bias.items()
+        ):
+            why = f"must map non-negative token ids to numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
+            raise bad("logit_bias", self.logit_bias, why)
+
+    def token_ids_at_or_above(self, vocab_size: int) -> list[tuple[str, int]]:
+        """(field, id) of every token id these params name that a vocabulary of vocab_size lacks."""
+        named = [("stop_token_ids", t) for t in self.stop_token_ids]
+        named += [("logit_bias", t) for t in self.logit_bias or {}]
+        return [(name, t) for name, t in named if t >= vocab_size]
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

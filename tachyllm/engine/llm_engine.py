@@ -7,13 +7,14 @@ import time
 
 import torch
 
+from tachyllm import faults
 from tachyllm.config import EngineConfig, default_threads
 from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.engine.block_manager import BlockManager
 from tachyllm.engine.scheduler import Scheduler
 from tachyllm.engine.sequence import Request, Sequence
 from tachyllm.engine.stats_logger import StatsLogger
-from tachyllm.errors import RequestError
+from tachyllm.errors import EngineCorruptedError, RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import load_checkpoint
 from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
@@ -86,6 +87,7 @@ class LLMEngine:
                 self.max_model_len, self.dtype, self.device,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}
+        self._step_seqs: list[Sequence] | None = None  # what the current step works on (fault barrier)
         self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
         logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
 
@@ -117,9 +119,17 @@ class LLMEngine:
             text, token_ids = None, list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise RequestError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:3]}")
+                raise RequestError(
+                    f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:3]}", param="prompt"
+                )
         if not token_ids:
-            raise RequestError("prompt is empty (no tokens)")
+            raise RequestError("prompt is empty (no tokens)", param="prompt")
+        if unknown := params.token_ids_at_or_above(self.model_config.vocab_size):
+            name, token = unknown[0]
+            raise RequestError(
+                f"{name}: token id {token} is not in the vocabulary (ids 0 to {self.model_config.vocab_size - 1})",
+                param=name,
+            )
         self._check_fits(len(token_ids), params)
 
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
@@ -176,11 +186,30 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, run, sample, emit. It is a fault barrier: an exception inside it
+        (a bug, a kernel error) fails the requests the step was working on, with the error, and
+        returns their blocks; the engine goes on with the others. A failure that can be pinned on one
+        request (detokenizing or emitting its tokens) fails that request alone. Raises only when the
+        KV-block bookkeeping is no longer consistent after a failure: that engine must not go on."""
+        self._step_seqs = None  # until scheduled: any running sequence may be touched
+        try:
+            return self._step()
+        except Exception as e:
+            seqs = self.scheduler.running if self._step_seqs is None else self._step_seqs
+            failed = {s.request.request_id: s.request for s in seqs if s.request.request_id in self.requests}
+            logger.exception("engine step failed; failing its %d request(s)", len(failed))
+            outputs = [self._fail_request(req, e) for req in failed.values()]
+            self._check_consistent()
+            return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        faults.check("schedule", self.scheduler.running)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
+        self._step_seqs = [s.seq for s in sched.scheduled]
         now = time.time()
         for s in sched.scheduled:
             if s.seq.request.metrics.first_scheduled_time is None:
@@ -198,6 +227,7 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, Request] = {}
         spec_outcomes = []
+        failed: dict[str, RequestOutput] = {}
         for r in results:
             seq = r.seq
             if r.num_draft_tokens:
@@ -209,10 +239,17 @@ class LLMEngine:
                 m.spec_num_drafts += 1
                 m.spec_num_draft_tokens += r.num_draft_tokens
                 m.spec_num_accepted_tokens += r.num_accepted
-            for token, logprob in zip(r.token_ids, r.logprobs):
-                self._append_token(seq, token, logprob, now)
-                if seq.is_finished:
-                    break
+            if seq.request.request_id in failed:
+                continue
+            try:
+                for token, logprob in zip(r.token_ids, r.logprobs):
+                    self._append_token(seq, token, logprob, now)
+                    if seq.is_finished:
+                        break
+            except Exception as e:  # this request's own tokens: only it fails
+                logger.exception("request %s failed while its tokens were applied", seq.request.request_id)
+                failed[seq.request.request_id] = self._fail_request(seq.request, e)
+                continue
             if r.num_draft_tokens and not seq.is_finished:
                 self.block_manager.trim(seq, seq.num_tokens)
                 self.block_manager.cache_full_blocks(seq)
@@ -220,14 +257,51 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe(sched, step_seconds, spec_outcomes)
             Speculator.clear([s.seq for s in sched.scheduled] + sched.preempted)
-        outputs = []
+        outputs = list(failed.values())
         for req in touched.values():
-            if req.finished:
-                req.metrics.finished_time = now
-                self.requests.pop(req.request_id, None)
-            outputs.append(self._make_output(req))
-        self.stats_logger.maybe_log(self.stats, self.scheduler, self.block_manager, sched.scheduled)
+            if req.request_id not in failed:
+                outputs.append(self._emit(req, now))
+        try:
+            self.stats_logger.maybe_log(self.stats, self.scheduler, self.block_manager, sched.scheduled)
+        except Exception:  # a log line is not worth a request
+            logger.exception("stats logging failed")
         return outputs
+
+    def _emit(self, req: Request, now: float) -> RequestOutput:
+        """The request's output for this step; a request whose output cannot be made fails alone."""
+        try:
+            faults.check("output", req.seqs)
+            out = self._make_output(req)
+        except Exception as e:
+            logger.exception("request %s failed while its output was made", req.request_id)
+            return self._fail_request(req, e)
+        if req.finished:
+            req.metrics.finished_time = now
+            self.requests.pop(req.request_id, None)
+        return out
+
+    def _fail_request(self, req: Request, error: Exception) -> RequestOutput:
+        """Ends the request with finish_reason "error" (its blocks are free when this returns) and
+        returns its final output, which carries the error and whatever text it had produced."""
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "error")
+        req.metrics.finished_time = time.time()
+        self.requests.pop(req.request_id, None)
+        completions = [
+            CompletionOutput(seq.index, seq.text, seq.output_token_ids, seq.finish_reason) for seq in req.seqs
+        ]
+        message = f"the engine failed while running this request ({type(error).__name__}: {error})"
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, completions, True, req.metrics, error=message
+        )
+
+    def _check_consistent(self) -> None:
+        """After a failed step: every KV block is either free or held by a live sequence."""
+        live = [seq for req in self.requests.values() for seq in req.seqs if not seq.is_finished]
+        try:
+            self.block_manager.check_invariants(live)
+        except AssertionError as e:
+            raise EngineCorruptedError(f"KV-block bookkeeping is inconsistent after a failed step: {e}") from None
 
     def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
         params, metrics = seq.params, seq.request.metrics
@@ -244,6 +318,7 @@ class LLMEngine:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += chosen_lp
 
+        faults.check("detokenize", [seq])
         delta = seq.detokenizer.add_tokens([token])
         seq.text += delta
         n_out = seq.num_output_tokens

@@ -37,7 +37,7 @@ def _int_or_none(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-def _bytes(text: str) -> int:
+def byte_size(text: str) -> int:
     """Accepts plain bytes or a size like 512M / 2G."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    g.add_argument("--kv-cache-memory", type=_bytes, default=None, help="KV cache size in bytes, e.g. 2G (default: a share of free memory)")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=None, help="KV cache size in bytes, e.g. 2G (default: a share of free memory)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", help="disable prefix caching")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false", help="disable chunked prefill")
     g.add_argument(

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import math
 import os
+import logging
 import socket
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -13,7 +14,9 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.cli import add_engine_args, engine_config, non_negative_float, positive_int
+from tachyllm.entrypoints.cli import add_engine_args, byte_size, engine_config, non_negative_float, positive_int
+
+logger = logging.getLogger("tachyllm.server")
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -40,6 +43,33 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="answer 503 while this many requests wait to run (default: unlimited)",
     )  # fmt: skip
     g.add_argument(
+        "--max-request-body-bytes", type=byte_size, default=4 << 20,
+        help="refuse request bodies larger than this with 413, e.g. 4M (default: 4 MiB)",
+    )  # fmt: skip
+    g.add_argument("--max-n", type=positive_int, default=128, help="largest n (choices per prompt) a request may ask for")
+    g.add_argument(
+        "--max-prompts-per-request", type=positive_int, default=256,
+        help="most prompts one /v1/completions request may carry",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-request-tokens", type=positive_int, default=1 << 20,
+        help="most tokens one HTTP request may claim: its prompts plus n x max_tokens for each (default: 1048576)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-hosts", nargs="+", default=None,
+        help="Host header values the server answers to ('*' = any); others get 421 (default: the loopback names "
+        "when bound to loopback, else any)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-origins", nargs="+", default=None,
+        help="web origins allowed to call the API from a browser (CORS), e.g. https://app.example.com (default: none)",
+    )  # fmt: skip
+    g.add_argument(
+        "--engine-iteration-timeout", type=non_negative_float, default=60.0,
+        help="seconds one engine step may run before the engine counts as hung: /health turns 503 and the server "
+        "exits with status 1 for its supervisor to restart it; 0 = no limit",
+    )  # fmt: skip
+    g.add_argument(
         "--shutdown-timeout", type=non_negative_float, default=30.0,
         help="on SIGTERM/SIGINT, seconds to let admitted requests finish before aborting them",
     )  # fmt: skip
@@ -53,10 +83,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 class GracefulServer(uvicorn.Server):
     """First SIGTERM/SIGINT: new requests get 503 while admitted ones finish (up to the shutdown
-    timeout, then they are aborted), then a normal exit with status 0. A second signal exits at once.
+    timeout, then they are aborted), then a normal exit with status 0. A second signal ends every
+    open request at once (streams get an error event) and exits.
+
+    A watchdog checks the engine twice a second: once its loop has died or a step hangs past
+    --engine-iteration-timeout, the server drains what it can and exits with status 1 (exit_code),
+    so that a supervisor restarts it instead of a live process answering errors forever.
 
     uvicorn's own handler records the signal and re-raises it after shutdown, which would end the
     process by the signal rather than with status 0; this one does not."""
+
+    WATCHDOG_INTERVAL_S = 0.5
 
     def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
@@ -64,26 +101,49 @@ class GracefulServer(uvicorn.Server):
         self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
-        self._drain_task: asyncio.Task | None = None  # held so the task is not garbage-collected
+        self._tasks: set[asyncio.Task] = set()  # held so the tasks are not garbage-collected
+        self.exit_code = 0
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._spawn(self._watch_engine())
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining or self._loop is None:
-            self.should_exit = self.force_exit = True
+        if self._loop is None:
+            self.should_exit = True
             return
-        self._draining = True
         # A signal handler may interrupt the loop anywhere; call_soon_threadsafe is safe from there.
-        self._loop.call_soon_threadsafe(self._start_drain)
+        if self._draining:
+            self._loop.call_soon_threadsafe(self._end_now)
+        else:
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._spawn, self._drain(self._shutdown_timeout))
 
-    def _start_drain(self) -> None:
-        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _drain(self) -> None:
-        await self._state.drain(self._shutdown_timeout)
+    def _end_now(self) -> None:
+        logger.warning("second signal: ending every open request now")
+        self._state.engine.abandon("the server is shutting down", failed=False)
+
+    async def _drain(self, timeout: float) -> None:
+        await self._state.drain(timeout)
         self.should_exit = True
+
+    async def _watch_engine(self) -> None:
+        while not self.should_exit:
+            await asyncio.sleep(self.WATCHDOG_INTERVAL_S)
+            if self._draining or (problem := self._state.health_problem()) is None:
+                continue
+            logger.error("%s; shutting down with exit status 1 so that a supervisor restarts the server", problem)
+            self.exit_code = 1
+            self._draining = True
+            self._state.engine.abandon(problem, failed=True)  # open streams end with that error
+            await self._drain(min(self._shutdown_timeout, 5.0))
+            return
 
 
 def make_server(app: FastAPI, args: argparse.Namespace) -> GracefulServer:
@@ -109,5 +169,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return llm_engine
 
     engine = AsyncEngine(build_engine)
-    make_server(build_app(engine, args), args).run()
-    return 0
+    server = make_server(build_app(engine, args), args)
+    server.run()
+    return server.exit_code

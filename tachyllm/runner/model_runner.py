@@ -11,6 +11,7 @@ from itertools import accumulate
 
 import torch
 
+from tachyllm import faults
 from tachyllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tachyllm.engine.sequence import Sequence, SequenceStatus
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, runs_native
@@ -87,6 +88,7 @@ class ModelRunner:
         if not plain_rows and not spec_rows:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
+        faults.check("sample", (s.seq for s in ordered))
         results = []
         if plain_seqs:
             sampled = self.sampler(logits[: len(plain_rows)], plain_seqs)
@@ -110,7 +112,9 @@ class ModelRunner:
         return logits[torch.tensor([order[id(s)] for s in scheduled], device=self.device)]
 
     def _forward(self, ordered: list[ScheduledSeq]) -> torch.Tensor:
+        faults.check("prepare", (s.seq for s in ordered))
         input_ids, positions, meta = self._prepare(ordered)
+        faults.check("forward", (s.seq for s in ordered))
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         for s in ordered:
             buffer = self.chunk_buffers.get(s.seq.seq_id)

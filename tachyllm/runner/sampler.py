@@ -46,17 +46,21 @@ class Sampler:
         return SampleResult(tokens.tolist(), logprob_rows)
 
     def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens, penalties."""
+        """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens,
+        penalties, logit biases."""
         logits = self._suppress_stops_before_min_tokens(logits[:, : self.vocab_size], seqs)
         if any(s.params.uses_penalties for s in seqs):
             logits = self._apply_penalties(logits, seqs)
+        if any(s.params.logit_bias for s in seqs):
+            logits = self._apply_logit_bias(logits, seqs)
         return logits
 
     def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The distribution a sampling request draws from: processed logits under temperature,
         top-k / top-p and min-p (greedy rows are treated as temperature 1)."""
         dev = logits.device
-        temperature = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=dev).unsqueeze(1)
+        temperature = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
+        temperature = torch.tensor(temperature, device=dev).unsqueeze(1)
         logits = logits / temperature
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
@@ -124,6 +128,17 @@ class Sampler:
             logits = logits.clone()
             logits[rows, cols] = float("-inf")
         return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols, values = [], [], []
+        for i, s in enumerate(seqs):
+            for token, bias in (s.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        dev = logits.device
+        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
+        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         n, vocab, dev = len(seqs), logits.shape[1], logits.device

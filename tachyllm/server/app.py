@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,14 +24,18 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 import tachyllm
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server import protocol as p
-from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from tachyllm.server.errors import APIError, bad_request
+from tachyllm.server.guard import RequestGuard, default_allowed_hosts
 from tachyllm.server.metrics import ServerMetrics
+from tachyllm.server.openapi import ERROR_RESPONSES, openapi_document, route_doc
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -45,32 +50,10 @@ UNION_HINTS = {
 }
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=type, param=param, code=code))
-        self.headers = headers
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
 def engine_dead(engine: AsyncEngine, e: EngineDeadError) -> APIError:
-    if engine.error is not None:  # the engine failed: our fault
-        return APIError(500, str(e), type="internal_error", code="engine_failed")
-    return APIError(503, str(e), type="service_unavailable_error", code="shutting_down")
+    # 503 either way: a failed engine makes the server exit, so a supervisor restarts it.
+    code = "engine_failed" if engine.error is not None else "shutting_down"
+    return APIError(503, str(e), "service_unavailable_error", code=code)
 
 
 def request_aborted() -> APIError:
@@ -78,6 +61,10 @@ def request_aborted() -> APIError:
     return APIError(
         503, "the request was aborted: the server is shutting down", "service_unavailable_error", code="aborted"
     )
+
+
+def request_failed(out: RequestOutput) -> APIError:
+    return APIError(500, out.error or "the engine failed while running this request", "internal_error", code="engine_error")
 
 
 @dataclass
@@ -96,6 +83,16 @@ class ChoiceProgress:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one HTTP request may ask for (each breach is a 400 naming the field)."""
+
+    max_n: int = 128  # OpenAI's own cap on n
+    max_prompts: int = 256  # prompts in one completions request
+    # Tokens one HTTP request may claim: prompts plus n x max_tokens, summed over its prompts.
+    max_request_tokens: int = 1 << 20
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
@@ -103,6 +100,9 @@ class ServerState:
     api_key: str | None
     max_queue_len: int | None
     metrics: ServerMetrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Seconds a step may run before the engine counts as hung (0: never).
+    iteration_timeout: float = 0.0
     draining: bool = False
 
     @property
@@ -140,13 +140,45 @@ class ServerState:
                 code="shutting_down",
                 headers={"Retry-After": "5"},
             )
-        if self.max_queue_len is not None and (waiting := self.engine.num_waiting) >= self.max_queue_len:
-            raise APIError(
-                503,
-                f"the server is busy: {waiting} requests are waiting (max_queue_len {self.max_queue_len}); retry later",
-                "service_unavailable_error",
-                code="queue_full",
-                headers={"Retry-After": "1"},
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (it stopped, or its step hangs past the timeout); None if it can."""
+        if not self.engine.is_running:
+            return f"the engine stopped: {self.engine.error}" if self.engine.error else "the engine was shut down"
+        step = self.engine.step_seconds()
+        if self.iteration_timeout and step > self.iteration_timeout:
+            return f"the engine's current step has run for {step:.0f} s (--engine-iteration-timeout {self.iteration_timeout:g})"
+        return None
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt and output tokens together: what the context and the KV cache both hold."""
+        return min(self.engine.max_model_len, self.engine.kv_cache_tokens)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuses, before tokenizing, a prompt whose length alone proves it cannot fit: no token
+        spells more than max_token_chars characters."""
+        per_token = self.engine.tokenizer.max_token_chars
+        if num_chars > self.context_limit * per_token:
+            raise bad_request(
+                f"the prompt has {num_chars} characters, more than the {self.context_limit} tokens of this "
+                f"server's context limit can hold (at most {per_token} characters per token); shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_n(self, n: int | None) -> None:
+        if (n or 1) > self.limits.max_n:
+            raise bad_request(f"n must be at most {self.limits.max_n} on this server (--max-n), got {n}", param="n")
+
+    def check_requested_tokens(self, prompts: list[Prompt], params: list[SamplingParams], max_param: str) -> None:
+        requested = sum(len(pr.token_ids) + sp.n * sp.max_tokens for pr, sp in zip(prompts, params))
+        if requested > self.limits.max_request_tokens:
+            raise bad_request(
+                f"this request asks for {requested} tokens (prompts plus n x {max_param}), more than this "
+                f"server's limit of {self.limits.max_request_tokens} per request (--max-request-tokens); "
+                f"lower n or {max_param}, or send fewer prompts",
+                param=max_param,
             )
 
     async def drain(self, timeout: float) -> None:
@@ -206,8 +238,6 @@ def loc_path(loc: tuple) -> str:
 
 
 def reject_unsupported(body: p.SamplingFields) -> None:
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if isinstance(body, p.CompletionRequest):
         if body.suffix:
             raise bad_request("suffix is not supported", param="suffix")
@@ -224,29 +254,50 @@ def reject_unsupported(body: p.SamplingFields) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
-def completion_prompts(engine: AsyncEngine, prompt: str | list) -> list[Prompt]:
+def logit_bias(engine: AsyncEngine, bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a bias in [-100, 100]."""
+    if not bias:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= engine.vocab_size:
+            raise bad_request(
+                f"logit_bias keys must be token ids below the vocabulary size {engine.vocab_size}, got {key[:20]!r}",
+                param="logit_bias",
+            )
+        parsed[int(key)] = value
+    return parsed
+
+
+async def completion_prompts(state: ServerState, prompt: str | list) -> list[Prompt]:
+    engine = state.engine
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items = [prompt]
     else:
         items = prompt
     if not items:
         raise bad_request("prompt must not be empty", param="prompt")
-    prompts = []
+    if len(items) > state.limits.max_prompts:
+        raise bad_request(
+            f"at most {state.limits.max_prompts} prompts per request on this server (--max-prompts-per-request), "
+            f"got {len(items)}",
+            param="prompt",
+        )
+    texts = [item for item in items if isinstance(item, str)]
+    for text in texts:
+        state.check_prompt_chars(len(text), "prompt")
     for item in items:
-        if isinstance(item, str):
-            prompts.append(Prompt(engine.tokenizer.encode(item) if item else [], item))
-        else:
-            if any(t >= engine.vocab_size for t in item):
-                raise bad_request(
-                    f"prompt token ids must be below the vocabulary size {engine.vocab_size}", param="prompt"
-                )
-            prompts.append(Prompt(list(item), None))
-        if not prompts[-1].token_ids:
-            raise bad_request("prompt must not be empty", param="prompt")
+        if not isinstance(item, str) and any(t >= engine.vocab_size for t in item):
+            raise bad_request(f"prompt token ids must be below the vocabulary size {engine.vocab_size}", param="prompt")
+    # Off the event loop: a long prompt takes the tokenizer a while (~0.4 s per MiB).
+    encoded = iter(await asyncio.to_thread(lambda: [engine.tokenizer.encode(t) if t else [] for t in texts]))
+    prompts = [Prompt(next(encoded), item) if isinstance(item, str) else Prompt(list(item), None) for item in items]
+    if any(not pr.token_ids for pr in prompts):
+        raise bad_request("prompt must not be empty", param="prompt")
     return prompts
 
 
-def chat_token_ids(engine: AsyncEngine, messages: list[p.ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
     conversation = []
     for i, m in enumerate(messages):
         role = CHAT_ROLES.get(m.role)
@@ -257,10 +308,14 @@ def chat_token_ids(engine: AsyncEngine, messages: list[p.ChatMessage], add_gener
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(
                         f"only text content parts are supported, got type {part.type!r}",
                         param=f"messages[{i}].content[{j}]",
+                    )
+                if part.text is None:
+                    raise bad_request(
+                        "a content part of type 'text' needs a 'text' field", param=f"messages[{i}].content[{j}].text"
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
@@ -271,19 +326,33 @@ def chat_token_ids(engine: AsyncEngine, messages: list[p.ChatMessage], add_gener
         else:
             content = m.content
         conversation.append({"role": role, "content": content})
+    return conversation
+
+
+async def chat_token_ids(
+    state: ServerState, messages: list[p.ChatMessage], add_generation_prompt: bool = True, check_length: bool = True
+) -> list[int]:
+    conversation = chat_conversation(messages)
+    if check_length:
+        state.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+    tokenizer = state.engine.tokenizer
+
+    def render_and_encode() -> list[int]:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        # The template spells out its special tokens; adding a BOS again would double it.
+        return tokenizer.encode(text, add_special_tokens=False)
+
     try:
-        text = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return await asyncio.to_thread(render_and_encode)  # off the event loop, as for completions
     except (RequestError, ConfigError) as e:
         raise bad_request(str(e), param="messages") from None
-    # The template spells out its special tokens; adding a BOS again would double it.
-    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def resolve_max_tokens(
-    engine: AsyncEngine, requested: int | None, prompt_len: int, prompt_param: str, max_param: str
+    state: ServerState, requested: int | None, prompt_len: int, prompt_param: str, max_param: str
 ) -> int:
     """The request's max_tokens; by default whatever room the context leaves, as vLLM does."""
-    limit = min(engine.max_model_len, engine.kv_cache_tokens)  # a request must also fit the KV cache
+    limit = state.context_limit
     if prompt_len >= limit:
         raise bad_request(
             f"the prompt has {prompt_len} tokens but this server's context limit is {limit} tokens "
@@ -303,7 +372,9 @@ def resolve_max_tokens(
     return requested
 
 
-def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: p.SamplingFields, max_tokens: int, logprobs: int | None, bias: dict[int, float] | None
+) -> SamplingParams:
     options = {
         "n": body.n,
         "temperature": body.temperature,
@@ -319,6 +390,7 @@ def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | Non
         "stop": body.stop,
         "stop_token_ids": body.stop_token_ids,
         "logprobs": logprobs,
+        "logit_bias": bias,
     }
     try:
         # Unset (None) fields take SamplingParams' defaults, which are OpenAI's.
@@ -335,25 +407,26 @@ def sampling_params(body: p.SamplingFields, max_tokens: int, logprobs: int | Non
 async def start_requests(
     state: ServerState, base_id: str, prompts: list[Prompt], params: list[SamplingParams], prompt_param: str
 ) -> list[RequestStream]:
-    """Admits one engine request per prompt, all or none."""
+    """Admits one engine request per prompt, all or none, while the queue has room for them all."""
     state.check_capacity()
-    results = await asyncio.gather(
-        *(
-            state.engine.add_request(f"{base_id}-{i}", pr.token_ids, sp)
-            for i, (pr, sp) in enumerate(zip(prompts, params))
-        ),
-        return_exceptions=True,
-    )
-    streams = [r for r in results if isinstance(r, RequestStream)]
-    failures = [r for r in results if not isinstance(r, RequestStream)]
-    if failures:
-        for stream in streams:
-            stream.close()
-        error = failures[0]
-        if isinstance(error, RequestError):
-            raise bad_request(str(error), param=prompt_param)
-        raise error
-    return streams
+    limit = state.max_queue_len
+    if limit is not None and len(prompts) > limit:
+        raise bad_request(
+            f"{len(prompts)} prompts can never wait at once on this server (--max-queue-len {limit})", param=prompt_param
+        )
+    requests = [(f"{base_id}-{i}", pr.token_ids, sp) for i, (pr, sp) in enumerate(zip(prompts, params))]
+    try:
+        return await state.engine.add_requests(requests, max_queued=limit)
+    except QueueFullError as e:
+        raise APIError(
+            503,
+            f"the server is busy: {e.num_queued} requests are waiting to start (max_queue_len {e.limit}); retry later",
+            "service_unavailable_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
+    except RequestError as e:
+        raise bad_request(str(e), param=e.param or prompt_param) from None
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -417,9 +490,11 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
     return work.result() if work.done() and not work.cancelled() else None
 
 
-def finish_reason(c: CompletionOutput) -> str | None:
+def finish_reason(out: RequestOutput, c: CompletionOutput) -> str | None:
     if c.finish_reason == "abort":
         raise request_aborted()
+    if c.finish_reason == "error":
+        raise request_failed(out)
     return c.finish_reason  # "stop" and "length" mean what OpenAI means by them
 
 
@@ -461,6 +536,21 @@ def usage(prompts: list[Prompt], num_output_tokens: int) -> p.UsageInfo:
     )
 
 
+def json_object(fields: dict, **long_lists: list | None) -> str:
+    """A JSON object of `fields` and long lists, written a slice at a time: a serializer holds the
+    GIL until it is done (~0.1 s for a million ids), while between slices other threads, the event
+    loop's among them, get their turn."""
+    parts = [json.dumps(fields)[:-1]]
+    for name, items in long_lists.items():
+        if items is None:
+            parts.append(f', "{name}": null')
+            continue
+        step = 1 << 14
+        slices = (json.dumps(items[i : i + step])[1:-1] for i in range(0, len(items), step))
+        parts.append(f', "{name}": [' + ", ".join(slices) + "]")
+    return "".join(parts) + "}"
+
+
 def sse(model: BaseModel) -> str:
     return f"data: {model.model_dump_json()}\n\n"
 
@@ -496,16 +586,21 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     served_names = list(args.served_model_name or [engine.model_name])
     metrics = ServerMetrics(served_names[0])
     engine.add_output_listener(metrics.observe)
-    state = ServerState(engine, served_names, args.api_key, args.max_queue_len, metrics)
+    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_tokens)
+    state = ServerState(
+        engine, served_names, args.api_key, args.max_queue_len, metrics, limits, args.engine_iteration_timeout
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             yield
         finally:
-            await asyncio.to_thread(engine.shutdown)
+            # A hung step never returns: give up on it after a while (its thread is a daemon).
+            await asyncio.to_thread(engine.shutdown, 10.0)
 
-    # No generated docs: the endpoints parse their own bodies, and the docs would sit outside --api-key.
+    # The OpenAPI document is open like /health (it describes the API, it does not use it);
+    # no interactive docs pages, which would load scripts from elsewhere.
     app = FastAPI(
         title="tachyllm",
         version=tachyllm.__version__,
@@ -537,49 +632,68 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         error = APIError(500, f"internal server error ({type(e).__name__}: {e})", "internal_error")
         return json_response(error.body, error.status)
 
-    # -- open endpoints: probes and monitoring --------------------------------------------------
-    @app.get("/health")
+    # -- open endpoints: probes, monitoring, the API's description --------------------------------
+    @app.get("/health", responses={503: ERROR_RESPONSES[503]})
     async def health() -> Response:
-        if engine.error is not None:
-            return Response(status_code=500)
-        return Response(status_code=503 if state.draining else 200)
+        """200 while the engine serves; 503 while draining, or once the engine stopped or hangs."""
+        if problem := state.health_problem():
+            error = APIError(503, problem, "service_unavailable_error", code="engine_unhealthy")
+            return json_response(error.body, error.status)
+        state.check_capacity()  # 503 while draining
+        return Response(status_code=200)
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": tachyllm.__version__}
+    @app.get("/version", response_model=p.VersionResponse)
+    async def version() -> Response:
+        return json_response(p.VersionResponse(version=tachyllm.__version__))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
     async def prometheus_metrics() -> Response:
+        """Prometheus metrics in the text exposition format."""
         return Response(metrics.render(engine.snapshot), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> Response:
+        return Response(json.dumps(openapi_document(app)), media_type="application/json")
+
     # -- the API --------------------------------------------------------------------------------
-    api = APIRouter(dependencies=[Depends(state.authorize)])
+    api = APIRouter(dependencies=[Depends(state.authorize)], responses={401: ERROR_RESPONSES[401]})
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", response_model=p.ModelList)
     async def models() -> Response:
-        cards = [
-            p.ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len) for name in served_names
-        ]
-        return json_response(p.ModelList(data=cards))
+        return json_response(p.ModelList(data=[model_card(name) for name in served_names]))
 
-    @api.post("/v1/completions")
+    @api.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: ERROR_RESPONSES[404]})
+    async def model(model_id: str) -> Response:
+        state.check_model(model_id)
+        return json_response(model_card(model_id))
+
+    def model_card(name: str) -> p.ModelCard:
+        return p.ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+
+    @api.post("/v1/completions", **route_doc(p.CompletionRequest, p.CompletionResponse, streams=True))
     async def completions(request: Request) -> Response:
         body = await parse_body(request, p.CompletionRequest)
         state.check_model(body.model)
         reject_unsupported(body)
-        prompts = completion_prompts(engine, body.prompt)
+        state.check_n(body.n)
+        bias = logit_bias(engine, body.logit_bias)
+        prompts = await completion_prompts(state, body.prompt)
         params = [
             sampling_params(
                 body,
-                resolve_max_tokens(engine, body.max_tokens, len(pr.token_ids), "prompt", "max_tokens"),
+                resolve_max_tokens(state, body.max_tokens, len(pr.token_ids), "prompt", "max_tokens"),
                 body.logprobs,
+                bias,
             )
             for pr in prompts
         ]
-        if body.echo:
-            for pr in prompts:
-                if pr.text is None:
-                    pr.text = engine.tokenizer.decode(pr.token_ids, skip_special_tokens=False)
+        state.check_requested_tokens(prompts, params, "max_tokens")
+        if body.echo and (missing := [pr for pr in prompts if pr.text is None]):
+            texts = await asyncio.to_thread(
+                lambda: [engine.tokenizer.decode(pr.token_ids, skip_special_tokens=False) for pr in missing]
+            )
+            for pr, text in zip(missing, texts):
+                pr.text = text
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await start_requests(state, request_id, prompts, params, "prompt")
         if body.stream:
@@ -592,10 +706,9 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
             prefix = pr.text if body.echo else ""
             for c in out.outputs:
                 logprobs = None if body.logprobs is None else completion_logprobs(c, 0, body.logprobs, len(prefix))
+                reason = finish_reason(out, c)
                 choices.append(
-                    p.CompletionChoice(
-                        index=i * n + c.index, text=prefix + c.text, logprobs=logprobs, finish_reason=finish_reason(c)
-                    )
+                    p.CompletionChoice(index=i * n + c.index, text=prefix + c.text, logprobs=logprobs, finish_reason=reason)
                 )
                 num_output_tokens += len(c.token_ids)
         return json_response(
@@ -604,18 +717,21 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
             )
         )
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", **route_doc(p.ChatCompletionRequest, p.ChatCompletionResponse, streams=True))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, p.ChatCompletionRequest)
         state.check_model(body.model)
         reject_unsupported(body)
-        prompt = Prompt(chat_token_ids(engine, body.messages), None)
+        state.check_n(body.n)
+        bias = logit_bias(engine, body.logit_bias)
+        prompt = Prompt(await chat_token_ids(state, body.messages), None)
         requested, max_param = body.max_completion_tokens, "max_completion_tokens"
         if requested is None:
             requested, max_param = body.max_tokens, "max_tokens"
-        max_tokens = resolve_max_tokens(engine, requested, len(prompt.token_ids), "messages", max_param)
+        max_tokens = resolve_max_tokens(state, requested, len(prompt.token_ids), "messages", max_param)
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, top_logprobs)
+        params = sampling_params(body, max_tokens, top_logprobs, bias)
+        state.check_requested_tokens([prompt], [params], max_param)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await start_requests(state, request_id, [prompt], [params], "messages")
         if body.stream:
@@ -623,49 +739,66 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         finals = await final_outputs(request, streams)
         if finals is None:
             return Response(status_code=499)
+        out = finals[0]
         choices = [
             p.ChatChoice(
                 index=c.index,
                 message=p.AssistantMessage(content=c.text),
                 logprobs=None if top_logprobs is None else chat_logprobs(c, 0, top_logprobs),
-                finish_reason=finish_reason(c),
+                finish_reason=finish_reason(out, c),
             )
-            for c in finals[0].outputs
+            for c in out.outputs
         ]
-        num_output_tokens = sum(len(c.token_ids) for c in finals[0].outputs)
+        num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
         return json_response(
             p.ChatCompletionResponse(
                 id=request_id, model=state.model_name, choices=choices, usage=usage([prompt], num_output_tokens)
             )
         )
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", **route_doc(p.TokenizeRequest, p.TokenizeResponse))
     async def tokenize(request: Request) -> Response:
         body = await parse_body(request, p.TokenizeRequest)
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("give exactly one of prompt and messages", param="prompt")
+        tokenizer = engine.tokenizer
         if body.messages is not None:
-            ids = chat_token_ids(engine, body.messages, body.add_generation_prompt)
+            ids = await chat_token_ids(state, body.messages, body.add_generation_prompt, check_length=False)
         else:
-            ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        strs = [engine.tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
-        return json_response(
-            p.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
-        )
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
 
-    @api.post("/detokenize")
+        def respond() -> Response:
+            strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+            head = {"count": len(ids), "max_model_len": engine.max_model_len}
+            return Response(json_object(head, tokens=ids, token_strs=strs), media_type="application/json")
+
+        return await asyncio.to_thread(respond)
+
+    @api.post("/detokenize", **route_doc(p.DetokenizeRequest, p.DetokenizeResponse))
     async def detokenize(request: Request) -> Response:
         body = await parse_body(request, p.DetokenizeRequest)
         state.check_model(body.model)
         if any(t >= engine.vocab_size for t in body.tokens):
             raise bad_request(f"token ids must be below the vocabulary size {engine.vocab_size}", param="tokens")
-        return json_response(
-            p.DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens, skip_special_tokens=False))
-        )
+        text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
+        return json_response(p.DetokenizeResponse(prompt=text))
 
     app.include_router(api)
+    # Outermost: refusals (host, content type, size) happen before routing, for every route.
+    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, allowed_hosts=allowed_hosts(args))
+    if args.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
     return app
+
+
+def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    return args.allowed_hosts if args.allowed_hosts else default_allowed_hosts(args.host)
 
 
 async def completion_events(
@@ -692,7 +825,7 @@ async def completion_events(
             for c in out.outputs:
                 index = i * n + c.index
                 pg = progress[index]
-                delta, reason = c.text[pg.text_len :], finish_reason(c)
+                delta, reason = c.text[pg.text_len :], finish_reason(out, c)
                 if pg.finished or (not delta and reason is None):
                     continue
                 logprobs = None
@@ -732,7 +865,7 @@ async def chat_events(
         async for _, out in merged(streams):
             for c in out.outputs:
                 pg = progress[c.index]
-                delta, reason = c.text[pg.text_len :], finish_reason(c)
+                delta, reason = c.text[pg.text_len :], finish_reason(out, c)
                 if pg.finished or (not delta and reason is None):
                     continue
                 logprobs = None if top_logprobs is None else chat_logprobs(c, pg.num_tokens, top_logprobs)

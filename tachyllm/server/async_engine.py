@@ -37,12 +37,22 @@ class EngineDeadError(TachyError):
     """The step loop stopped (it failed, or the engine was shut down); no request can run."""
 
 
+class QueueFullError(TachyError):
+    """Admitting the requests would leave more than the allowed number waiting to start."""
+
+    def __init__(self, num_queued: int, limit: int) -> None:
+        super().__init__(f"{num_queued} requests are waiting to start (limit {limit})")
+        self.num_queued = num_queued
+        self.limit = limit
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state after the loop's latest iteration; immutable, so any thread may read it."""
 
     num_running: int = 0  # requests with a sequence in the running batch
-    num_waiting: int = 0  # requests admitted to the engine but not running
+    num_waiting: int = 0  # requests admitted to the engine but not running (preempted ones included)
+    num_unstarted: int = 0  # requests admitted to the engine and never scheduled yet
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
     stats: StepStats = field(default_factory=StepStats)
 
@@ -148,6 +158,7 @@ class AsyncEngine:
         self._snapshot = EngineSnapshot()  # guarded by _cond
         self._stopping = False  # shutdown() was called; the loop ends after its next iteration
         self._closed = False  # the loop has ended; guarded by _cond
+        self._step_started: float | None = None  # time.monotonic() when the current step began
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         built = threading.Event()
@@ -176,15 +187,45 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queues a request and waits until the engine took it (at most one step): raises
         RequestError when the engine refuses it, so callers can answer 400 before streaming."""
-        stream = RequestStream(self, request_id)
-        accepted = stream.loop.create_future()
-        self._submit(_Add(stream, prompt, params, time.time(), priority, accepted))
+        return (await self.add_requests([(request_id, prompt, params)], priority=priority))[0]
+
+    async def add_requests(
+        self,
+        requests: list[tuple[str, str | list[int], SamplingParams]],
+        max_queued: int | None = None,
+        priority: int = 0,
+    ) -> list[RequestStream]:
+        """Queues (request id, prompt, params) requests all or none, and waits until the engine took
+        them. With `max_queued`, raises QueueFullError instead when more than that many requests
+        would be waiting to start; the check and the queueing happen under one lock, so the limit is
+        exact however many callers race for it. A refusal by the engine (RequestError) closes the
+        others and raises."""
+        loop = asyncio.get_running_loop()
+        now = time.time()
+        adds = []
+        for request_id, prompt, params in requests:
+            stream = RequestStream(self, request_id)
+            adds.append(_Add(stream, prompt, params, now, priority, loop.create_future()))
+        with self._cond:
+            if self._closed:  # the loop is gone: nobody would ever answer
+                raise EngineDeadError("the engine is not running")
+            queued = self._snapshot.num_unstarted + self._pending_adds
+            if max_queued is not None and queued + len(adds) > max_queued:
+                raise QueueFullError(queued, max_queued)
+            self._pending_adds += len(adds)
+            self._ops.extend(adds)
+            self._cond.notify()
         try:
-            await accepted
-        except asyncio.CancelledError:
-            stream.close()  # queued after the add, so it cannot leave the request behind
+            results = await asyncio.gather(*(add.accepted for add in adds), return_exceptions=True)
+        except asyncio.CancelledError:  # the caller left: closing queues an abort after each add
+            for add in adds:
+                add.stream.close()
             raise
-        return stream
+        if failures := [r for r in results if isinstance(r, BaseException)]:
+            for add in adds:
+                add.stream.close()
+            raise failures[0]
+        return [add.stream for add in adds]
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
@@ -209,15 +250,44 @@ class AsyncEngine:
             return self._snapshot
 
     @property
-    def num_waiting(self) -> int:
-        """Requests not yet running, counting those submitted since the last step."""
+    def num_queued(self) -> int:
+        """Requests waiting to start: never scheduled yet, counting those submitted since the last step."""
         with self._cond:
-            return self._snapshot.num_waiting + self._pending_adds
+            return 0 if self._closed else self._snapshot.num_unstarted + self._pending_adds
 
     @property
     def num_unfinished(self) -> int:
         with self._cond:
+            if self._closed:
+                return 0
             return self._snapshot.num_running + self._snapshot.num_waiting + self._pending_adds
+
+    @property
+    def is_running(self) -> bool:
+        """The step loop is alive (it has neither failed nor been shut down)."""
+        with self._cond:
+            return not self._closed
+
+    def step_seconds(self) -> float:
+        """How long the step now in progress has run; 0 between steps. A watchdog reads it to
+        tell a busy engine from a hung one."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def abandon(self, reason: str, failed: bool) -> None:
+        """Ends every open request now with EngineDeadError(reason), from any thread, without waiting
+        for the loop (whose step may hang); the loop stops after its current step. `failed`: the
+        engine is at fault (a hung step), as opposed to a shutdown that cannot wait."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = self._stopping = True
+            if failed:
+                self.error = EngineDeadError(reason)
+            ops, self._ops = self._ops, []
+            self._cond.notify()
+        # The loop thread may still touch _streams; a copy is one atomic step under the GIL.
+        self._fail_streams(EngineDeadError(reason), ops, list(self._streams.values()))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Aborts whatever is left, stops the loop and waits for its thread."""
@@ -226,14 +296,10 @@ class AsyncEngine:
             self._cond.notify()
         self._thread.join(timeout)
 
-    def _submit(self, op: _Add | _Abort) -> None:
+    def _submit(self, op: _Abort) -> None:
         with self._cond:
-            if self._closed:  # the loop is gone: nobody would ever answer an add
-                if isinstance(op, _Add):
-                    raise EngineDeadError("the engine is not running")
+            if self._closed:
                 return
-            if isinstance(op, _Add):
-                self._pending_adds += 1
             self._ops.append(op)
             self._cond.notify()
 
@@ -249,6 +315,8 @@ class AsyncEngine:
         finally:
             built.set()
         engine = self._engine  # its constructor set this thread's compute threads
+        ops: list[_Add | _Abort] = []
+        outbox = _Outbox()
         try:
             while True:
                 with self._cond:
@@ -268,18 +336,21 @@ class AsyncEngine:
                     num_adds = 0
                     outbox.flush()  # acceptances go out before the step, not after it
                 if not stopping and engine.has_unfinished_requests():
+                    self._step_started = time.monotonic()
                     outputs += engine.step()
+                    self._step_started = None
                 self._deliver(outputs, outbox)
                 self._publish(num_adds)
                 self._notify_listeners(outputs)
                 outbox.flush()
                 if stopping:
                     break
-        except Exception as e:  # a bug in the engine: fail every request loudly rather than hang
+        except Exception as e:  # outside the step's fault barrier: fail every request rather than hang
             logger.exception("engine loop failed; failing all requests")
             self.error = e
+            self._step_started = None
         finally:
-            self._fail_remaining()
+            self._fail_remaining(ops, outbox)
 
     def _apply(self, ops: list[_Add | _Abort], outbox: _Outbox) -> list[RequestOutput]:
         aborted = []
@@ -314,10 +385,12 @@ class AsyncEngine:
         scheduler = self._engine.scheduler
         running = {s.request.request_id for s in scheduler.running}
         waiting = {s.request.request_id for s in scheduler.waiting} - running
+        unstarted = sum(r.metrics.first_scheduled_time is None for r in self._engine.requests.values())
         stats = self._engine.stats
         snapshot = EngineSnapshot(
             num_running=len(running),
             num_waiting=len(waiting),
+            num_unstarted=unstarted,
             kv_cache_usage=self._engine.block_manager.usage,
             stats=replace(
                 stats,
@@ -339,17 +412,24 @@ class AsyncEngine:
             except Exception:  # metrics or logging must never take the engine down
                 logger.exception("output listener failed")
 
-    def _fail_remaining(self) -> None:
-        """Whatever still waits on this loop gets an error instead of waiting forever."""
+    def _fail_remaining(self, ops_in_flight: list[_Add | _Abort], outbox: _Outbox) -> None:
+        """Whatever still waits on this loop gets an error instead of waiting forever: what the last
+        iteration had decided goes out first (an add it accepted stays accepted, then its stream
+        fails), and every add it had not answered yet is refused."""
         with self._cond:
             self._closed = True
-            ops, self._ops = self._ops, []
+            pending, self._ops = self._ops, []
         error = EngineDeadError(f"the engine stopped: {self.error}" if self.error else "the engine was shut down")
+        outbox.flush()
+        self._fail_streams(error, ops_in_flight + pending, list(self._streams.values()))
+        self._streams.clear()
+
+    @staticmethod
+    def _fail_streams(error: EngineDeadError, ops: list[_Add | _Abort], streams: list[RequestStream]) -> None:
         outbox = _Outbox()
         for op in ops:
             if isinstance(op, _Add):
                 outbox.post(op.stream.loop, _resolve, op.accepted, error)
-        for stream in self._streams.values():
+        for stream in streams:
             outbox.post(stream.loop, stream.put, error)
-        self._streams.clear()
         outbox.flush()

@@ -118,7 +118,7 @@ class ServerMetrics:
             "request %s finished: %s, prompt %d tokens, output %d tokens, ttft %s, tpot %s",
             out.request_id, reason, prompt_len, output_len, ttft, tpot,
         )  # fmt: skip
-        if reason == "abort":  # a cut-short request would skew the latency distributions
+        if reason in ("abort", "error"):  # a cut-short request would skew the latency distributions
             return
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)

@@ -1,8 +1,10 @@
 """The JSON bodies of the HTTP API as pydantic models: OpenAI's shapes, plus vLLM's extensions.
 
 Requests are validated in strict mode (no "5" -> 5 coercion), so a wrong type is a 400 naming the
-field rather than a silent guess. Ranges live here too, as the API's contract; SamplingParams checks
-them again for offline callers. Optional sampling fields accept an explicit null as "default".
+field rather than a silent guess; an integral number (17.0) is an integer, as JSON Schema has it.
+Every number must be finite (no Infinity, NaN, or 1e400). Ranges live here too, as the API's
+contract; SamplingParams checks them again for offline callers. Optional sampling fields accept an
+explicit null as "default".
 """
 
 from __future__ import annotations
@@ -10,26 +12,33 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from tachyllm.sampling_params import MAX_LOGPROBS
+from tachyllm.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGPROBS
 
+
+def _integral_float_as_int(value: object) -> object:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral_float_as_int)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 PositiveFloat = Annotated[float, Field(gt=0)]
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
-TopK = Annotated[int, Field(ge=-1)]
-NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-TokenId = Annotated[int, Field(ge=0)]
-Seed = Annotated[int, Field(ge=0, lt=2**63)]  # what a torch.Generator accepts, with room for seed + i
+PositiveInt = Annotated[Int, Field(ge=1)]
+NonNegInt = Annotated[Int, Field(ge=0)]
+TopK = Annotated[Int, Field(ge=-1)]
+NumLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+TokenId = Annotated[Int, Field(ge=0)]
+Seed = Annotated[Int, Field(ge=0, lt=2**63)]  # what a torch.Generator accepts, with room for seed + i
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 
 
 class Request(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers commonly do: clients send extras.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(Request):
@@ -51,8 +60,8 @@ class SamplingFields(Request):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
-    # Accepted for compatibility; anything but "no bias" is rejected as unsupported.
-    logit_bias: dict[str, float] | None = None
+    # Token id (a JSON object key, so a string) -> added to that token's logit.
+    logit_bias: dict[str, Bias] | None = None
     # vLLM extensions.
     top_k: TopK | None = None
     min_p: Probability | None = None
@@ -223,6 +232,10 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ErrorInfo(BaseModel):

@@ -1,0 +1,69 @@
+"""The server's OpenAPI document (/openapi.json).
+
+The routes parse their own bodies (strict validation with errors that name the field), so FastAPI
+does not see the request models; route_doc() declares them, and openapi_document() adds their
+schemas to the document FastAPI builds from the routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from tachyllm.server import protocol as p
+
+_ERRORS = {
+    400: "invalid request: the error's `param` names the field",
+    401: "missing or wrong API key (only when the server has one)",
+    404: "unknown model",
+    413: "request body over --max-request-body-bytes",
+    415: "body not sent as application/json",
+    421: "Host header not in --allowed-hosts",
+    500: "the engine failed while running this request (it goes on serving others)",
+    503: "busy (queue full), shutting down, or the engine is unhealthy",
+}
+ERROR_RESPONSES: dict[int, dict[str, Any]] = {
+    status: {"model": p.ErrorResponse, "description": text} for status, text in _ERRORS.items()
+}
+_REQUEST_MODELS: dict[str, type[BaseModel]] = {}  # by name: every app built documents the same
+
+
+def route_doc(request: type[BaseModel], response: type[BaseModel], streams: bool = False) -> dict[str, Any]:
+    """The route-decorator arguments that document a JSON route: its request body, its response
+    (and, for `streams`, the server-sent events it answers with when the body asks to stream), and
+    the errors every such route can answer."""
+    _REQUEST_MODELS[request.__name__] = request
+    ok: dict[str, Any] = {"model": response}
+    if streams:
+        ok["content"] = {
+            "text/event-stream": {
+                "schema": {"type": "string"},
+                "description": f"with `stream: true`: `data: <{response.__name__} chunk>` events, then `data: [DONE]`",
+            }
+        }
+    errors = (400, 404, 413, 415, 421, 503) + ((500,) if streams else ())
+    return {
+        "response_model": response,
+        "responses": {200: ok, **{status: ERROR_RESPONSES[status] for status in errors}},
+        "openapi_extra": {
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{request.__name__}"}}},
+            }
+        },
+    }
+
+
+def openapi_document(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in _REQUEST_MODELS.values():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        app.openapi_schema = doc
+    return app.openapi_schema

@@ -1,0 +1,515 @@
+"""Hardening: bad input is refused where it enters, a failing step fails only its requests, a dead or
+hung engine makes the server exit, requests are bounded, admission is exact, the server is not
+reachable cross-site, and cut streams leave no KV block behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+import uvicorn
+from conftest import serving
+from test_server import ENGINE_FLAGS, GREEDY, error_of, free_port, sse_events, wait_idle
+
+from tachyllm import LLM, SamplingParams, faults
+from tachyllm.outputs import RequestOutput
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.entrypoints.cli import build_parser, engine_config
+from tachyllm.entrypoints.serve import GracefulServer, make_server
+from tachyllm.server.app import build_app
+from tachyllm.server.async_engine import AsyncEngine
+
+
+@contextmanager
+def server(model: str, *flags: str) -> Iterator[tuple[str, GracefulServer]]:
+    """A real uvicorn server in a thread; yields its base URL and the server (for its exit code)."""
+    args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
+    srv = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
+    with serving(srv) as base:
+        yield base, srv
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def served(model_path) -> Iterator[GracefulServer]:
+    flags = ["--max-n", "4", "--max-prompts-per-request", "3", "--max-request-tokens", "2000",
+             "--max-request-body-bytes", "64K"]  # fmt: skip
+    with server(model_path, *flags) as (base, srv):
+        srv.base_url = base
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(served) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=served.base_url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(model_path) -> LLM:
+    return LLM(model_path, dtype="float32", kv_cache_memory=4 << 20)
+
+
+def engine_idle(http: httpx.Client) -> bool:
+    m = wait_idle(http)
+    return m[("tachy:kv_cache_usage_perc", ())] == 0 and m[("tachy:num_requests_running", ())] == 0
+
+
+# -- bad input, refused where it enters --------------------------------------------------------
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
+BIG = "fox " * 40_000  # 160 KB: over the fixture's 64 KiB body limit
+
+
+def raw(text: str) -> dict:
+    return {"content": text.encode(), "headers": {"content-type": "application/json"}}
+
+
+# (path, request arguments for httpx, status, param or None, code or None)
+BAD_INPUTS = [
+    # Token ids anywhere are checked against the vocabulary (the issue's engine-stopping request).
+    (CMPL, {"json": {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [999999]}}, 400, "stop_token_ids", None),
+    (CHAT, {"json": {"messages": MSGS, "stop_token_ids": [10**9]}}, 400, "stop_token_ids", None),
+    (CMPL, {"json": {"prompt": "hi", "logit_bias": {"999999": 5}}}, 400, "logit_bias", None),
+    (CMPL, {"json": {"prompt": "hi", "logit_bias": {"abc": 5}}}, 400, "logit_bias", None),
+    (CMPL, {"json": {"prompt": "hi", "logit_bias": {"-1": 5}}}, 400, "logit_bias", None),
+    (CMPL, {"json": {"prompt": "hi", "logit_bias": {"5": 101}}}, 400, "logit_bias.5", None),
+    (CHAT, {"json": {"messages": MSGS, "logit_bias": {"5": -100.5}}}, 400, "logit_bias.5", None),
+    (CMPL, {"json": {"prompt": [5, 10**7]}}, 400, "prompt", None),
+    (CMPL, {"json": {"prompt": [[5], [2**40]]}}, 400, "prompt", None),
+    ("/detokenize", {"json": {"tokens": [1, 10**6]}}, 400, "tokens", None),
+    # Every number finite.
+    (CMPL, raw('{"prompt": "hi", "temperature": 1e400}'), 400, "temperature", None),
+    (CMPL, raw('{"prompt": "hi", "temperature": Infinity}'), 400, "temperature", None),
+    (CMPL, raw('{"prompt": "hi", "temperature": NaN}'), 400, "temperature", None),
+    (CMPL, raw('{"prompt": "hi", "top_p": -Infinity}'), 400, "top_p", None),
+    (CMPL, raw('{"prompt": "hi", "presence_penalty": 1e400}'), 400, "presence_penalty", None),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -1e999}'), 400, "frequency_penalty", None),
+    (CMPL, raw('{"prompt": "hi", "repetition_penalty": 1e309}'), 400, "repetition_penalty", None),
+    (CMPL, raw('{"prompt": "hi", "min_p": 1e400}'), 400, "min_p", None),
+    (CMPL, raw('{"prompt": "hi", "max_tokens": 1e400}'), 400, "max_tokens", None),
+    # Integral only where an integer is meant.
+    (CMPL, {"json": {"prompt": "hi", "max_tokens": 17.5}}, 400, "max_tokens", None),
+    (CMPL, {"json": {"prompt": "hi", "n": 2.000001}}, 400, "n", None),
+    # Fan-out and size bounds (this server: --max-n 4, 3 prompts, 2000 tokens, 64 KiB bodies).
+    (CMPL, {"json": {"prompt": "hi", "n": 1000}}, 400, "n", None),
+    (CHAT, {"json": {"messages": MSGS, "n": 1000, "max_tokens": 1}}, 400, "n", None),
+    (CMPL, {"json": {"prompt": "hi", "n": 4, "best_of": 4, "max_tokens": 500}}, 400, "max_tokens", None),
+    (CMPL, {"json": {"prompt": ["a", "b", "c", "d"]}}, 400, "prompt", None),
+    (CMPL, {"json": {"prompt": [[1], [2], [3], [4], [5]]}}, 400, "prompt", None),
+    (CMPL, {"json": {"prompt": ["a", "b", "c"], "n": 4, "max_tokens": 200}}, 400, "max_tokens", None),
+    (CMPL, {"json": {"prompt": BIG}}, 413, None, "request_too_large"),
+    (CMPL, {"json": {"prompt": "hi", "junk": "x" * 70_000}}, 413, None, "request_too_large"),
+    (CMPL, {"content": (b'{"prompt": "hi", "x": "' + b"y" * 70_000 + b'"}'),
+            "headers": {"content-type": "application/json", "transfer-encoding": "chunked"}}, 413, None, "request_too_large"),  # fmt: skip
+    # Longer than any tokenization of it could fit: refused by its length alone.
+    (CMPL, {"json": {"prompt": "x" * 60_000}}, 400, "prompt", "context_length_exceeded"),
+    (CHAT, {"json": {"messages": [{"role": "user", "content": "x" * 60_000}]}}, 400, "messages", "context_length_exceeded"),
+    # Content types: JSON only (CSRF), and a precise message for a text part without text.
+    (CMPL, {"content": b'{"prompt": "hi"}', "headers": {"content-type": "text/plain"}}, 415, None, "unsupported_media_type"),
+    (CMPL, {"content": b'{"prompt": "hi"}'}, 415, None, "unsupported_media_type"),
+    (CMPL, {"data": {"prompt": "hi"}}, 415, None, "unsupported_media_type"),
+    (CHAT, {"content": b'{"messages": []}', "headers": {"content-type": "multipart/form-data; boundary=x"}}, 415, None, "unsupported_media_type"),  # fmt: skip
+    (CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "text"}]}]}}, 400, "messages[0].content[0].text", None),
+    (CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}}, 400, "messages[0].content[0]", None),
+    # Hosts: a rebound name is refused (the server is bound to loopback).
+    ("/v1/models", {"headers": {"host": "evil.example:8000"}}, 421, None, "host_not_allowed"),
+    ("/health", {"headers": {"host": "attacker.test"}}, 421, None, "host_not_allowed"),
+    (CMPL, {"json": {"prompt": "hi"}, "headers": {"host": "127.0.0.1.nip.io"}}, 421, None, "host_not_allowed"),
+    # Models.
+    ("/v1/models/gpt-9", {}, 404, "model", "model_not_found"),
+    (CMPL, {"json": {"model": "gpt-9", "prompt": "hi"}}, 404, "model", "model_not_found"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path, kwargs, status, param, code", BAD_INPUTS)
+def test_bad_input_fails_alone_with_a_precise_error(http, path, kwargs, status, param, code):
+    method = "GET" if path.startswith("/v1/models") or path == "/health" else "POST"
+    error = error_of(http.request(method, path, **kwargs), status)
+    assert error["param"] == param and (code is None or error["code"] == code), error
+    # The engine keeps serving, with nothing left behind.
+    assert http.get("/health").status_code == 200
+    assert http.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert engine_idle(http)
+
+
+def test_offline_bad_token_ids_fail_alone(offline):
+    good = SamplingParams(max_tokens=4, **GREEDY)
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[999999])
+    outs = offline.generate(["Hello", "The quick", "Hello"], [good, bad, SamplingParams(logit_bias={10**6: 1.0})], use_tqdm=False)
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 4
+    assert "stop_token_ids" in outs[1].error and "logit_bias" in outs[2].error
+    for value in (float("inf"), float("nan"), -float("inf")):
+        for name in ("temperature", "top_p", "presence_penalty", "repetition_penalty", "min_p"):
+            with pytest.raises(ValueError, match=name):
+                SamplingParams(**{name: value})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={5: 100.5})
+    assert offline.engine.block_manager.num_free_blocks == offline.engine.block_manager.num_blocks
+
+
+def test_tiny_temperature_is_greedy_and_integral_floats_are_integers(http, offline):
+    greedy = offline.generate("The quick", SamplingParams(max_tokens=17, **GREEDY), use_tqdm=False)[0].outputs[0]
+    for temperature in (1e-45, 1e-6):
+        body = {"prompt": "The quick", "max_tokens": 17.0, "temperature": temperature, "ignore_eos": True}
+        out = http.post(CMPL, json=body).json()["choices"][0]
+        assert out["text"] == greedy.text
+    tiny = offline.generate("The quick", SamplingParams(max_tokens=17, temperature=1e-45, ignore_eos=True), use_tqdm=False)
+    assert tiny[0].outputs[0].token_ids == greedy.token_ids
+
+
+def test_logit_bias_moves_the_choice(http, offline):
+    plain = offline.generate("The quick", SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    target = next(t for t in range(5, 300) if t not in plain)
+    body = {"prompt": "The quick", "max_tokens": 6, "logit_bias": {str(target): 100}, **GREEDY}
+    text = http.post(CMPL, json=body).json()["choices"][0]["text"]
+    assert text == offline.engine.tokenizer.decode([target] * 6)
+    biased = offline.generate("The quick", SamplingParams(max_tokens=6, logit_bias={plain[0]: -100}, **GREEDY), use_tqdm=False)
+    assert biased[0].outputs[0].token_ids[0] != plain[0]
+
+
+def test_model_card_and_openapi(http, model_path):
+    card = http.get(f"/v1/models/{model_path}").json()
+    assert card["id"] == model_path and card["object"] == "model"
+    doc = http.get("/openapi.json").json()
+    paths = doc["paths"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models",
+                 "/v1/models/{model_id}", "/health", "/version", "/metrics"):  # fmt: skip
+        assert path in paths, path
+    schemas = doc["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        post = paths[path]["post"]
+        assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(model)
+        assert "text/event-stream" in post["responses"]["200"]["content"]
+        assert {"400", "413", "415", "503"} <= set(post["responses"])
+    assert "ChatMessage" in schemas and schemas["CompletionRequest"]["required"] == ["prompt"]
+    refs = {ref for ref in _refs(doc)}
+    assert all(ref.removeprefix("#/components/schemas/") in schemas for ref in refs)
+
+
+def _refs(node) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref":
+                yield value
+            else:
+                yield from _refs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _refs(item)
+
+
+def test_cross_site_defaults_and_opt_ins(model_path):
+    with server(model_path, "--allowed-origins", "https://app.example", "--allowed-hosts", "api.example") as (base, _):
+        with httpx.Client(base_url=base, timeout=10) as c:
+            assert c.get("/health", headers={"host": "api.example"}).status_code == 200
+            assert error_of(c.get("/health"), 421)["code"] == "host_not_allowed"  # 127.0.0.1 not listed now
+            preflight = c.options(CMPL, headers={"host": "api.example", "origin": "https://app.example",
+                                                 "access-control-request-method": "POST"})  # fmt: skip
+            assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+            other = c.options(CMPL, headers={"host": "api.example", "origin": "https://evil.example",
+                                             "access-control-request-method": "POST"})  # fmt: skip
+            assert "access-control-allow-origin" not in other.headers
+    with server(model_path, "--allowed-hosts", "*") as (base, _), httpx.Client(base_url=base, timeout=10) as c:
+        assert c.get("/health", headers={"host": "anything.test"}).status_code == 200
+        # No CORS unless asked for: a browser gets no permission to read or to send JSON cross-site.
+        preflight = c.options(CMPL, headers={"origin": "https://app.example", "access-control-request-method": "POST"})
+        assert "access-control-allow-origin" not in preflight.headers
+
+
+# -- the fault barrier -------------------------------------------------------------------------
+
+
+def fault_at(stage: str, victim: str):
+    def hook(at: str, request_ids: list[str]) -> None:
+        if at == stage and victim in request_ids:
+            raise RuntimeError(f"injected fault at {stage}")
+
+    return hook
+
+
+def run_to_end(engine: LLMEngine, prompts: dict[str, str], params: SamplingParams) -> dict[str, RequestOutput]:
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+    return finals
+
+
+@pytest.mark.parametrize("stage", faults.STAGES)
+def test_a_fault_at_any_stage_fails_only_its_requests(offline, stage):
+    engine = offline.engine
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    prompts = {"a": "The quick", "victim": "Paged attention", "c": "def add(a, b):"}
+    reference = {rid: out.outputs[0].token_ids for rid, out in run_to_end(engine, prompts, params).items()}
+    with faults.injected(fault_at(stage, "victim")):
+        outs = run_to_end(engine, prompts, params)
+    assert outs["victim"].error and f"injected fault at {stage}" in outs["victim"].error
+    assert all(c.finish_reason == "error" for c in outs["victim"].outputs)
+    if stage in ("detokenize", "output"):  # pinned on one request: the others run to the end
+        assert outs["a"].error is None and outs["c"].error is None
+        assert [outs["a"].outputs[0].token_ids, outs["c"].outputs[0].token_ids] == [reference["a"], reference["c"]]
+    else:  # the whole step's batch fails with it
+        assert all(out.error for out in outs.values())
+    # Nothing leaked, and the engine serves the same tokens as before.
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not engine.requests
+    bm.check_invariants([])
+    after = run_to_end(engine, prompts, params)
+    assert {rid: out.outputs[0].token_ids for rid, out in after.items()} == reference
+
+
+def test_faults_under_speculation_and_chunked_prefill(model_path):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
+    llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=16, speculative_config=spec)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown", "0123456789 numbers 42 and"]
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    calls = {"n": 0}
+
+    def every_fifth_forward(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward":
+            calls["n"] += 1
+            if calls["n"] % 5 == 0:
+                raise RuntimeError("flaky kernel")
+
+    with faults.injected(every_fifth_forward):
+        outs = llm.generate(prompts * 3, params, use_tqdm=False)
+    assert any(o.error for o in outs)
+    for o, ref in zip(outs, reference * 3):
+        if o.error is None:
+            assert o.outputs[0].token_ids == ref
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == reference
+
+
+def test_server_answers_a_failed_request_and_goes_on(served, http, offline):
+    victim_prompt = offline.engine.tokenizer.encode("Paged attention stores keys")
+    expected = offline.generate("The quick", SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)[0].outputs[0].text
+    engine = served.config.app.state.server.engine
+    victims: set[str] = set()
+    add_requests = engine.add_requests
+
+    async def tagging(requests, *args, **kwargs):  # notes the victim's engine request ids
+        victims.update(rid for rid, prompt, _ in requests if prompt == victim_prompt)
+        return await add_requests(requests, *args, **kwargs)
+
+    def hook(stage: str, request_ids: list[str]) -> None:
+        if stage == "detokenize" and victims.intersection(request_ids):
+            raise RuntimeError("detokenizer bug")
+
+    engine.add_requests = tagging
+    try:
+        with faults.injected(hook):
+            body = {"prompt": "The quick", "max_tokens": 40, "stream": True, **GREEDY}
+            with http.stream("POST", CMPL, json=body) as good:
+                events = sse_events(good)
+                text = next(events)["choices"][0]["text"]
+                failed = http.post(CMPL, json={"prompt": victim_prompt, "max_tokens": 8, **GREEDY})
+                with http.stream("POST", CMPL, json={"prompt": victim_prompt, "max_tokens": 8, "stream": True}) as r:
+                    streamed = list(sse_events(r))
+                text += "".join(e["choices"][0]["text"] for e in events if e != "[DONE]")
+    finally:
+        del engine.add_requests
+    error = error_of(failed, 500)
+    assert error["code"] == "engine_error" and "detokenizer bug" in error["message"]
+    assert streamed[-1] == "[DONE]" and streamed[-2]["error"]["code"] == "engine_error"
+    assert text == expected  # the other request did not notice
+    assert http.get("/health").status_code == 200 and engine_idle(http)
+    m = wait_idle(http)
+    assert m[("tachy:request_success_total", (("finished_reason", "error"),))] >= 2
+
+
+def test_dead_engine_loop_makes_the_server_exit_nonzero(model_path):
+    with server(model_path) as (base, srv), httpx.Client(base_url=base, timeout=10) as c:
+        assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        engine = srv.config.app.state.server.engine
+
+        def broken(*args):  # outside the step's barrier: the loop itself fails
+            raise RuntimeError("bookkeeping bug")
+
+        engine._publish = broken
+        with c.stream("POST", CMPL, json={"prompt": "The quick", "max_tokens": 400, "stream": True}) as r:
+            events = list(sse_events(r)) if r.status_code == 200 else [r.json()]
+        deadline = time.monotonic() + 10
+        while not srv.should_exit:
+            assert time.monotonic() < deadline, "the server did not begin to exit"
+            time.sleep(0.05)
+    assert "error" in json.dumps(events[-2] if events[-1] == "[DONE]" else events[-1])
+    assert srv.exit_code == 1
+
+
+def test_hung_step_makes_health_503_and_the_server_exit(model_path):
+    release = threading.Event()
+
+    def hang(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward":
+            release.wait(20)
+
+    flags = ["--engine-iteration-timeout", "0.5"]
+    args = build_parser().parse_args(["serve", "--model", model_path, "--port", "0", *ENGINE_FLAGS, *flags])
+    app = build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args)
+    # Without the watchdog (a plain uvicorn server): /health alone tells the hang.
+    plain = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+    with faults.injected(hang), serving(plain) as base, httpx.Client(base_url=base, timeout=10) as c:
+        assert c.get("/health").status_code == 200
+        with c.stream("POST", CMPL, json={"prompt": "hi", "max_tokens": 50, "stream": True}) as r:
+            assert r.status_code == 200
+            time.sleep(0.8)
+            error = error_of(c.get("/health"), 503)
+            release.set()
+    assert error["code"] == "engine_unhealthy" and "has run for" in error["message"]
+
+    release.clear()
+    with faults.injected(hang), server(model_path, *flags) as (base, srv), httpx.Client(base_url=base, timeout=10) as c:
+        with c.stream("POST", CMPL, json={"prompt": "hi", "max_tokens": 50, "stream": True}) as r:
+            assert r.status_code == 200
+            events = list(sse_events(r))  # ends: the watchdog ends the stream with an error
+        deadline = time.monotonic() + 10
+        while not srv.should_exit:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        release.set()  # the step ends; the loop, told to stop, then ends too
+    assert events[-1] == "[DONE]" and "has run for" in events[-2]["error"]["message"]
+    assert srv.exit_code == 1
+
+
+# -- bounded work, off the event loop ---------------------------------------------------------
+
+
+def test_tokenizing_a_huge_prompt_does_not_block_the_server(model_path):
+    text = ("Paged attention stores keys and values in fixed-size blocks. " * 70_000)[: 4 << 20]
+    with server(model_path, "--max-request-body-bytes", "16M") as (base, _), httpx.Client(base_url=base, timeout=60) as c:
+        assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 1}).status_code == 200  # warm
+        with ThreadPoolExecutor(1) as pool:
+            started = time.perf_counter()
+            big = pool.submit(c.post, "/tokenize", json={"prompt": text})
+            latencies, completion_latencies = [], []
+            while not big.done():
+                t = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                latencies.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+                completion_latencies.append(time.perf_counter() - t)
+                time.sleep(0.02)
+            tokenize_seconds = time.perf_counter() - started
+            assert big.result().json()["count"] > 500_000
+    assert tokenize_seconds > 0.5 and len(latencies) >= 5, (tokenize_seconds, latencies)
+    assert max(latencies) < 0.1 and max(completion_latencies) < 0.1, (latencies, completion_latencies)
+
+
+def test_admission_is_exact_in_a_burst(model_path):
+    slow = lambda stage, ids: time.sleep(0.03) if stage == "forward" else None  # noqa: E731
+    seqs, queue = 4, 8
+    with faults.injected(slow), server(model_path, "--max-num-seqs", str(seqs), "--max-queue-len", str(queue)) as (base, _):
+
+        async def burst() -> list[int]:
+            limits = httpx.Limits(max_connections=700, max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as c:
+                done = asyncio.Event()
+
+                async def one() -> int:
+                    body = {"prompt": "The quick brown fox", "max_tokens": 480, "stream": True, **GREEDY}
+                    async with c.stream("POST", CMPL, json=body) as r:
+                        if r.status_code == 200:
+                            await done.wait()  # hold the slot until every answer is in
+                        else:
+                            assert (await r.aread()) and r.json()["error"]["code"] == "queue_full"
+                        return r.status_code
+
+                tasks = [asyncio.create_task(one()) for _ in range(600)]
+                # Until the answers stop coming (the refusals are in; the admitted wait on `done`).
+                answered, quiet_since, deadline = -1, time.monotonic(), time.monotonic() + 60
+                while time.monotonic() - quiet_since < 1.5 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                    if (now := sum(t.done() for t in tasks)) != answered:
+                        answered, quiet_since = now, time.monotonic()
+                done.set()
+                return await asyncio.gather(*tasks)
+
+        statuses = asyncio.run(burst())
+        with httpx.Client(base_url=base, timeout=30) as c:
+            assert engine_idle(c)
+    assert set(statuses) <= {200, 503}
+    assert statuses.count(200) == seqs + queue, statuses.count(200)
+
+
+def test_disconnect_storm_returns_every_block(http):
+    def cut() -> None:
+        body = {"prompt": "The quick brown fox", "max_tokens": 300, "stream": True, "n": 2, **GREEDY}
+        with httpx.Client(base_url=http.base_url, timeout=30) as c, c.stream("POST", CMPL, json=body) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith("data: "))
+
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(lambda _: cut(), range(48)))
+    m = wait_idle(http, timeout=15)
+    assert m[("tachy:kv_cache_usage_perc", ())] == 0 and m[("tachy:num_requests_running", ())] == 0
+    assert http.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+# -- signals ------------------------------------------------------------------------------------
+
+
+def test_second_sigterm_ends_streams_with_an_error_event(model_path):
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "serve", "--model", model_path, "--port", str(port),
+           "--max-num-seqs", "2", "--shutdown-timeout", "60", *ENGINE_FLAGS]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.1)
+        started = threading.Semaphore(0)
+
+        def stream() -> list:
+            body = {"prompt": "The quick brown fox", "max_tokens": 480, "stream": True, **GREEDY}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+                started.release()
+                return list(sse_events(r))
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream) for _ in range(4)]
+            for _ in futures:
+                assert started.acquire(timeout=30)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            results = [f.result(timeout=30) for f in futures]
+        assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for events in results:
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-2:]
+    assert "Traceback" not in log and "second signal: ending every open request now" in log
