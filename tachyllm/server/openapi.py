@@ -57,7 +57,8 @@ def route_doc(request: type[BaseModel], response: type[BaseModel], streams: bool
     }
 
 
-def openapi_document(app: FastAPI) -> dict[str, Any]:
+def openapi_document(app: FastAPI, vocab_size: int, max_n: int) -> dict[str, Any]:
+    """The document, with this server's own bounds: token ids below its vocabulary size, n at most --max-n."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
@@ -65,5 +66,22 @@ def openapi_document(app: FastAPI) -> dict[str, Any]:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
+        _bound_token_ids(schemas, vocab_size - 1)
+        for schema in schemas.values():
+            n = schema.get("properties", {}).get("n")
+            for option in n.get("anyOf", []) if n else []:
+                if option.get("type") == "integer":
+                    option["maximum"] = max_n
         app.openapi_schema = doc
     return app.openapi_schema
+
+
+def _bound_token_ids(node: Any, largest: int) -> None:
+    if isinstance(node, dict):
+        if node.pop("x-token-id", False):
+            node["maximum"] = largest
+        for value in node.values():
+            _bound_token_ids(value, largest)
+    elif isinstance(node, list):
+        for item in node:
+            _bound_token_ids(item, largest)

@@ -21,19 +21,30 @@ def _integral_float_as_int(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-Int = Annotated[int, BeforeValidator(_integral_float_as_int)]
+def integer(**bounds: object) -> object:
+    """An integer field type with bounds; accepts integral floats (17.0)."""
+    return Annotated[Annotated[int, Field(**bounds)], BeforeValidator(_integral_float_as_int)]
+
+
+def route_checked(schema: dict) -> object:
+    """Documents in the JSON schema the only values the server supports, while validation lets the
+    others through to the route, which refuses them with a message that says what is unsupported."""
+    return Field(json_schema_extra=schema)
+
+
 NonNegFloat = Annotated[float, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 PositiveFloat = Annotated[float, Field(gt=0)]
-PositiveInt = Annotated[Int, Field(ge=1)]
-NonNegInt = Annotated[Int, Field(ge=0)]
-TopK = Annotated[Int, Field(ge=-1)]
-NumLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
-TokenId = Annotated[Int, Field(ge=0)]
-Seed = Annotated[Int, Field(ge=0, lt=2**63)]  # what a torch.Generator accepts, with room for seed + i
+PositiveInt = integer(ge=1)
+NonNegInt = integer(ge=0)
+TopK = integer(ge=-1)
+NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
+TokenId = integer(ge=0, json_schema_extra={"x-token-id": True})  # openapi.py adds the vocabulary's bound
+Seed = integer(ge=0, lt=2**63)  # what a torch.Generator accepts, with room for seed + i
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class Request(BaseModel):
@@ -61,7 +72,7 @@ class SamplingFields(Request):
     frequency_penalty: Penalty | None = None
     user: str | None = None
     # Token id (a JSON object key, so a string) -> added to that token's logit.
-    logit_bias: dict[str, Bias] | None = None
+    logit_bias: Annotated[dict[str, Bias], route_checked({"propertyNames": {"pattern": "^[0-9]+$"}})] | None = None
     # vLLM extensions.
     top_k: TopK | None = None
     min_p: Probability | None = None
@@ -72,20 +83,25 @@ class SamplingFields(Request):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     logprobs: NumLogprobs | None = None
     echo: bool = False
     best_of: PositiveInt | None = None
-    suffix: str | None = None
+    suffix: Annotated[str, route_checked({"maxLength": 0})] | None = None
 
 
 class ContentPart(Request):
-    type: str
+    type: Annotated[str, route_checked({"enum": ["text"]})]
     text: str | None = None
 
 
 class ChatMessage(Request):
-    role: str
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -95,8 +111,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: Annotated[list[dict], route_checked({"maxItems": 0})] | None = None
+    response_format: Annotated[dict, route_checked({"properties": {"type": {"enum": ["text"]}}})] | None = None
 
 
 class TokenizeRequest(Request):
