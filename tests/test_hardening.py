@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,13 +17,13 @@ import httpx
 import pytest
 import uvicorn
 from conftest import serving
-from test_server import ENGINE_FLAGS, GREEDY, error_of, free_port, sse_events, wait_idle
+from test_server import ENGINE_FLAGS, GREEDY, error_of, server_process, sse_events, wait_idle
 
 from tachyllm import LLM, SamplingParams, faults
-from tachyllm.outputs import RequestOutput
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config
 from tachyllm.entrypoints.serve import GracefulServer, make_server
+from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
 
@@ -153,7 +150,9 @@ def test_bad_input_fails_alone_with_a_precise_error(http, path, kwargs, status, 
 def test_offline_bad_token_ids_fail_alone(offline):
     good = SamplingParams(max_tokens=4, **GREEDY)
     bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[999999])
-    outs = offline.generate(["Hello", "The quick", "Hello"], [good, bad, SamplingParams(logit_bias={10**6: 1.0})], use_tqdm=False)
+    outs = offline.generate(
+        ["Hello", "The quick", "Hello"], [good, bad, SamplingParams(logit_bias={10**6: 1.0})], use_tqdm=False
+    )
     assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 4
     assert "stop_token_ids" in outs[1].error and "logit_bias" in outs[2].error
     for value in (float("inf"), float("nan"), -float("inf")):
@@ -171,17 +170,23 @@ def test_tiny_temperature_is_greedy_and_integral_floats_are_integers(http, offli
         body = {"prompt": "The quick", "max_tokens": 17.0, "temperature": temperature, "ignore_eos": True}
         out = http.post(CMPL, json=body).json()["choices"][0]
         assert out["text"] == greedy.text
-    tiny = offline.generate("The quick", SamplingParams(max_tokens=17, temperature=1e-45, ignore_eos=True), use_tqdm=False)
+    tiny = offline.generate(
+        "The quick", SamplingParams(max_tokens=17, temperature=1e-45, ignore_eos=True), use_tqdm=False
+    )
     assert tiny[0].outputs[0].token_ids == greedy.token_ids
 
 
 def test_logit_bias_moves_the_choice(http, offline):
-    plain = offline.generate("The quick", SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    plain = (
+        offline.generate("The quick", SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    )
     target = next(t for t in range(5, 300) if t not in plain)
     body = {"prompt": "The quick", "max_tokens": 6, "logit_bias": {str(target): 100}, **GREEDY}
     text = http.post(CMPL, json=body).json()["choices"][0]["text"]
     assert text == offline.engine.tokenizer.decode([target] * 6)
-    biased = offline.generate("The quick", SamplingParams(max_tokens=6, logit_bias={plain[0]: -100}, **GREEDY), use_tqdm=False)
+    biased = offline.generate(
+        "The quick", SamplingParams(max_tokens=6, logit_bias={plain[0]: -100}, **GREEDY), use_tqdm=False
+    )
     assert biased[0].outputs[0].token_ids[0] != plain[0]
 
 
@@ -277,8 +282,14 @@ def test_a_fault_at_any_stage_fails_only_its_requests(offline, stage):
     assert {rid: out.outputs[0].token_ids for rid, out in after.items()} == reference
 
 
-def test_faults_under_speculation_and_chunked_prefill(model_path):
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
+@pytest.mark.parametrize(
+    "spec",
+    [
+        '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
+        '{"method": "draft_model", "model": "self:layers=1", "num_speculative_tokens": 3, "adaptive": false}',
+    ],
+)
+def test_faults_under_speculation_and_chunked_prefill(model_path, spec):
     llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, max_num_batched_tokens=16, speculative_config=spec)
     params = SamplingParams(max_tokens=30, **GREEDY)
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown", "0123456789 numbers 42 and"]
@@ -398,7 +409,10 @@ def test_hung_step_makes_health_503_and_the_server_exit(model_path):
 
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(model_path):
     text = ("Paged attention stores keys and values in fixed-size blocks. " * 70_000)[: 4 << 20]
-    with server(model_path, "--max-request-body-bytes", "16M") as (base, _), httpx.Client(base_url=base, timeout=60) as c:
+    with (
+        server(model_path, "--max-request-body-bytes", "16M") as (base, _),
+        httpx.Client(base_url=base, timeout=60) as c,
+    ):
         assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 1}).status_code == 200  # warm
         with ThreadPoolExecutor(1) as pool:
             started = time.perf_counter()
@@ -420,13 +434,18 @@ def test_tokenizing_a_huge_prompt_does_not_block_the_server(model_path):
     # waits for an engine step and the tokenizer pool, so its bound leaves room for noise.
     completion_latencies.sort()
     assert max(latencies) < 0.1, latencies
-    assert completion_latencies[len(completion_latencies) // 2] < 0.05 and completion_latencies[-1] < 0.25, completion_latencies
+    assert completion_latencies[len(completion_latencies) // 2] < 0.05 and completion_latencies[-1] < 0.25, (
+        completion_latencies
+    )
 
 
 def test_admission_is_exact_in_a_burst(model_path):
     slow = lambda stage, ids: time.sleep(0.03) if stage == "forward" else None  # noqa: E731
     seqs, queue = 4, 8
-    with faults.injected(slow), server(model_path, "--max-num-seqs", str(seqs), "--max-queue-len", str(queue)) as (base, _):
+    with (
+        faults.injected(slow),
+        server(model_path, "--max-num-seqs", str(seqs), "--max-queue-len", str(queue)) as (base, _),
+    ):
 
         async def burst() -> list[int]:
             limits = httpx.Limits(max_connections=700, max_keepalive_connections=0)
@@ -477,22 +496,7 @@ def test_disconnect_storm_returns_every_block(http):
 
 
 def test_second_sigterm_ends_streams_with_an_error_event(model_path):
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "serve", "--model", model_path, "--port", str(port),
-           "--max-num-seqs", "2", "--shutdown-timeout", "60", *ENGINE_FLAGS]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
+    with server_process(model_path, "--max-num-seqs", "2", "--shutdown-timeout", "60", *ENGINE_FLAGS) as (proc, base):
         started = threading.Semaphore(0)
 
         def stream() -> list:
@@ -511,10 +515,6 @@ def test_second_sigterm_ends_streams_with_an_error_event(model_path):
             results = [f.result(timeout=30) for f in futures]
         assert proc.wait(timeout=30) == 0
         log = proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     for events in results:
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", events[-2:]
     assert "Traceback" not in log and "second signal: ending every open request now" in log

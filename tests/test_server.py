@@ -592,11 +592,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_then_exits_zero(model_path):
+@contextmanager
+def server_process(model: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`tachy serve` in its own process (stderr piped), once /health answers 200; killed if still up at the end."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "serve", "--model", model_path, "--port", str(port),
-           "--max-num-seqs", "1", "--shutdown-timeout", "1", *ENGINE_FLAGS, "--log-stats-interval", "0.2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "serve", "--model", model, "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -609,7 +610,16 @@ def test_sigterm_drains_then_exits_zero(model_path):
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.1)
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
+
+def test_sigterm_drains_then_exits_zero(model_path):
+    flags = ["--max-num-seqs", "1", "--shutdown-timeout", "1", *ENGINE_FLAGS, "--log-stats-interval", "0.2"]
+    with server_process(model_path, *flags) as (proc, base):
         started = threading.Semaphore(0)
 
         def stream() -> list:
@@ -634,10 +644,6 @@ def test_sigterm_drains_then_exits_zero(model_path):
             results = [f.result(timeout=30) for f in futures]
         assert proc.wait(timeout=30) == 0
         log = proc.stderr.read()  # a few dozen lines: well under a pipe's buffer
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
     finished = [r for r in results if "choices" in r[-2] and r[-2]["choices"][0]["finish_reason"] == "length"]
     aborted = [r for r in results if "error" in r[-2]]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import os
-import logging
 import socket
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -46,7 +46,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-request-body-bytes", type=byte_size, default=4 << 20,
         help="refuse request bodies larger than this with 413, e.g. 4M (default: 4 MiB)",
     )  # fmt: skip
-    g.add_argument("--max-n", type=positive_int, default=128, help="largest n (choices per prompt) a request may ask for")
+    g.add_argument(
+        "--max-n", type=positive_int, default=128, help="largest n (choices per prompt) a request may ask for"
+    )
     g.add_argument(
         "--max-prompts-per-request", type=positive_int, default=256,
         help="most prompts one /v1/completions request may carry",

@@ -64,7 +64,8 @@ def request_aborted() -> APIError:
 
 
 def request_failed(out: RequestOutput) -> APIError:
-    return APIError(500, out.error or "the engine failed while running this request", "internal_error", code="engine_error")
+    message = out.error or "the engine failed while running this request"
+    return APIError(500, message, "internal_error", code="engine_error")
 
 
 @dataclass
@@ -147,7 +148,10 @@ class ServerState:
             return f"the engine stopped: {self.engine.error}" if self.engine.error else "the engine was shut down"
         step = self.engine.step_seconds()
         if self.iteration_timeout and step > self.iteration_timeout:
-            return f"the engine's current step has run for {step:.0f} s (--engine-iteration-timeout {self.iteration_timeout:g})"
+            return (
+                f"the engine's current step has run for {step:.0f} s "
+                f"(--engine-iteration-timeout {self.iteration_timeout:g})"
+            )
         return None
 
     @property
@@ -408,7 +412,8 @@ async def start_requests(
     limit = state.max_queue_len
     if limit is not None and len(prompts) > limit:
         raise bad_request(
-            f"{len(prompts)} prompts can never wait at once on this server (--max-queue-len {limit})", param=prompt_param
+            f"{len(prompts)} prompts can never wait at once on this server (--max-queue-len {limit})",
+            param=prompt_param,
         )
     requests = [(f"{base_id}-{i}", pr.token_ids, sp) for i, (pr, sp) in enumerate(zip(prompts, params))]
     try:
@@ -649,7 +654,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> Response:
-        return Response(json.dumps(openapi_document(app, engine.vocab_size, limits.max_n)), media_type="application/json")
+        document = openapi_document(app, engine.vocab_size, limits.max_n)
+        return Response(json.dumps(document), media_type="application/json")
 
     # -- the API --------------------------------------------------------------------------------
     api = APIRouter(dependencies=[Depends(state.authorize)], responses={401: ERROR_RESPONSES[401]})
@@ -703,9 +709,10 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
             for c in out.outputs:
                 logprobs = None if body.logprobs is None else completion_logprobs(c, 0, body.logprobs, len(prefix))
                 reason = finish_reason(out, c)
-                choices.append(
-                    p.CompletionChoice(index=i * n + c.index, text=prefix + c.text, logprobs=logprobs, finish_reason=reason)
+                choice = p.CompletionChoice(
+                    index=i * n + c.index, text=prefix + c.text, logprobs=logprobs, finish_reason=reason
                 )
+                choices.append(choice)
                 num_output_tokens += len(c.token_ids)
         return json_response(
             p.CompletionResponse(

@@ -57,9 +57,9 @@ class RequestGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int, allowed_hosts: list[str] | None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.allowed_hosts = None if allowed_hosts is None or "*" in allowed_hosts else {
-            h.strip("[]").lower() for h in allowed_hosts
-        }
+        self.allowed_hosts = (
+            None if allowed_hosts is None or "*" in allowed_hosts else {h.strip("[]").lower() for h in allowed_hosts}
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
