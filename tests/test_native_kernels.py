@@ -256,8 +256,15 @@ def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantiza
     modules call: in bf16 (and int4, with either activation rounding; and an fp8 cache) the tokens
     and their logprobs are identical."""
     from tachyllm import LLM, SamplingParams
+    from tachyllm.kernels.linear import onednn_packing_available
     from tachyllm.models.llama import DecoderLayer
+    from tachyllm.quantization.int4 import block_kernels
 
+    # The fused layer chains the kernels the linears run; without them here it is never built.
+    if quantization is None and not (onednn_packing_available(torch.bfloat16) and ops.bf16_linear_vectorized):
+        pytest.skip("the bf16 linears run the C++ kernel only with AVX512-BF16")
+    if quantization == "int4" and block_kernels(torch.device("cpu")) is None:
+        pytest.skip("needs the C++ block kernels (AVX-512 VNNI)")
     path = str(tiny_model_factory("llama"))
     prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)

@@ -788,7 +788,8 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         return json_response(p.DetokenizeResponse(prompt=text))
 
     app.include_router(api)
-    # Outermost: refusals (host, content type, size) happen before routing, for every route.
+    # Refusals (host, content type, size) happen before routing, for every route; CORS, when on,
+    # is added last and so wraps them: an allowed page can read a refusal too.
     app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, allowed_hosts=allowed_hosts(args))
     if args.allowed_origins:
         app.add_middleware(
