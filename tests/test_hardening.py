@@ -116,6 +116,10 @@ BAD_INPUTS = [
     (CMPL, {"json": {"prompt": "hi", "junk": "x" * 70_000}}, 413, None, "request_too_large"),
     (CMPL, {"content": (b'{"prompt": "hi", "x": "' + b"y" * 70_000 + b'"}'),
             "headers": {"content-type": "application/json", "transfer-encoding": "chunked"}}, 413, None, "request_too_large"),  # fmt: skip
+    # Lists the engine walks for every token of a request: bounded.
+    (CMPL, {"json": {"prompt": "hi", "stop": ["x"] * 65}}, 400, "stop", None),
+    (CMPL, {"json": {"prompt": "hi", "stop_token_ids": [1] * 1025}}, 400, "stop_token_ids", None),
+    (CHAT, {"json": {"messages": MSGS, "logit_bias": {str(i): 1 for i in range(1025)}}}, 400, "logit_bias", None),
     # Longer than any tokenization of it could fit: refused by its length alone.
     (CMPL, {"json": {"prompt": "x" * 60_000}}, 400, "prompt", "context_length_exceeded"),
     (CHAT, {"json": {"messages": [{"role": "user", "content": "x" * 60_000}]}}, 400, "messages", "context_length_exceeded"),

@@ -218,19 +218,29 @@ def invalid_body(e: ValidationError) -> APIError:
     if not first["loc"]:
         return bad_request("the request body must be a JSON object")
     # A union-typed field reports one error per alternative, all under the field's location.
-    related = [err["loc"] for err in errors if err["loc"][:1] == first["loc"][:1]]
-    common = related[0]
-    for loc in related[1:]:
+    related = [err for err in errors if err["loc"][:1] == first["loc"][:1]]
+    common = related[0]["loc"]
+    for err in related[1:]:
         k = 0
-        while k < min(len(common), len(loc)) and common[k] == loc[k]:
+        while k < min(len(common), len(err["loc"])) and common[k] == err["loc"][k]:
             k += 1
         common = common[:k]
     if len(related) > 1 and common and common[-1] in UNION_HINTS:
         path = loc_path(common)
+        # The value had the type of one alternative and broke its constraint (too long, < 0, ...):
+        # that one says what is wrong (its location, less the alternative's name).
+        broken = [err for err in related if not err["type"].endswith("_type")]
+        if len(broken) == 1:
+            err = broken[0]
+            where = loc_path(common + err["loc"][len(common) + 1 :])
+            return bad_request(f"{where}: {err['msg']}{got(err)}", param=path)
         return bad_request(f"{path} must be {UNION_HINTS[common[-1]]}", param=path)
     path = loc_path(first["loc"])
-    got = "" if first["type"] == "missing" else f" (got {repr(first['input'])[:100]})"
-    return bad_request(f"{path}: {first['msg']}{got}", param=path)
+    return bad_request(f"{path}: {first['msg']}{got(first)}", param=path)
+
+
+def got(err: dict) -> str:
+    return "" if err["type"] == "missing" else f" (got {repr(err['input'])[:100]})"
 
 
 def loc_path(loc: tuple) -> str:

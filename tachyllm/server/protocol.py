@@ -44,6 +44,10 @@ NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
 TokenId = integer(ge=0, json_schema_extra={"x-token-id": True})  # openapi.py adds the vocabulary's bound
 Seed = integer(ge=0, lt=2**63)  # what a torch.Generator accepts, with room for seed + i
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
+# Per-token work for every step of a request grows with these lists: bounded, so that one request
+# cannot slow the whole batch (OpenAI allows 4 stop strings and 300 biased tokens).
+MAX_STOP_STRINGS = 64
+MAX_LISTED_TOKENS = 1024
 Text = Annotated[str, Field(min_length=1)]
 
 
@@ -66,20 +70,27 @@ class SamplingFields(Request):
     n: PositiveInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     user: str | None = None
     # Token id (a JSON object key, so a string) -> added to that token's logit.
-    logit_bias: Annotated[dict[str, Bias], route_checked({"propertyNames": {"pattern": "^[0-9]+$"}})] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Bias],
+            Field(max_length=MAX_LISTED_TOKENS),
+            route_checked({"propertyNames": {"pattern": "^[0-9]+$"}}),
+        ]
+        | None
+    ) = None
     # vLLM extensions.
     top_k: TopK | None = None
     min_p: Probability | None = None
     repetition_penalty: PositiveFloat | None = None
     ignore_eos: bool = False
     min_tokens: NonNegInt | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKENS)] | None = None
 
 
 class CompletionRequest(SamplingFields):
