@@ -9,17 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 import schemathesis
-from conftest import serving
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode, checks
-from test_server import ENGINE_FLAGS
+from test_server import running_server
 
-from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.cli import build_parser, engine_config
-from tachyllm.entrypoints.serve import make_server
-from tachyllm.server.app import build_app
-from tachyllm.server.async_engine import AsyncEngine
 
 # Small limits keep each generated request cheap on a 2-core machine (n x max_tokens x prompts).
 FLAGS = ["--max-model-len", "64", "--max-n", "2", "--max-prompts-per-request", "2", "--max-request-tokens", "256"]
@@ -36,10 +30,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def api(tiny_model_factory) -> Iterator[schemathesis.BaseSchema]:
-    model = str(tiny_model_factory("llama"))
-    args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *FLAGS])
-    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
-    with serving(server) as base:
+    with running_server(str(tiny_model_factory("llama")), *FLAGS) as base:
         yield schemathesis.openapi.from_url(f"{base}/openapi.json")
 
 

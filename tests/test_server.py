@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser, engine_config
-from tachyllm.entrypoints.serve import make_server
+from tachyllm.entrypoints.serve import GracefulServer, make_server
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
@@ -39,10 +39,17 @@ API_KEY = "test-key"
 @contextmanager
 def running_server(model: str, *flags: str) -> Iterator[str]:
     """A real uvicorn server in a thread, on a free port; yields its base URL."""
-    args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
-    app = build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args)
-    with serving(make_server(app, args)) as base:
+    with graceful_server(model, *flags) as (base, _):
         yield base
+
+
+@contextmanager
+def graceful_server(model: str, *flags: str) -> Iterator[tuple[str, GracefulServer]]:
+    """running_server's server itself too (its state, its exit code)."""
+    args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
+    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
+    with serving(server) as base:
+        yield base, server
 
 
 @pytest.fixture(scope="module")

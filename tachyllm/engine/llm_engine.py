@@ -28,6 +28,9 @@ from tachyllm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("tachyllm")
 
+# After this many failed steps in a row, a failing step fails every request, not only its own.
+MAX_FAILED_STEPS = 3
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -87,7 +90,11 @@ class LLMEngine:
                 self.max_model_len, self.dtype, self.device,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}
-        self._step_seqs: list[Sequence] | None = None  # what the current step works on (fault barrier)
+        # The fault barrier's view of the current step: what it works on, who failed already, and
+        # how many steps in a row have failed.
+        self._step_seqs: list[Sequence] | None = None
+        self._step_failed: dict[str, RequestOutput] = {}
+        self._failed_steps = 0
         self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
         logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
 
@@ -147,6 +154,8 @@ class LLMEngine:
                 generator=generator,
             )
             req.seqs.append(seq)
+        # Only now, with nothing left to fail, does the request enter the scheduler: all or nothing.
+        for seq in req.seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = req
         self.stats.num_prompt_tokens += len(token_ids)
@@ -179,7 +188,11 @@ class LLMEngine:
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         req.metrics.finished_time = time.time()
-        return self._make_output(req)
+        try:
+            return self._make_output(req)
+        except Exception as e:  # the request is gone either way; say why its output is missing
+            logger.exception("request %s: its output could not be made while aborting it", request_id)
+            return self._error_output(req, e)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -192,13 +205,22 @@ class LLMEngine:
         request (detokenizing or emitting its tokens) fails that request alone. Raises only when the
         KV-block bookkeeping is no longer consistent after a failure: that engine must not go on."""
         self._step_seqs = None  # until scheduled: any running sequence may be touched
+        self._step_failed = {}
         try:
-            return self._step()
+            outputs = self._step()
+            self._failed_steps = 0
+            return outputs
         except Exception as e:
+            self._failed_steps += 1
             seqs = self.scheduler.running if self._step_seqs is None else self._step_seqs
-            failed = {s.request.request_id: s.request for s in seqs if s.request.request_id in self.requests}
-            logger.exception("engine step failed; failing its %d request(s)", len(failed))
-            outputs = [self._fail_request(req, e) for req in failed.values()]
+            blamed = {s.request.request_id: s.request for s in seqs if s.request.request_id in self.requests}
+            if not blamed or self._failed_steps >= MAX_FAILED_STEPS:
+                # Nobody to pin it on (a waiting request broke scheduling), or failing the step's
+                # requests did not help: fail them all, so that every failed step ends some request
+                # and the engine cannot fail the same way forever.
+                blamed = dict(self.requests)
+            logger.exception("engine step failed; failing %d request(s)", len(blamed))
+            outputs = list(self._step_failed.values()) + [self._fail_request(req, e) for req in blamed.values()]
             self._check_consistent()
             return outputs
 
@@ -227,7 +249,7 @@ class LLMEngine:
         now = time.time()
         touched: dict[str, Request] = {}
         spec_outcomes = []
-        failed: dict[str, RequestOutput] = {}
+        failed = self._step_failed  # kept on self: should the step fail later, these are still answered
         for r in results:
             seq = r.seq
             if r.num_draft_tokens:
@@ -287,9 +309,12 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
         req.metrics.finished_time = time.time()
         self.requests.pop(req.request_id, None)
-        completions = [
-            CompletionOutput(seq.index, seq.text, seq.output_token_ids, seq.finish_reason) for seq in req.seqs
-        ]
+        return self._error_output(req, error)
+
+    @staticmethod
+    def _error_output(req: Request, error: Exception) -> RequestOutput:
+        # Even a sequence that had just finished ("stop", "length") reports the failure.
+        completions = [CompletionOutput(seq.index, seq.text, seq.output_token_ids, "error") for seq in req.seqs]
         message = f"the engine failed while running this request ({type(error).__name__}: {error})"
         return RequestOutput(
             req.request_id, req.prompt, req.prompt_token_ids, completions, True, req.metrics, error=message

@@ -86,11 +86,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 class GracefulServer(uvicorn.Server):
     """First SIGTERM/SIGINT: new requests get 503 while admitted ones finish (up to the shutdown
     timeout, then they are aborted), then a normal exit with status 0. A second signal ends every
-    open request at once (streams get an error event) and exits.
+    open request at once (streams get an error event) and exits; a third exits without waiting.
 
-    A watchdog checks the engine twice a second: once its loop has died or a step hangs past
-    --engine-iteration-timeout, the server drains what it can and exits with status 1 (exit_code),
-    so that a supervisor restarts it instead of a live process answering errors forever.
+    A watchdog checks the engine twice a second, draining or not: once its loop has died or an
+    iteration hangs past --engine-iteration-timeout, open requests end with that error and the
+    server exits with status 1 (exit_code), so that a supervisor restarts it instead of a live
+    process answering errors forever.
 
     uvicorn's own handler records the signal and re-raises it after shutdown, which would end the
     process by the signal rather than with status 0; this one does not."""
@@ -102,6 +103,7 @@ class GracefulServer(uvicorn.Server):
         self._state = state
         self._shutdown_timeout = shutdown_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
         self._draining = False
         self._tasks: set[asyncio.Task] = set()  # held so the tasks are not garbage-collected
         self.exit_code = 0
@@ -112,39 +114,42 @@ class GracefulServer(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._loop is None:
-            self.should_exit = True
+        self._signals += 1
+        if self._loop is None or self._signals > 2:
+            self.should_exit = self.force_exit = True
             return
         # A signal handler may interrupt the loop anywhere; call_soon_threadsafe is safe from there.
-        if self._draining:
-            self._loop.call_soon_threadsafe(self._end_now)
-        else:
-            self._draining = True
-            self._loop.call_soon_threadsafe(self._spawn, self._drain(self._shutdown_timeout))
+        self._loop.call_soon_threadsafe(self._end_now if self._signals == 2 else self._start_drain)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _start_drain(self, timeout: float | None = None) -> None:
+        if not self._draining:
+            self._draining = True
+            self._spawn(self._drain(self._shutdown_timeout if timeout is None else timeout))
+
     def _end_now(self) -> None:
         logger.warning("second signal: ending every open request now")
         self._state.engine.abandon("the server is shutting down", failed=False)
+        self._start_drain()  # the drain now finds nothing left and ends at once
 
     async def _drain(self, timeout: float) -> None:
         await self._state.drain(timeout)
         self.should_exit = True
 
     async def _watch_engine(self) -> None:
+        engine = self._state.engine
         while not self.should_exit:
             await asyncio.sleep(self.WATCHDOG_INTERVAL_S)
-            if self._draining or (problem := self._state.health_problem()) is None:
-                continue
+            if self._signals >= 2 or (problem := self._state.health_problem()) is None:
+                continue  # after a second signal the engine is stopped on purpose
             logger.error("%s; shutting down with exit status 1 so that a supervisor restarts the server", problem)
             self.exit_code = 1
-            self._draining = True
-            self._state.engine.abandon(problem, failed=True)  # open streams end with that error
-            await self._drain(min(self._shutdown_timeout, 5.0))
+            engine.abandon(problem, failed=True)  # open streams end with that error
+            self._start_drain(min(self._shutdown_timeout, 5.0))
             return
 
 

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -146,10 +147,10 @@ class ServerState:
         """Why the engine cannot serve (it stopped, or its step hangs past the timeout); None if it can."""
         if not self.engine.is_running:
             return f"the engine stopped: {self.engine.error}" if self.engine.error else "the engine was shut down"
-        step = self.engine.step_seconds()
-        if self.iteration_timeout and step > self.iteration_timeout:
+        busy = self.engine.busy_seconds()
+        if self.iteration_timeout and busy > self.iteration_timeout:
             return (
-                f"the engine's current step has run for {step:.0f} s "
+                f"the engine's current iteration has run for {busy:.0f} s "
                 f"(--engine-iteration-timeout {self.iteration_timeout:g})"
             )
         return None
@@ -274,7 +275,7 @@ def logit_bias(engine: AsyncEngine, bias: dict[str, float] | None) -> dict[int, 
         return None
     parsed = {}
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= engine.vocab_size:
+        if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) >= engine.vocab_size:
             raise bad_request(
                 f"logit_bias keys must be token ids below the vocabulary size {engine.vocab_size}, got {key[:20]!r}",
                 param="logit_bias",
@@ -619,6 +620,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
+        responses={421: ERROR_RESPONSES[421]},  # the Host check answers it before any route
     )
     app.state.server = state
 
@@ -682,7 +684,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     def model_card(name: str) -> p.ModelCard:
         return p.ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
 
-    @api.post("/v1/completions", **route_doc(p.CompletionRequest, p.CompletionResponse, streams=True))
+    @api.post("/v1/completions", **route_doc(p.CompletionRequest, p.CompletionResponse, generates=True))
     async def completions(request: Request) -> Response:
         body = await parse_body(request, p.CompletionRequest)
         state.check_model(body.model)
@@ -730,7 +732,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
             )
         )
 
-    @api.post("/v1/chat/completions", **route_doc(p.ChatCompletionRequest, p.ChatCompletionResponse, streams=True))
+    @api.post("/v1/chat/completions", **route_doc(p.ChatCompletionRequest, p.ChatCompletionResponse, generates=True))
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, p.ChatCompletionRequest)
         state.check_model(body.model)

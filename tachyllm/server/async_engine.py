@@ -158,7 +158,8 @@ class AsyncEngine:
         self._snapshot = EngineSnapshot()  # guarded by _cond
         self._stopping = False  # shutdown() was called; the loop ends after its next iteration
         self._closed = False  # the loop has ended; guarded by _cond
-        self._step_started: float | None = None  # time.monotonic() when the current step began
+        self._busy_since: float | None = None  # time.monotonic() when the loop's current iteration began
+        self._abandoned = False  # abandon() answered every stream: the loop delivers nothing more
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         built = threading.Event()
@@ -268,10 +269,10 @@ class AsyncEngine:
         with self._cond:
             return not self._closed
 
-    def step_seconds(self) -> float:
-        """How long the step now in progress has run; 0 between steps. A watchdog reads it to
-        tell a busy engine from a hung one."""
-        started = self._step_started
+    def busy_seconds(self) -> float:
+        """How long the loop's current iteration (its ops, its step, its answers) has run; 0 while
+        it waits for work. A watchdog reads it to tell a busy engine from a hung one."""
+        started = self._busy_since
         return 0.0 if started is None else time.monotonic() - started
 
     def abandon(self, reason: str, failed: bool) -> None:
@@ -281,13 +282,15 @@ class AsyncEngine:
         with self._cond:
             if self._closed:
                 return
-            self._closed = self._stopping = True
+            self._closed = self._stopping = self._abandoned = True
             if failed:
                 self.error = EngineDeadError(reason)
             ops, self._ops = self._ops, []
+            # Answered before the loop wakes up, so that no stream sees an abort first. The loop
+            # may still be mid-step (hung, or not yet at the lock): a copy of the dict is one atomic
+            # step under the GIL, and from here on the loop delivers nothing.
+            self._fail_streams(EngineDeadError(reason), ops, list(self._streams.values()))
             self._cond.notify()
-        # The loop thread may still touch _streams; a copy is one atomic step under the GIL.
-        self._fail_streams(EngineDeadError(reason), ops, list(self._streams.values()))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Aborts whatever is left, stops the loop and waits for its thread."""
@@ -319,11 +322,13 @@ class AsyncEngine:
         outbox = _Outbox()
         try:
             while True:
+                self._busy_since = None
                 with self._cond:
                     while not (self._ops or self._stopping or engine.has_unfinished_requests()):
                         self._cond.wait()
                     ops, self._ops = self._ops, []
                     stopping = self._stopping
+                self._busy_since = time.monotonic()
                 outbox = _Outbox()
                 outputs = self._apply(ops, outbox)
                 num_adds = sum(isinstance(op, _Add) for op in ops)
@@ -336,10 +341,9 @@ class AsyncEngine:
                     num_adds = 0
                     outbox.flush()  # acceptances go out before the step, not after it
                 if not stopping and engine.has_unfinished_requests():
-                    self._step_started = time.monotonic()
                     outputs += engine.step()
-                    self._step_started = None
-                self._deliver(outputs, outbox)
+                if not self._abandoned:
+                    self._deliver(outputs, outbox)
                 self._publish(num_adds)
                 self._notify_listeners(outputs)
                 outbox.flush()
@@ -348,7 +352,6 @@ class AsyncEngine:
         except Exception as e:  # outside the step's fault barrier: fail every request rather than hang
             logger.exception("engine loop failed; failing all requests")
             self.error = e
-            self._step_started = None
         finally:
             self._fail_remaining(ops, outbox)
 
@@ -359,7 +362,9 @@ class AsyncEngine:
                 rid = op.stream.request_id
                 try:
                     self._engine.add_request(rid, op.prompt, op.params, op.arrival_time, op.priority)
-                except RequestError as e:
+                except Exception as e:  # refused (RequestError), or a bug: this request alone fails
+                    if not isinstance(e, RequestError):
+                        logger.exception("request %s could not be added", rid)
                     outbox.post(op.stream.loop, _resolve, op.accepted, e)
                     continue
                 self._streams[rid] = op.stream
@@ -416,6 +421,7 @@ class AsyncEngine:
         """Whatever still waits on this loop gets an error instead of waiting forever: what the last
         iteration had decided goes out first (an add it accepted stays accepted, then its stream
         fails), and every add it had not answered yet is refused."""
+        self._busy_since = None
         with self._cond:
             self._closed = True
             pending, self._ops = self._ops, []

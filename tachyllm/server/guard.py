@@ -13,6 +13,7 @@ Refusals are OpenAI-format errors (421, 415, 413), as the routes' own are.
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -42,7 +43,7 @@ def default_allowed_hosts(bound_host: str) -> list[str] | None:
     one bound elsewhere, which clients reach by names this server cannot know."""
     if not is_loopback(bound_host):
         return None
-    return sorted({*LOOPBACK_NAMES, bound_host.strip("[]").lower()})
+    return sorted({*LOOPBACK_NAMES, host_name(bound_host)})
 
 
 def host_name(header: str) -> str:
@@ -57,9 +58,9 @@ class RequestGuard:
     def __init__(self, app: ASGIApp, max_body_bytes: int, allowed_hosts: list[str] | None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.allowed_hosts = (
-            None if allowed_hosts is None or "*" in allowed_hosts else {h.strip("[]").lower() for h in allowed_hosts}
-        )
+        # Entries are read as Host headers are: a port, brackets and case do not matter.
+        any_host = allowed_hosts is None or "*" in allowed_hosts
+        self.allowed_hosts = None if any_host else set(map(host_name, allowed_hosts))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -94,7 +95,7 @@ class RequestGuard:
                 code="unsupported_media_type",
             )  # fmt: skip
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
+        if re.fullmatch(r"[0-9]+", length) and (len(length) > 18 or int(length) > self.max_body_bytes):
             raise self.too_large()
 
     def limited(self, receive: Receive) -> Receive:

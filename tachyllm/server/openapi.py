@@ -31,20 +31,21 @@ ERROR_RESPONSES: dict[int, dict[str, Any]] = {
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {}  # by name: every app built documents the same
 
 
-def route_doc(request: type[BaseModel], response: type[BaseModel], streams: bool = False) -> dict[str, Any]:
-    """The route-decorator arguments that document a JSON route: its request body, its response
-    (and, for `streams`, the server-sent events it answers with when the body asks to stream), and
-    the errors every such route can answer."""
+def route_doc(request: type[BaseModel], response: type[BaseModel], generates: bool = False) -> dict[str, Any]:
+    """The route-decorator arguments that document a JSON route: its request body, its response, and
+    the errors it can answer; a route that `generates` also answers with server-sent events when the
+    body asks to stream, and with the engine's errors (500, 503). 421 is documented for every route
+    at the app."""
     _REQUEST_MODELS[request.__name__] = request
     ok: dict[str, Any] = {"model": response}
-    if streams:
+    if generates:
         ok["content"] = {
             "text/event-stream": {
                 "schema": {"type": "string"},
                 "description": f"with `stream: true`: `data: <{response.__name__} chunk>` events, then `data: [DONE]`",
             }
         }
-    errors = (400, 404, 413, 415, 421, 503) + ((500,) if streams else ())
+    errors = (400, 404, 413, 415) + ((500, 503) if generates else ())
     return {
         "response_model": response,
         "responses": {200: ok, **{status: ERROR_RESPONSES[status] for status in errors}},
