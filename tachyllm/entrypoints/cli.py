@@ -63,7 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="cut prefill chunks so that steps with running decodes take at most this factor of the decodes' own step, e.g. 2 (default: off)",
     )  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
-    g.add_argument("--threads", type=int, default=None, help="compute threads (default: OMP_NUM_THREADS or all cores)")
+    g.add_argument("--threads", type=int, default=None, help="compute threads (default: OMP_NUM_THREADS, or the usable CPUs: affinity mask, cgroup CPU quota)")
     g.add_argument("--quantization", default=None, help="weight-only quantization: int8, int4, awq, gguf (default: none)")
     g.add_argument("--quant-group-size", type=int, default=None, help="int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)")
     g.add_argument("--quant-skip", default=None, help="layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)")
