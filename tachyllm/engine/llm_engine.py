@@ -343,7 +343,7 @@ class LLMEngine:
             seq.logprobs.append(entry)
             seq.cumulative_logprob += chosen_lp
 
-        faults.check("detokenize", [seq])
+        faults.check("detokenize", (seq,))
         delta = seq.detokenizer.add_tokens([token])
         seq.text += delta
         n_out = seq.num_output_tokens
