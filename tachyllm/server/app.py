@@ -133,7 +133,7 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def check_capacity(self) -> None:
+    def check_not_draining(self) -> None:
         if self.draining:
             raise APIError(
                 503,
@@ -269,17 +269,15 @@ def reject_unsupported(body: p.SamplingFields) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
-def logit_bias(engine: AsyncEngine, bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a bias in [-100, 100]."""
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias: token ids (as JSON object keys, so strings) -> a bias in [-100, 100]. The
+    engine checks the ids against the vocabulary, as every other token id a request names."""
     if not bias:
         return None
     parsed = {}
     for key, value in bias.items():
-        if not re.fullmatch(r"[0-9]{1,10}", key) or int(key) >= engine.vocab_size:
-            raise bad_request(
-                f"logit_bias keys must be token ids below the vocabulary size {engine.vocab_size}, got {key[:20]!r}",
-                param="logit_bias",
-            )
+        if not re.fullmatch(r"[0-9]{1,10}", key):
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:20]!r}", param="logit_bias")
         parsed[int(key)] = value
     return parsed
 
@@ -419,7 +417,7 @@ async def start_requests(
     state: ServerState, base_id: str, prompts: list[Prompt], params: list[SamplingParams], prompt_param: str
 ) -> list[RequestStream]:
     """Admits one engine request per prompt, all or none, while the queue has room for them all."""
-    state.check_capacity()
+    state.check_not_draining()
     limit = state.max_queue_len
     if limit is not None and len(prompts) > limit:
         raise bad_request(
@@ -652,7 +650,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         if problem := state.health_problem():
             error = APIError(503, problem, "service_unavailable_error", code="engine_unhealthy")
             return json_response(error.body, error.status)
-        state.check_capacity()  # 503 while draining
+        state.check_not_draining()  # 503 while draining
         return Response(status_code=200)
 
     @app.get("/version", response_model=p.VersionResponse)
@@ -690,7 +688,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         state.check_model(body.model)
         reject_unsupported(body)
         state.check_n(body.n)
-        bias = logit_bias(engine, body.logit_bias)
+        bias = logit_bias(body.logit_bias)
         prompts = await completion_prompts(state, body.prompt)
         params = [
             sampling_params(
@@ -738,7 +736,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         state.check_model(body.model)
         reject_unsupported(body)
         state.check_n(body.n)
-        bias = logit_bias(engine, body.logit_bias)
+        bias = logit_bias(body.logit_bias)
         prompt = Prompt(await chat_token_ids(state, body.messages), None)
         requested, max_param = body.max_completion_tokens, "max_completion_tokens"
         if requested is None:
