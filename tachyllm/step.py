@@ -1,0 +1,104 @@
+"""The plain data that crosses between scheduling and execution, once per step (vLLM v1's rule).
+
+The scheduler decides how many new tokens each sequence computes and describes the step as a
+StepBatch; the model runner (and the backend it runs on) reads only that, never the scheduler's
+own objects; the runner answers with a StepResult, which the scheduler alone applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tachyllm.sampling_params import SamplingParams
+
+# (chosen token's logprob, its rank, top ids, top logprobs) of one sampled position.
+LogprobInfo = tuple[float, int, list[int], list[float]]
+
+
+@dataclass(eq=False)
+class SamplingInput:
+    """What sampling needs of the sequence a row belongs to."""
+
+    params: SamplingParams
+    # The sequence's tokens so far, prompt then output. The scheduler's own list, shared rather than
+    # copied (a copy per step would cost O(tokens so far)): read-only for the runner.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    generator: torch.Generator | None = None
+    # For drafts a draft model sampled: the distribution each was drawn from ([drafts, vocab]).
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(eq=False)
+class ScheduledSeq:
+    """One sequence's share of a step: the tokens it computes and where their K/V goes."""
+
+    seq_id: int
+    request_id: str
+    start: int  # tokens with K/V before this step: the position of the first new token
+    token_ids: list[int]  # this step's tokens: the next uncomputed ones, then any draft tokens
+    num_draft_tokens: int
+    block_table: list[int]  # the sequence's KV blocks (the scheduler's list: read-only here)
+    seq_len: int  # the sequence's length without drafts (a prompt's length while it is prefilled)
+    # Set when this step samples the sequence: its last real token gets K/V, so the next is drawn.
+    sampling: SamplingInput | None = None
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_real_tokens(self) -> int:
+        return len(self.token_ids) - self.num_draft_tokens
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_real_tokens :]
+
+    @property
+    def is_decode(self) -> bool:
+        """One real token (and maybe drafts after it): the few queries at the end of a context."""
+        return self.num_real_tokens == 1
+
+    @property
+    def completes(self) -> bool:
+        return self.sampling is not None
+
+
+@dataclass
+class StepBatch:
+    seqs: list[ScheduledSeq]  # batch row order: decodes first, then prefill chunks
+    # Sequences that ended (finished, aborted, preempted) since the previous batch: per-sequence
+    # state kept by the runner or a backend is dropped.
+    finished_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+@dataclass
+class SeqResult:
+    """The tokens one sampled sequence gained: one token, or for a speculating sequence its accepted
+    draft tokens followed by the target's own next token."""
+
+    seq_id: int
+    token_ids: list[int]
+    logprobs: list[LogprobInfo | None]
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+
+
+@dataclass
+class StepResult:
+    seqs: list[SeqResult]
