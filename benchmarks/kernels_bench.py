@@ -209,7 +209,7 @@ def bench_sampling() -> None:
     """Drawing one token per row from a [64, 49152] distribution: the sampler's CDF inversion (one
     uniform per row) against the exponential race it replaced (argmax of p / E, E ~ Exp(1) for
     every vocabulary entry)."""
-    from tachyllm.runner.sampler import Sampler
+    from tachyllm.sampling.sampler import Sampler
 
     sampler = Sampler(49152, [], torch.device("cpu"), seed=0)
     probs = torch.softmax(torch.randn(64, 49152) * 3, dim=-1)

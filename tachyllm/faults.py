@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tachyllm.engine.sequence import Sequence
+from typing import Protocol
 
 # In the order a step runs them.
 STAGES = ("schedule", "prepare", "forward", "sample", "detokenize", "output")
@@ -22,9 +19,16 @@ FaultHook = Callable[[str, list[str]], None]
 _hook: FaultHook | None = None
 
 
-def check(stage: str, seqs: Iterable[Sequence]) -> None:
+class OfRequest(Protocol):
+    """A sequence, or a step's plain entry for one (tachyllm.step.ScheduledSeq)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+
+def check(stage: str, seqs: Iterable[OfRequest]) -> None:
     if _hook is not None:
-        _hook(stage, [s.request.request_id for s in seqs])
+        _hook(stage, [s.request_id for s in seqs])
 
 
 @contextmanager

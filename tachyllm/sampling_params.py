@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -9,6 +10,14 @@ MAX_LOGPROBS = 20
 # A temperature below this is greedy: dividing logits by it would overflow float32 (vLLM's rule).
 GREEDY_TEMPERATURE = 1e-5
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on each logit_bias value
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a running request holds (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far: each output copies the whole completion (O(tokens so far))
+    DELTA = 1  # only what is new since the previous output: streaming
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
 @dataclass
@@ -30,6 +39,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's)
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -50,8 +50,9 @@ class ScheduledSeq:
     num_draft_tokens: int
     block_table: list[int]  # the sequence's KV blocks (the scheduler's list: read-only here)
     seq_len: int  # the sequence's length without drafts (a prompt's length while it is prefilled)
-    # Set when this step samples the sequence: its last real token gets K/V, so the next is drawn.
-    sampling: SamplingInput | None = None
+    # After this step every token of the sequence has K/V, so its last position is sampled.
+    completes: bool
+    sampling: SamplingInput | None = None  # what sampling needs, when the step samples this sequence
 
     @property
     def num_new_tokens(self) -> int:
@@ -70,9 +71,6 @@ class ScheduledSeq:
         """One real token (and maybe drafts after it): the few queries at the end of a context."""
         return self.num_real_tokens == 1
 
-    @property
-    def completes(self) -> bool:
-        return self.sampling is not None
 
 
 @dataclass

@@ -21,9 +21,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tachyllm.engine import block_manager as bm_module
-from tachyllm.engine.block_manager import BlockManager, hash_block
-from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.core import block_manager as bm_module
+from tachyllm.core.block_manager import BlockManager, hash_block
+from tachyllm.core.sequence import Request, Sequence
 from tachyllm.outputs import RequestMetrics
 from tachyllm.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ def make_seq(tokens: list[int], priority: int = 0, arrival: float = 0.0, max_tok
     req = Request(
         f"r{arrival}", None, list(tokens), SamplingParams(max_tokens=max_tokens), RequestMetrics(arrival), priority
     )
-    seq = Sequence(request=req, index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens), detokenizer=None)
+    seq = Sequence(request=req, index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
     req.seqs.append(seq)
     return seq
 

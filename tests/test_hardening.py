@@ -338,7 +338,7 @@ def test_an_output_that_fails_as_its_request_finishes_says_error(offline, monkey
     assert finals["last"].error and [c.finish_reason for c in finals["last"].outputs] == ["error"]
     # An abort whose output cannot be made still ends the request, with the reason.
     engine.add_request("aborted", "The quick", SamplingParams(max_tokens=4))
-    monkeypatch.setattr(engine, "_make_output", lambda req: 1 / 0)
+    monkeypatch.setattr(engine.output_processor, "make_output", lambda request_id, error=None: 1 / 0)
     out = engine.abort_request("aborted")
     assert "ZeroDivisionError" in out.error and not engine.requests
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

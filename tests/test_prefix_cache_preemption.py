@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tachyllm import LLM, SamplingParams
-from tachyllm.engine import block_manager as bm_module
-from tachyllm.engine.sequence import SequenceStatus
+from tachyllm.core import block_manager as bm_module
+from tachyllm.core.sequence import SequenceStatus
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import RequestError
 from tachyllm.outputs import RequestOutput, StepStats

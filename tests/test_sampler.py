@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tachyllm import SamplingParams
-from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler
 
 VOCAB = 8
 

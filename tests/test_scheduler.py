@@ -19,12 +19,16 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 from test_block_manager import FakeKV, make_seq, prompts
 
-from tachyllm.engine.block_manager import BlockManager
-from tachyllm.engine.scheduler import Scheduler, SchedulerOutput
-from tachyllm.engine.sequence import Sequence, SequenceStatus
+from tachyllm.core.block_manager import BlockManager
+from tachyllm.core.scheduler import Scheduler
+from tachyllm.core.sequence import Sequence, SequenceStatus
 from tachyllm.outputs import StepStats
+from tachyllm.step import SeqResult, StepBatch, StepResult
 
 
 def next_token(prefix: tuple[int, ...]) -> int:
@@ -39,33 +43,59 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt) :]
 
 
-def execute(sched: Scheduler, out: SchedulerOutput, kv: FakeKV | None = None) -> list[Sequence]:
-    """Does what LLMEngine.step does with a schedule, with the fake model; returns finished sequences."""
+@dataclass
+class Scheduled:
+    """A StepBatch with the scheduler's own Sequences beside it, for assertions."""
+
+    batch: StepBatch
+    scheduled: list[SimpleNamespace]  # .seq, .num_new_tokens, .start, in batch order
+    preempted: list[Sequence]
+
+    @property
+    def empty(self) -> bool:
+        return not self.batch.seqs
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.batch.num_tokens
+
+
+def schedule(sched: Scheduler) -> Scheduled:
+    everyone = {s.seq_id: s for s in sched.waiting + sched.running}
+    batch = sched.schedule()
+    by_id = {s.seq_id: s for s in sched.in_flight()}
+    everyone.update(by_id)
+    scheduled = [SimpleNamespace(seq=by_id[s.seq_id], num_new_tokens=s.num_new_tokens, entry=s) for s in batch.seqs]
+    preempted = [everyone[i] for i in batch.finished_seq_ids if i in everyone and everyone[i].status is SequenceStatus.WAITING]
+    return Scheduled(batch, scheduled, preempted)
+
+
+def execute(sched: Scheduler, out: Scheduled, kv: FakeKV | None = None, seconds: float = 0.0) -> list[Sequence]:
+    """Does what the model runner does with a batch, with the fake model, and hands the result (which
+    took `seconds`) to the scheduler; returns the sequences that finished."""
     bm = sched.block_manager
-    sampled = [s.seq for s in out.scheduled if s.completes]
+    results = []
     for s in out.scheduled:
-        seq, start = s.seq, s.seq.num_computed_tokens
+        seq, entry = s.seq, s.entry
+        start = entry.start
+        # The batch is plain data: exactly the sequence's next uncomputed tokens, in its own table.
+        assert start == seq.num_computed_tokens and entry.token_ids == seq.token_ids[start : start + s.num_new_tokens]
+        assert entry.block_table == seq.block_table and entry.seq_len == seq.num_tokens
         if kv is not None:
             kv.check(seq, start)  # the context this chunk attends to
             for p in range(start, start + s.num_new_tokens):
                 assert bm.blocks[seq.block_table[p // bm.block_size]].ref_count == 1, "write into a shared block"
             kv.write(seq, start, start + s.num_new_tokens)
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_new_tokens
-        bm.cache_full_blocks(s.seq)
-    finished = []
-    for seq in sampled:
-        last = seq.num_tokens - 1
-        prefix = (
-            tuple(seq.token_ids)
-            if kv is None
-            else kv.slots[seq.block_table[last // bm.block_size]][last % bm.block_size]
-        )
-        seq.token_ids.append(next_token(prefix))
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            sched.finish(seq, "length")
-            finished.append(seq)
-    return finished
+        if entry.completes:
+            last = seq.num_tokens - 1
+            prefix = (
+                tuple(seq.token_ids)
+                if kv is None
+                else kv.slots[seq.block_table[last // bm.block_size]][last % bm.block_size]
+            )
+            results.append(SeqResult(seq.seq_id, [next_token(prefix)], [None]))
+    updates = sched.update_from_output(out.batch, StepResult(results), seconds)
+    return [u.seq for u in updates if u.seq.is_finished]
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -103,7 +133,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self) -> None:
         sched = self.sched
         decodes = [s for s in sched.running if s.num_uncomputed_tokens == 1]
-        out = sched.schedule()
+        out = schedule(sched)
         assert not out.empty, "unfinished sequences but nothing scheduled"
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
@@ -178,8 +208,8 @@ def make_scheduler(
     return Scheduler(bm, max_num_seqs, budget, chunked, StepStats())
 
 
-def step(sched: Scheduler) -> SchedulerOutput:
-    out = sched.schedule()
+def step(sched: Scheduler) -> Scheduled:
+    out = schedule(sched)
     execute(sched, out)
     return out
 

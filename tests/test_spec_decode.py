@@ -12,14 +12,15 @@ import torch
 from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
 
 from tachyllm import LLM, SamplingParams
-from tachyllm.engine.scheduler import ScheduledSeq
-from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.core.sequence import Request, Sequence
 from tachyllm.errors import ConfigError, ModelLoadError
 from tachyllm.outputs import RequestMetrics, StepStats
 from tachyllm.runner import kv_cache
-from tachyllm.runner.sampler import Sampler
-from tachyllm.spec_decode import rejection
-from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, REFRESH_INTERVAL, AdaptiveController, CostModel
+from tachyllm.sampling.sampler import Sampler
+from tachyllm.step import SamplingInput, ScheduledSeq
+from tachyllm.sampling import verify as rejection
+from tachyllm.core.step_cost import CostBySize, StepShape
+from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, REFRESH_INTERVAL, AdaptiveController
 from tachyllm.spec_decode.config import SpeculativeConfig
 from tachyllm.spec_decode.ngram import NgramProposer
 
@@ -80,16 +81,19 @@ def test_draft_with_another_vocabulary_is_refused(tiny_model_factory, tmp_path):
 
 def seq_of(tokens: list[int], params: SamplingParams | None = None, num_prompt: int | None = None) -> Sequence:
     req = Request("r", None, tokens, params or SamplingParams(), RequestMetrics(0.0))
-    return Sequence(req, 0, list(tokens), len(tokens) if num_prompt is None else num_prompt, None)
+    return Sequence(req, 0, list(tokens), len(tokens) if num_prompt is None else num_prompt)
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     ngram = NgramProposer(1, 3)
     # suffix [7, 8, 9] occurred at 1..3 (followed by 4, 5) and [8, 9] later at 6..7 (followed by 1)
-    assert ngram.propose(seq_of([0, 7, 8, 9, 4, 5, 8, 9, 1, 7, 8, 9]), 2) == [4, 5]
-    assert ngram.propose(seq_of([3, 8, 9, 2, 6, 8, 9]), 5) == [2, 6, 8, 9]
-    assert ngram.propose(seq_of([1, 2, 3, 4]), 3) == []
-    assert NgramProposer(2, 2).propose(seq_of([5, 1, 5]), 3) == []  # only a 1-token match
+    assert ngram.lookup(seq_of([0, 7, 8, 9, 4, 5, 8, 9, 1, 7, 8, 9]), 2) == [4, 5]
+    assert ngram.lookup(seq_of([3, 8, 9, 2, 6, 8, 9]), 5) == [2, 6, 8, 9]
+    assert ngram.lookup(seq_of([1, 2, 3, 4]), 3) == []
+    assert NgramProposer(2, 2).lookup(seq_of([5, 1, 5]), 3) == []  # only a 1-token match
+    # The proposer interface: one draft per sequence, empty where there is no match.
+    drafts = ngram.propose([seq_of([3, 8, 9, 2, 6, 8, 9]), seq_of([1, 2, 3, 4])], [2, 3])
+    assert [d.token_ids for d in drafts] == [[2, 6], []] and all(d.probs is None for d in drafts)
 
 
 # -- greedy identity on tiny models ---------------------------------------------------------------
@@ -106,7 +110,7 @@ def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], error_
         upcoming = reference[seq.num_output_tokens : seq.num_output_tokens + k]
         return [t if rng.random() > error_rate else (t + 1) % 300 for t in upcoming]
 
-    llm.engine.speculator.ngram.propose = propose
+    llm.engine.speculator.proposer.lookup = propose
 
 
 def with_oracle(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> LLM:
@@ -170,13 +174,13 @@ def test_non_speculating_requests_share_the_batch(tiny_model_factory):
     llm = tiny_llm(path, speculative_config=NGRAM)
     references = {tuple(p): e for p, e in zip(prompts, token_ids(base))}
     del references[tuple(prompts[0])]  # this one never gets a proposal
-    oracle = llm.engine.speculator.ngram
+    oracle = llm.engine.speculator.proposer
 
     def propose(seq: Sequence, k: int) -> list[int]:
         reference = references.get(tuple(seq.token_ids[: seq.num_prompt_tokens]))
         return [] if reference is None else reference[seq.num_output_tokens : seq.num_output_tokens + k]
 
-    oracle.propose = propose
+    oracle.lookup = propose
     spec = run(llm, prompts, params)
     assert token_ids(spec)[:4] == token_ids(base)[:4]
     assert len(spec[4].outputs[0].token_ids) == 20  # sampled: same length, its own tokens
@@ -221,13 +225,13 @@ def emitted_pairs(
                 q_rows.append(q[0])
             drafts.append(token)
             last = token
-        seq.spec_token_ids = drafts
-        seq.spec_draft_probs = torch.stack(q_rows) if q_rows else None
+        sampling = SamplingInput(params, seq.token_ids, 1, None, torch.stack(q_rows) if q_rows else None)
         logits = target[[0] + drafts]  # row j: next-token logits after token 0 and drafts[:j]
         if broken == "accept-all":
             tokens = drafts + [0]
         else:
-            tokens, _ = rejection.verify(sampler, logits, [ScheduledSeq(seq, k + 1, drafts)])[0]
+            entry = ScheduledSeq(seq.seq_id, "r", 0, [0] + drafts, k, [], 1, True, sampling)
+            tokens, _ = rejection.verify(sampler, logits, [entry])[0]
         if len(tokens) < 2:  # rejected at the first position: the second token is drawn anew from the target
             row = rejection.draft_rows(seq, tokens)[-1:]
             second = sampler.draw(sampler.probs(sampler.process(target[tokens[0]].unsqueeze(0), row), row), row)
@@ -350,8 +354,8 @@ def test_rejected_drafts_leave_no_blocks_behind(tiny_model_factory):
     """Drafts that are always wrong: every step allocates blocks for them and rolls back."""
     path = tiny_model_factory("llama")
     llm = tiny_llm(path, speculative_config={**NGRAM, "num_speculative_tokens": 8})
-    proposer = llm.engine.speculator.ngram
-    proposer.propose = lambda seq, k: [1] * k  # token 1 never follows here under greedy (checked below)
+    proposer = llm.engine.speculator.proposer
+    proposer.lookup = lambda seq, k: [1] * k  # token 1 never follows here under greedy (checked below)
     prompts = random_prompts(8, 5, shared=0, tail=(4, 12))
     params = [SamplingParams(max_tokens=30, **GREEDY) for _ in prompts]
     expected = token_ids(run(tiny_llm(path), prompts, params))
@@ -364,7 +368,7 @@ def test_rejected_drafts_leave_no_blocks_behind(tiny_model_factory):
 def test_disable_by_batch_size(tiny_model_factory):
     path = tiny_model_factory("llama")
     llm = tiny_llm(path, speculative_config={**NGRAM, "disable_by_batch_size": 2})
-    llm.engine.speculator.ngram.propose = lambda seq, k: [7] * k
+    llm.engine.speculator.proposer.lookup = lambda seq, k: [7] * k
     prompts = random_prompts(6, 6, shared=0, tail=(4, 9))
     run(llm, prompts, [SamplingParams(max_tokens=8, **GREEDY) for _ in prompts])
     assert llm.engine.stats.spec_num_drafts == 0
@@ -375,12 +379,12 @@ def test_disable_by_batch_size(tiny_model_factory):
 def test_adaptive_controller_speculates_only_where_it_pays():
     c = AdaptiveController(max_k=4)
     assert c.choose(1, 1, 1, 1) == 0  # the plain step is measured first
-    c.record_step(1, 0.010)
+    c.step_costs.observe(StepShape(1), 0.010)
     assert c.choose(1, 1, 1, 1) == 2 and c.probing  # then the draft's one-token forward, once
     c.record_proposal(1, 0.0)
     # Memory-bound small steps: 5 tokens cost what 1 does; high acceptance -> full k.
     for n in range(1, 6):
-        c.record_step(n, 0.010)
+        c.step_costs.observe(StepShape(n), 0.010)
     for _ in range(20):
         c.record_acceptance(4, 4)
     assert c.choose(1, 1, 1, 1) == 4
@@ -389,14 +393,14 @@ def test_adaptive_controller_speculates_only_where_it_pays():
     # Poor acceptance: not worth 10% more time per verified token.
     for n in range(1, 6):
         for _ in range(20):
-            c.record_step(n, 0.010 * (1 + 0.1 * (n - 1)))
+            c.step_costs.observe(StepShape(n), 0.010 * (1 + 0.1 * (n - 1)))
     for _ in range(60):
         c.record_acceptance(4, 0)
     assert c.choose(1, 1, 1, 1) == 0
     # A draft model's own cost counts against it.
     d = AdaptiveController(max_k=4)
     for n in range(1, 6):
-        d.record_step(n, 0.010)
+        d.step_costs.observe(StepShape(n), 0.010)
     for _ in range(20):
         d.record_acceptance(4, 4)
     d.record_proposal(2, 0.012)  # a catch-up forward over two tokens
@@ -412,7 +416,7 @@ def test_adaptive_controller_speculates_only_where_it_pays():
     # Compute-bound large batch: cost linear in tokens -> no speculation ...
     big = AdaptiveController(max_k=4)
     for n in (32, 64, 96, 128, 160):
-        big.record_step(n, 0.001 * n)
+        big.step_costs.observe(StepShape(n), 0.001 * n)
     big.record_proposal(32, 0.0)
     for _ in range(20):
         big.record_acceptance(4, 1)
@@ -433,7 +437,7 @@ def test_ngram_lookups_are_skipped_while_speculation_cannot_pay():
     big = AdaptiveController(max_k=4, has_draft_model=False)
     assert not big.can_skip_proposals(32, 32, 32)  # nothing measured yet
     for n in range(1, 200):
-        big.record_step(n, 0.001 * n)
+        big.step_costs.observe(StepShape(n), 0.001 * n)
     for _ in range(20):
         big.record_acceptance(4, 1)
     skipped = [big.can_skip_proposals(32, 32, 32) for _ in range(PROBE_INTERVAL)]
@@ -441,18 +445,18 @@ def test_ngram_lookups_are_skipped_while_speculation_cannot_pay():
     assert 4 in [big.choose(32, 32, 32, 32) for _ in range(2)] and big.probing  # (one may be a refresh)
     cheap = AdaptiveController(max_k=4, has_draft_model=False)
     for n in range(1, 200):
-        cheap.record_step(n, 0.010 if n <= 48 else 0.001 * n)  # fused up to 48 tokens
+        cheap.step_costs.observe(StepShape(n), 0.010 if n <= 48 else 0.001 * n)  # fused up to 48 tokens
     for _ in range(20):
         cheap.record_acceptance(4, 4)
     assert not cheap.can_skip_proposals(32, 32, 32)  # a few sequences with drafts would pay
     draft = AdaptiveController(max_k=4)
     for n in range(1, 200):
-        draft.record_step(n, 0.001 * n)
+        draft.step_costs.observe(StepShape(n), 0.001 * n)
     assert not draft.can_skip_proposals(32, 32, 32)
 
 
 def test_cost_model_bounds_outside_the_measured_range():
-    cost = CostModel()
+    cost = CostBySize()
     assert cost.estimate(8, high=True) is None
     cost.record(10, 0.010)
     cost.record(40, 0.020)

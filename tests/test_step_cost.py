@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 from test_block_manager import make_seq
-from test_scheduler import execute
+from test_scheduler import execute, schedule
 
-from tachyllm.engine.block_manager import BlockManager
-from tachyllm.engine.scheduler import Scheduler, SchedulerOutput
-from tachyllm.engine.sequence import Sequence
-from tachyllm.engine.step_cost import MIN_STEPS, StepCostModel, StepShape, attention_pairs
+from tachyllm.core.block_manager import BlockManager
+from tachyllm.core.scheduler import Scheduler, step_shape
+from tachyllm.core.sequence import Sequence
+from tachyllm.core.step_cost import MIN_STEPS, StepCostModel, StepShape, attention_pairs
 from tachyllm.errors import ConfigError
 from tachyllm.outputs import StepStats
+from tachyllm.step import StepBatch
 
 FIXED, PER_TOKEN, PER_PAIR, PER_READ = 0.010, 0.002, 1e-6, 2e-6
 
@@ -62,17 +63,16 @@ def run_with_cost(sched: Scheduler, steps: int, watched: Sequence) -> list[tuple
     `watched` next to decodes: (chunk tokens, cost of the step, cost of its decodes alone)."""
     chunks = []
     for _ in range(steps):
-        out = sched.schedule()
+        out = schedule(sched)
         if out.empty:
             break
-        cost = true_cost(out.shape)
+        cost = true_cost(step_shape(out.batch))
         chunk = next((s.num_new_tokens for s in out.scheduled if s.seq is watched), 0)
         if chunk and len(out.scheduled) > 1:
-            decodes = SchedulerOutput([s for s in out.scheduled if s.seq is not watched])
-            assert all(s.num_new_tokens == 1 for s in decodes.scheduled), "the decodes always get their token"
-            chunks.append((chunk, cost, true_cost(decodes.shape)))
-        sched.observe_step(out, cost)
-        execute(sched, out)
+            decodes = [s for s in out.batch.seqs if s.seq_id != watched.seq_id]
+            assert all(s.num_new_tokens == 1 for s in decodes), "the decodes always get their token"
+            chunks.append((chunk, cost, true_cost(step_shape(StepBatch(decodes)))))
+        execute(sched, out, seconds=cost)
     return chunks
 
 
@@ -100,7 +100,7 @@ def test_without_decodes_a_prompt_takes_the_whole_budget():
         sched.step_cost.observe(shape, true_cost(shape))
     seq = make_seq([1] * 1000, max_tokens=1)
     sched.add(seq)
-    assert [s.num_new_tokens for s in sched.schedule().scheduled] == [256]
+    assert [s.num_new_tokens for s in sched.schedule().seqs] == [256]
 
 
 def test_slowdown_must_exceed_one():

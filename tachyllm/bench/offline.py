@@ -152,7 +152,7 @@ def synchronize(device: torch.device) -> None:
 def time_one_batch(llm: LLM, prompts: list[list[int]], output_len: int, tag: str) -> tuple[float, list[float]]:
     """Runs the batch to the end; returns the prefill time and each decode step's time."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     for i, ids in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", ids, params)
     # A long batch may prefill in several chunks: prefill lasts until every request has its first token.

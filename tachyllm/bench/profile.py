@@ -31,13 +31,13 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from tachyllm import tracing
 
 logger = logging.getLogger("tachyllm")
 
@@ -118,68 +118,12 @@ class StepProfile:
 
 # -- instrumentation ----------------------------------------------------------------------------
 
-
-def _ranged(fn: Callable, label: str) -> Callable:
-    def wrapper(*args, **kwargs):
-        with record_function(label):
-            return fn(*args, **kwargs)
-
-    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapper
+LABELS = {"schedule": SCHEDULE, "prepare_inputs": PREPARE, "forward": FORWARD, "attention": ATTENTION, "sample": SAMPLE}
 
 
-class _RangedCall:
-    """Stands in for a callable object (the sampler): its calls run in a range, its attributes are its own."""
-
-    def __init__(self, target: Any, label: str) -> None:
-        self._target = target
-        self._label = label
-
-    def __call__(self, *args, **kwargs):
-        with record_function(self._label):
-            return self._target(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
-
-
-@contextmanager
-def instrumented(engine) -> Iterator[None]:
-    """Wraps the engine's phases in record_function ranges until the block ends, however it ends."""
-    from tachyllm.models import llama
-
-    undo: list[Callable[[], None]] = []
-
-    def patch_method(obj: Any, name: str, label: str) -> None:
-        """Shadows a bound method with an instance attribute; undone by removing the attribute
-        (or putting back the instance's own one, if it had one)."""
-        if obj is None or not callable(getattr(obj, name, None)):
-            return
-        own = vars(obj).get(name, _MISSING)
-        setattr(obj, name, _ranged(getattr(obj, name), label))
-        undo.append(lambda: delattr(obj, name) if own is _MISSING else setattr(obj, name, own))
-
-    def patch_attr(obj: Any, name: str, value: Any) -> None:
-        original = getattr(obj, name)
-        setattr(obj, name, value)
-        undo.append(lambda: setattr(obj, name, original))
-
-    runner = getattr(engine, "runner", None)
-    try:
-        patch_method(engine.scheduler, "schedule", SCHEDULE)
-        patch_method(runner, "_prepare", PREPARE)
-        patch_method(getattr(runner, "model", None), "forward", FORWARD)
-        if getattr(runner, "sampler", None) is not None:
-            patch_attr(runner, "sampler", _RangedCall(runner.sampler, SAMPLE))
-        if callable(getattr(llama, "paged_attention", None)):
-            patch_attr(llama, "paged_attention", _ranged(llama.paged_attention, ATTENTION))
-        yield
-    finally:
-        for restore in reversed(undo):
-            restore()
-
-
-_MISSING = object()
+def instrumented() -> AbstractContextManager:
+    """Records the engine's stage spans as profiler ranges until the block ends, however it ends."""
+    return tracing.traced(lambda stage: record_function(LABELS[stage]))
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -228,7 +172,7 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup
             _synchronize(device)
             warm.append(time.perf_counter() - t0)
         activities = [ProfilerActivity.CPU]
-        with instrumented(engine), profile(activities=activities) as prof:
+        with instrumented(), profile(activities=activities) as prof:
             for _ in range(num_steps):
                 with record_function(STEP):
                     engine.step()

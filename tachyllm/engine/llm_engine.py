@@ -1,28 +1,30 @@
-"""LLMEngine: owns the model, the KV cache and the scheduler; one step() = schedule, run, sample, emit."""
+"""LLMEngine: owns the model, the KV cache, the scheduler and the output processor; one step() =
+schedule, run, apply the result, emit outputs."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from tachyllm import faults
+from tachyllm import faults, tracing
 from tachyllm.config import EngineConfig, default_threads
-from tachyllm.detokenizer import IncrementalDetokenizer
-from tachyllm.engine.block_manager import BlockManager
-from tachyllm.engine.scheduler import Scheduler
-from tachyllm.engine.sequence import Request, Sequence
+from tachyllm.core.block_manager import BlockManager
+from tachyllm.core.scheduler import Scheduler, SeqUpdate
+from tachyllm.core.sequence import Request, Sequence
+from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import EngineCorruptedError, RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import load_checkpoint
-from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from tachyllm.quantization.kv_calibration import quantized_kv_caches
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
-from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
 
@@ -30,6 +32,17 @@ logger = logging.getLogger("tachyllm")
 
 # After this many failed steps in a row, a failing step fails every request, not only its own.
 MAX_FAILED_STEPS = 3
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state at one moment; immutable (its counters are copies), so any thread may read it."""
+
+    num_running: int = 0  # requests with a sequence in the running batch
+    num_waiting: int = 0  # requests admitted to the engine but not running (preempted ones included)
+    num_unstarted: int = 0  # requests admitted to the engine and never scheduled yet
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    stats: StepStats = field(default_factory=StepStats)
 
 
 class LLMEngine:
@@ -75,19 +88,20 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key()
         )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats,
-            config.max_decode_slowdown,
-        )
         eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = eos
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats,
+            config.max_decode_slowdown, eos, self.max_model_len,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
         self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.device)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
                 config.speculative_config, self.model, ckpt, sampler, num_blocks, config.block_size,
-                self.max_model_len, self.dtype, self.device,
+                self.max_model_len, self.dtype, self.device, self.scheduler.step_cost,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}
         # The fault barrier's view of the current step: what it works on, who failed already, and
@@ -145,15 +159,9 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed + i)
-            seq = Sequence(
-                request=req,
-                index=i,
-                token_ids=list(token_ids),
-                num_prompt_tokens=len(token_ids),
-                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
-                generator=generator,
-            )
+            seq = Sequence(request=req, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids), generator=generator)
             req.seqs.append(seq)
+        self.output_processor.add_request(req)
         # Only now, with nothing left to fail, does the request enter the scheduler: all or nothing.
         for seq in req.seqs:
             self.scheduler.add(seq)
@@ -189,13 +197,40 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
         req.metrics.finished_time = time.time()
         try:
-            return self._make_output(req)
+            return self.output_processor.make_output(request_id)
         except Exception as e:  # the request is gone either way; say why its output is missing
             logger.exception("request %s: its output could not be made while aborting it", request_id)
             return self._error_output(req, e)
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Aborts every request; all KV blocks are free when this returns."""
+        return [out for request_id in list(self.requests) if (out := self.abort_request(request_id)) is not None]
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    # -- what others may read -----------------------------------------------------------------
+    def snapshot(self) -> EngineSnapshot:
+        """Running / waiting / never-started requests, KV-cache usage and a copy of the counters."""
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = {s.request.request_id for s in self.scheduler.waiting} - running
+        stats = self.stats
+        return EngineSnapshot(
+            num_running=len(running),
+            num_waiting=len(waiting),
+            num_unstarted=sum(r.metrics.first_scheduled_time is None for r in self.requests.values()),
+            kv_cache_usage=self.block_manager.usage,
+            stats=replace(
+                stats,
+                finished_reasons=dict(stats.finished_reasons),
+                spec_accepted_per_pos=list(stats.spec_accepted_per_pos),
+                spec_draft_tokens_per_pos=list(stats.spec_draft_tokens_per_pos),
+            ),
+        )
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -228,77 +263,63 @@ class LLMEngine:
         faults.check("schedule", self.scheduler.running)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
-        sched = self.scheduler.schedule()
-        if sched.empty:
+        with tracing.span("schedule"):
+            batch = self.scheduler.schedule()
+        if not batch.seqs:
             return []
-        self._step_seqs = [s.seq for s in sched.scheduled]
+        self._step_seqs = self.scheduler.in_flight()
         now = time.time()
-        for s in sched.scheduled:
-            if s.seq.request.metrics.first_scheduled_time is None:
-                s.seq.request.metrics.first_scheduled_time = now
+        for seq in self._step_seqs:
+            if seq.request.metrics.first_scheduled_time is None:
+                seq.request.metrics.first_scheduled_time = now
         t0 = time.perf_counter()
-        results = self.runner.execute(sched)
-        step_seconds = time.perf_counter() - t0
-        self.scheduler.observe_step(sched, step_seconds)
-        for s in sched.scheduled:
-            if not s.spec_token_ids:
-                s.seq.num_computed_tokens += s.num_new_tokens
-                self.block_manager.cache_full_blocks(s.seq)
+        result = self.runner.execute(batch)
+        seconds = time.perf_counter() - t0
+        updates = self.scheduler.update_from_output(batch, result, seconds)
         self.stats.num_steps += 1
-
-        now = time.time()
-        touched: dict[str, Request] = {}
-        spec_outcomes = []
-        failed = self._step_failed  # kept on self: should the step fail later, these are still answered
-        for r in results:
-            seq = r.seq
-            if r.num_draft_tokens:
-                # KV is valid for the last token and the accepted drafts; the rest is rolled back.
-                seq.num_computed_tokens += 1 + r.num_accepted
-                spec_outcomes.append((r.num_draft_tokens, r.num_accepted))
-                self.stats.record_spec(r.num_draft_tokens, r.num_accepted)
-                m = seq.request.metrics
-                m.spec_num_drafts += 1
-                m.spec_num_draft_tokens += r.num_draft_tokens
-                m.spec_num_accepted_tokens += r.num_accepted
-            if seq.request.request_id in failed:
-                continue
-            try:
-                for token, logprob in zip(r.token_ids, r.logprobs):
-                    self._append_token(seq, token, logprob, now)
-                    if seq.is_finished:
-                        break
-            except Exception as e:  # this request's own tokens: only it fails
-                logger.exception("request %s failed while its tokens were applied", seq.request.request_id)
-                failed[seq.request.request_id] = self._fail_request(seq.request, e)
-                continue
-            if r.num_draft_tokens and not seq.is_finished:
-                self.block_manager.trim(seq, seq.num_tokens)
-                self.block_manager.cache_full_blocks(seq)
-            touched[seq.request.request_id] = seq.request
         if self.speculator is not None:
-            self.speculator.observe(sched, step_seconds, spec_outcomes)
-            Speculator.clear([s.seq for s in sched.scheduled] + sched.preempted)
-        outputs = list(failed.values())
-        for req in touched.values():
-            if req.request_id not in failed:
-                outputs.append(self._emit(req, now))
+            self.speculator.observe(batch, result, seconds)
+        outputs = self._process(updates)
         try:
-            self.stats_logger.maybe_log(self.stats, self.scheduler, self.block_manager, sched.scheduled)
+            self.stats_logger.maybe_log(self.stats, self.scheduler, self.block_manager, batch, self._step_seqs)
         except Exception:  # a log line is not worth a request
             logger.exception("stats logging failed")
         return outputs
 
-    def _emit(self, req: Request, now: float) -> RequestOutput:
-        """The request's output for this step; a request whose output cannot be made fails alone."""
+    def _process(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
+        """Detokenizes what the step added and emits each touched request's output; a request whose
+        tokens cannot be processed fails alone."""
+        failed = self._step_failed  # kept on self: should the step fail later, these are still answered
+        touched: dict[str, Request] = {}
+        for update in updates:
+            req = update.seq.request
+            if req.request_id in failed:
+                continue
+            try:
+                self.output_processor.apply(update, self.scheduler)
+            except Exception as e:  # this request's own tokens: only it fails
+                logger.exception("request %s failed while its tokens were applied", req.request_id)
+                failed[req.request_id] = self._fail_request(req, e)
+                continue
+            touched[req.request_id] = req
+        outputs = list(failed.values())
+        now = time.time()
+        for req in touched.values():
+            if req.request_id not in failed and (out := self._emit(req, now)) is not None:
+                outputs.append(out)
+        return outputs
+
+    def _emit(self, req: Request, now: float) -> RequestOutput | None:
+        """The request's output for this step (None: it asked for its final output only); a request
+        whose output cannot be made fails alone."""
+        if req.finished:
+            req.metrics.finished_time = now
         try:
-            faults.check("output", req.seqs)
-            out = self._make_output(req)
+            out = self.output_processor.make_output(req.request_id)
         except Exception as e:
             logger.exception("request %s failed while its output was made", req.request_id)
             return self._fail_request(req, e)
         if req.finished:
-            req.metrics.finished_time = now
             self.requests.pop(req.request_id, None)
         return out
 
@@ -311,14 +332,17 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         return self._error_output(req, error)
 
-    @staticmethod
-    def _error_output(req: Request, error: Exception) -> RequestOutput:
-        # Even a sequence that had just finished ("stop", "length") reports the failure.
-        completions = [CompletionOutput(seq.index, seq.text, seq.output_token_ids, "error") for seq in req.seqs]
+    def _error_output(self, req: Request, error: Exception) -> RequestOutput:
+        """The failed request's last output: what it had produced, every sample with finish_reason
+        "error" (even one that had just finished with "stop" or "length")."""
         message = f"the engine failed while running this request ({type(error).__name__}: {error})"
-        return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, completions, True, req.metrics, error=message
-        )
+        try:
+            return self.output_processor.make_output(req.request_id, error=message)
+        except Exception:  # its output state is broken too: report the failure without its text
+            logger.exception("request %s: its text could not be recovered", req.request_id)
+            self.output_processor.remove_request(req.request_id)
+            completions = [CompletionOutput(seq.index, "", seq.output_token_ids, "error") for seq in req.seqs]
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, req.metrics, error=message)
 
     def _check_consistent(self) -> None:
         """After a failed step: every KV block is either free or held by a live sequence."""
@@ -327,79 +351,3 @@ class LLMEngine:
             self.block_manager.check_invariants(live)
         except AssertionError as e:
             raise EngineCorruptedError(f"KV-block bookkeeping is inconsistent after a failed step: {e}") from None
-
-    def _append_token(self, seq: Sequence, token: int, logprob, now: float) -> None:
-        params, metrics = seq.params, seq.request.metrics
-        seq.token_ids.append(token)
-        self.stats.num_generation_tokens += 1
-        if seq.index == 0:
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.last_token_time = now
-            metrics.num_generated_tokens += 1
-        if logprob is not None:
-            chosen_lp, rank, top_ids, top_lps = logprob
-            entry = {tid: Logprob(lp, r + 1, self._token_text(tid)) for r, (tid, lp) in enumerate(zip(top_ids, top_lps))}
-            entry[token] = Logprob(chosen_lp, rank, self._token_text(token))
-            seq.logprobs.append(entry)
-            seq.cumulative_logprob += chosen_lp
-
-        faults.check("detokenize", (seq,))
-        delta = seq.detokenizer.add_tokens([token])
-        seq.text += delta
-        n_out = seq.num_output_tokens
-        can_stop = n_out >= params.min_tokens
-        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif can_stop and token in params.stop_token_ids:
-            self.scheduler.finish(seq, "stop", token)
-        elif can_stop and params.stop_strings and self._truncate_at_stop_string(seq, len(delta)):
-            pass
-        elif n_out >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
-
-    def _truncate_at_stop_string(self, seq: Sequence, new_chars: int) -> bool:
-        """Ends seq at the earliest stop string in its text (the stop string is not emitted)."""
-        stops = seq.params.stop_strings
-        # Only the newest characters can complete a match that was not there before.
-        window_start = max(0, len(seq.text) - new_chars - max(map(len, stops)) + 1)
-        best = None
-        for stop in stops:
-            idx = seq.text.find(stop, window_start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, stop)
-        if best is None:
-            return False
-        seq.text = seq.text[: best[0]]
-        self.scheduler.finish(seq, "stop", best[1])
-        return True
-
-    def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        completions = []
-        for seq in req.seqs:
-            text = seq.text
-            if not seq.is_finished and seq.params.stop_strings:
-                # Hold back a possible stop-string prefix until it is confirmed or ruled out.
-                text = text[: max(0, len(text) - max(map(len, seq.params.stop_strings)) + 1)]
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=seq.output_token_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                    cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-                )
-            )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=req.finished,
-            metrics=req.metrics,
-            num_cached_tokens=req.num_cached_tokens,
-        )

@@ -23,10 +23,11 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
-from tachyllm.engine.block_manager import BlockManager
-from tachyllm.engine.scheduler import ScheduledSeq, Scheduler
-from tachyllm.engine.sequence import Request
+from tachyllm.core.block_manager import BlockManager
+from tachyllm.core.scheduler import Scheduler
+from tachyllm.core.sequence import Request, Sequence
 from tachyllm.outputs import StepStats
+from tachyllm.step import StepBatch
 
 logger = logging.getLogger("tachyllm")
 
@@ -77,14 +78,14 @@ class StatsLogger:
         stats: StepStats,
         scheduler: Scheduler,
         block_manager: BlockManager,
-        scheduled: list[ScheduledSeq],
+        batch: StepBatch,
+        seqs: list[Sequence],
         now: float | None = None,
     ) -> bool:
-        """Accounts for the step that just ran (its sequences' num_computed_tokens already include it);
-        returns whether a status line was logged."""
-        self._count_prefill(scheduled)
+        """Accounts for the step that just ran (`batch`, over `seqs`); returns whether a status line was logged."""
+        self._count_prefill(batch)
         if self.prefix_caching and not self.warned_short_prefix:
-            self._observe_new_requests(scheduled)
+            self._observe_new_requests(seqs)
         now = time.monotonic() if now is None else now
         elapsed = now - self._last.time
         if elapsed < self.interval_s:
@@ -115,17 +116,16 @@ class StatsLogger:
         )  # fmt: skip
         return True
 
-    def _count_prefill(self, scheduled: list[ScheduledSeq]) -> None:
+    def _count_prefill(self, batch: StepBatch) -> None:
         """Prefill work = tokens of multi-token chunks, plus single tokens at prompt positions (a
         prompt whose rest after a cache hit is one token). Everything else is a decode."""
-        for s in scheduled:
-            last_position = s.seq.num_computed_tokens - 1
-            if s.num_real_tokens > 1 or last_position < s.seq.num_prompt_tokens:
+        for s in batch.seqs:
+            if s.num_real_tokens > 1 or not s.completes or s.seq_len == s.sampling.num_prompt_tokens:
                 self.num_prefill_tokens += s.num_new_tokens
 
-    def _observe_new_requests(self, scheduled: list[ScheduledSeq]) -> None:
-        for s in scheduled:
-            req = s.seq.request
+    def _observe_new_requests(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            req = seq.request
             if req in self._seen:
                 continue
             self._seen.add(req)

@@ -6,13 +6,14 @@ import argparse
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
 from tachyllm.config import QUANT_ACTIVATION_BITS, EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import TachyError
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def at_least(kind: type, minimum: float, inclusive: bool = True):
@@ -138,15 +139,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def stream(engine: LLMEngine, request_id: str, prompt: str | list[int], params: SamplingParams) -> Iterator[str]:
     """Yields text deltas of one request as the engine produces them."""
-    engine.add_request(request_id, prompt, params)
-    sent = 0
+    engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.DELTA))
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == request_id:
-                text = out.outputs[0].text
-                if len(text) > sent:
-                    yield text[sent:]
-                    sent = len(text)
+            if out.request_id == request_id and out.outputs[0].text:
+                yield out.outputs[0].text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

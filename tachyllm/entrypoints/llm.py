@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from tqdm import tqdm
 
@@ -15,7 +15,7 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import RequestError
 from tachyllm.outputs import RequestMetrics, RequestOutput
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tachyllm")
 
@@ -63,7 +63,8 @@ class LLM:
             order.append(request_id)
             prompt_arg = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
             try:
-                self.engine.add_request(request_id, prompt_arg, params)
+                # Only the final output is kept: no copy of the completion so far at every step.
+                self.engine.add_request(request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
             except RequestError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
                 token_ids = list(prompt_arg) if isinstance(prompt_arg, list) else []

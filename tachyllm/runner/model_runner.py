@@ -1,4 +1,4 @@
-"""Turns a SchedulerOutput into one forward pass over a flattened token batch, then samples.
+"""Turns a StepBatch into one forward pass over a flattened token batch, then samples.
 
 The batch is ordered decodes first (a sequence's last token, plus any draft tokens to verify),
 then prefill chunks, with no padding between sequences.
@@ -11,15 +11,12 @@ from itertools import accumulate
 
 import torch
 
-from tachyllm import faults
-from tachyllm.engine.scheduler import ScheduledSeq, SchedulerOutput
-from tachyllm.engine.sequence import Sequence, SequenceStatus
+from tachyllm import faults, tracing
 from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, runs_native
 from tachyllm.models.llama import LlamaForCausalLM
-from tachyllm.runner.sampler import Sampler
-from tachyllm.spec_decode.rejection import verify
-
-LogprobInfo = tuple[float, int, list[int], list[float]]
+from tachyllm.sampling.sampler import Sampler
+from tachyllm.sampling.verify import verify
+from tachyllm.step import ScheduledSeq, SeqResult, StepBatch, StepResult
 
 # Prompts at least this long keep a contiguous K/V copy while they are prefilled in chunks.
 CHUNK_BUFFER_MIN_TOKENS = 256
@@ -27,21 +24,8 @@ CHUNK_BUFFER_MIN_TOKENS = 256
 
 @dataclass(eq=False)
 class _ChunkBuffer:
-    seq: Sequence
     kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
     filled: int = 0  # leading positions holding valid K/V
-
-
-@dataclass
-class SeqStepResult:
-    """The tokens one sequence gained this step: one sampled token, or for a speculating sequence
-    its accepted draft tokens followed by the target's own next token."""
-
-    seq: Sequence
-    token_ids: list[int]
-    logprobs: list[LogprobInfo | None]
-    num_draft_tokens: int = 0
-    num_accepted: int = 0
 
 
 class ModelRunner:
@@ -71,76 +55,76 @@ class ModelRunner:
         self.chunk_buffers: dict[int, _ChunkBuffer] = {}
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> list[SeqStepResult]:
+    def execute(self, batch: StepBatch) -> StepResult:
         """Runs the step; returns what each sequence that reached its next token gained."""
-        ordered = _decode_first(sched.scheduled)
-        hidden = self._forward(ordered)
-        plain_rows, plain_seqs, spec_rows, spec = [], [], [], []
+        seqs = batch.seqs
+        hidden = self._forward(batch)
+        plain_rows, plain, spec_rows, spec = [], [], [], []
         end = 0
-        for s in ordered:
+        for s in seqs:
             end += s.num_new_tokens
-            if s.spec_token_ids:
+            if s.num_draft_tokens:
                 spec_rows += range(end - s.num_new_tokens, end)  # every position is checked
                 spec.append(s)
             elif s.completes:
                 plain_rows.append(end - 1)
-                plain_seqs.append(s.seq)
+                plain.append(s)
         if not plain_rows and not spec_rows:
-            return []
+            return StepResult([])
         logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
-        faults.check("sample", (s.seq for s in ordered))
+        faults.check("sample", seqs)
+        with tracing.span("sample"):
+            return StepResult(self._sample(logits, plain, len(plain_rows), spec))
+
+    def _sample(self, logits: torch.Tensor, plain: list[ScheduledSeq], num_plain: int, spec: list[ScheduledSeq]) -> list[SeqResult]:
         results = []
-        if plain_seqs:
-            sampled = self.sampler(logits[: len(plain_rows)], plain_seqs)
+        if plain:
+            sampled = self.sampler(logits[:num_plain], [s.sampling for s in plain])
             results += [
-                SeqStepResult(seq, [token], [logprob])
-                for seq, token, logprob in zip(plain_seqs, sampled.token_ids, sampled.logprobs)
+                SeqResult(s.seq_id, [token], [logprob]) for s, token, logprob in zip(plain, sampled.token_ids, sampled.logprobs)
             ]
         if spec:
-            for s, (tokens, logprobs) in zip(spec, verify(self.sampler, logits[len(plain_rows) :], spec)):
-                results.append(SeqStepResult(s.seq, tokens, logprobs, len(s.spec_token_ids), len(tokens) - 1))
+            for s, (tokens, logprobs) in zip(spec, verify(self.sampler, logits[num_plain:], spec)):
+                results.append(SeqResult(s.seq_id, tokens, logprobs, s.num_draft_tokens, len(tokens) - 1))
         return results
 
     @torch.inference_mode()
-    def last_token_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Logits of each sequence's last scheduled position, in the given order (a draft model's step)."""
-        ordered = _decode_first(scheduled)
-        hidden = self._forward(ordered)
-        ends = torch.tensor([s.num_new_tokens for s in ordered]).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[ends.to(self.device)])
-        order = {id(s): i for i, s in enumerate(ordered)}
-        return logits[torch.tensor([order[id(s)] for s in scheduled], device=self.device)]
+    def last_token_logits(self, batch: StepBatch) -> torch.Tensor:
+        """Logits of each sequence's last scheduled position, in batch order (a draft model's step)."""
+        hidden = self._forward(batch)
+        ends = torch.tensor([s.num_new_tokens for s in batch.seqs]).cumsum(0) - 1
+        return self.model.compute_logits(hidden[ends.to(self.device)])
 
-    def _forward(self, ordered: list[ScheduledSeq]) -> torch.Tensor:
-        faults.check("prepare", (s.seq for s in ordered))
-        input_ids, positions, meta = self._prepare(ordered)
-        faults.check("forward", (s.seq for s in ordered))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        for s in ordered:
-            buffer = self.chunk_buffers.get(s.seq.seq_id)
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        faults.check("prepare", batch.seqs)
+        for seq_id in batch.finished_seq_ids:
+            self.chunk_buffers.pop(seq_id, None)
+        with tracing.span("prepare_inputs"):
+            input_ids, positions, meta = self._prepare(batch.seqs)
+        faults.check("forward", batch.seqs)
+        with tracing.span("forward"):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        for s in batch.seqs:
+            buffer = self.chunk_buffers.get(s.seq_id)
             if buffer is not None:
-                buffer.filled = s.seq.num_computed_tokens + s.num_new_tokens
+                buffer.filled = s.start + s.num_new_tokens
                 if s.completes:  # the prompt is done: decodes read the paged cache
-                    del self.chunk_buffers[s.seq.seq_id]
+                    del self.chunk_buffers[s.seq_id]
         return hidden
 
     def _chunk_buffer(self, s: ScheduledSeq) -> _ChunkBuffer | None:
         """The contiguous K/V copy for a long prompt prefilled in several chunks (created at its
         first chunk, or after a preemption reset it)."""
-        seq, start = s.seq, s.seq.num_computed_tokens
-        if not self.use_chunk_buffers or seq.num_tokens < CHUNK_BUFFER_MIN_TOKENS or (start == 0 and s.completes):
+        start, length = s.start, s.seq_len
+        if not self.use_chunk_buffers or length < CHUNK_BUFFER_MIN_TOKENS or (start == 0 and s.completes):
             return None
-        buffer = self.chunk_buffers.get(seq.seq_id)
-        if buffer is None or buffer.filled > start or buffer.kv.shape[3] < seq.num_tokens:
+        buffer = self.chunk_buffers.get(s.seq_id)
+        if buffer is None or buffer.filled > start or buffer.kv.shape[3] < length:
             k_cache = self.kv_caches[0][0]
             layers, kv_heads, head_dim = len(self.kv_caches), k_cache.shape[2], k_cache.shape[3]
-            kv = torch.empty(layers, 2, kv_heads, seq.num_tokens, head_dim, dtype=k_cache.dtype, device=self.device)
-            buffer = self.chunk_buffers[seq.seq_id] = _ChunkBuffer(seq, kv)
+            kv = torch.empty(layers, 2, kv_heads, length, head_dim, dtype=k_cache.dtype, device=self.device)
+            buffer = self.chunk_buffers[s.seq_id] = _ChunkBuffer(kv)
         return buffer
-
-    def _drop_stale_chunk_buffers(self) -> None:
-        for seq_id in [i for i, b in self.chunk_buffers.items() if b.seq.status != SequenceStatus.RUNNING]:
-            del self.chunk_buffers[seq_id]
 
     def _slots(self, block_tables: list[list[int]], num_slots: int) -> torch.Tensor:
         """Flat cache slots of positions [0, num_slots) for each block table, as [len(tables), num_slots]."""
@@ -151,8 +135,6 @@ class ModelRunner:
         return slots.view(len(block_tables), -1)[:, :num_slots]
 
     def _prepare(self, ordered: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if self.chunk_buffers:
-            self._drop_stale_chunk_buffers()
         bs = self.block_size
         native = self.native_attention
         input_ids: list[int] = []
@@ -163,9 +145,9 @@ class ModelRunner:
         tables, starts, counts = [], [], []
         prefills: list[PrefillSpan] = []
         for s in ordered:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            table = seq.block_table
-            input_ids += seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
+            start, n = s.start, s.num_new_tokens
+            table = s.block_table
+            input_ids += s.token_ids
             positions += range(start, start + n)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if native or s.num_real_tokens == 1:
@@ -222,6 +204,3 @@ class ModelRunner:
             meta.decode_query_rows = padded.flatten().to(self.device)
             meta.decode_output_rows = torch.arange(len(tables) * queries)[real].to(self.device)
 
-
-def _decode_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
-    return sorted(scheduled, key=lambda s: s.num_real_tokens > 1)

@@ -20,11 +20,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
-from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
-from tachyllm.outputs import RequestOutput, StepStats
+from tachyllm.outputs import RequestOutput
 from tachyllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tachyllm.server")
@@ -44,17 +44,6 @@ class QueueFullError(TachyError):
         super().__init__(f"{num_queued} requests are waiting to start (limit {limit})")
         self.num_queued = num_queued
         self.limit = limit
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's state after the loop's latest iteration; immutable, so any thread may read it."""
-
-    num_running: int = 0  # requests with a sequence in the running batch
-    num_waiting: int = 0  # requests admitted to the engine but not running (preempted ones included)
-    num_unstarted: int = 0  # requests admitted to the engine and never scheduled yet
-    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
-    stats: StepStats = field(default_factory=StepStats)
 
 
 class RequestStream:
@@ -176,8 +165,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        bm = engine.block_manager
-        self.kv_cache_tokens = bm.num_blocks * bm.block_size
+        self.kv_cache_tokens = engine.kv_cache_tokens
 
     # -- any thread ---------------------------------------------------------------------------
     def add_output_listener(self, listener: OutputListener) -> None:
@@ -335,7 +323,7 @@ class AsyncEngine:
                 # Snapshot and metrics are updated before answers go out, so whoever reacts to an
                 # answer (sends the next request, scrapes /metrics) sees the state that produced it.
                 if stopping:
-                    outputs += self._abort_all()
+                    outputs += self._engine.abort_all()
                 elif ops:
                     self._publish(num_adds)
                     num_adds = 0
@@ -370,15 +358,13 @@ class AsyncEngine:
                 self._streams[rid] = op.stream
                 outbox.post(op.stream.loop, _resolve, op.accepted, None)
             elif op.request_id is None:
-                aborted += self._abort_all()
+                aborted += self._engine.abort_all()
             else:
                 out = self._engine.abort_request(op.request_id)
                 if out is not None:
                     aborted.append(out)
         return aborted
 
-    def _abort_all(self) -> list[RequestOutput]:
-        return [out for rid in list(self._engine.requests) if (out := self._engine.abort_request(rid)) is not None]
 
     def _deliver(self, outputs: list[RequestOutput], outbox: _Outbox) -> None:
         for out in outputs:
@@ -387,23 +373,7 @@ class AsyncEngine:
                 outbox.post(stream.loop, stream.put, out)
 
     def _publish(self, num_applied_adds: int) -> None:
-        scheduler = self._engine.scheduler
-        running = {s.request.request_id for s in scheduler.running}
-        waiting = {s.request.request_id for s in scheduler.waiting} - running
-        unstarted = sum(r.metrics.first_scheduled_time is None for r in self._engine.requests.values())
-        stats = self._engine.stats
-        snapshot = EngineSnapshot(
-            num_running=len(running),
-            num_waiting=len(waiting),
-            num_unstarted=unstarted,
-            kv_cache_usage=self._engine.block_manager.usage,
-            stats=replace(
-                stats,
-                finished_reasons=dict(stats.finished_reasons),
-                spec_accepted_per_pos=list(stats.spec_accepted_per_pos),
-                spec_draft_tokens_per_pos=list(stats.spec_draft_tokens_per_pos),
-            ),
-        )
+        snapshot = self._engine.snapshot()
         with self._cond:
             self._snapshot = snapshot
             self._pending_adds -= num_applied_adds

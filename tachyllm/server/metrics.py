@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tachyllm.outputs import RequestOutput, StepStats
-from tachyllm.server.async_engine import EngineSnapshot
+from tachyllm.engine.llm_engine import EngineSnapshot
 
 logger = logging.getLogger("tachyllm.server")
 

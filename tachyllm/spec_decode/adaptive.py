@@ -25,54 +25,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tachyllm.core.step_cost import CostBySize, StepCostModel
+
 PROBE_INTERVAL = 64  # while off: a probe after this many steps, doubling after each probe that
 MAX_PROBE_INTERVAL = 2048  # did not turn speculation back on, up to this
 REFRESH_INTERVAL = 64  # while on: a plain step every this many steps
 MIN_GAIN = 1.10  # speculate only when expected to be at least this much faster (noise margin)
 ACCEPT_PRIOR, PRIOR_WEIGHT, DECAY = 0.5, 2.0, 0.97
-COST_EMA = 0.2
-
-
-def _bucket(n: int) -> int:
-    """Exact up to 16 tokens, then four buckets per doubling."""
-    return n if n <= 16 else 16 + round(4 * math.log2(n / 16))
-
-
-@dataclass
-class CostModel:
-    """Seconds of a step as a function of its size, from measurements."""
-
-    points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean size, seconds)
-
-    def record(self, size: int, seconds: float) -> None:
-        b = _bucket(size)
-        old = self.points.get(b)
-        self.points[b] = (size, seconds) if old is None else (
-            old[0] + COST_EMA * (size - old[0]), old[1] + COST_EMA * (seconds - old[1])
-        )  # fmt: skip
-
-    def measured_up_to(self, size: int) -> bool:
-        return any(p[0] <= size for p in self.points.values())
-
-    def estimate(self, size: int, high: bool) -> float | None:
-        """Seconds for a step of `size`: measured, or interpolated between the nearest measured sizes.
-        Outside the measured range the estimate leans the cautious way: high=True gives an upper
-        bound (cost grows at most linearly past the largest size, and a smaller step costs at most
-        what the smallest measured did), high=False a lower bound. None before any measurement."""
-        if not self.points:
-            return None
-        exact = self.points.get(_bucket(size))
-        if exact is not None:
-            return exact[1]
-        below = max((p for p in self.points.values() if p[0] <= size), default=None)
-        above = min((p for p in self.points.values() if p[0] >= size), default=None)
-        if below is None:
-            return above[1] if high else above[1] * size / above[0]
-        if above is None:
-            return below[1] * size / below[0] if high else below[1]
-        if above[0] == below[0]:
-            return below[1]
-        return below[1] + (above[1] - below[1]) * (size - below[0]) / (above[0] - below[0])
 
 
 @dataclass
@@ -83,8 +42,9 @@ class AdaptiveController:
     # A draft model runs k forwards of its own per round. n-gram lookups run before the decision
     # whatever it is, so they cost nothing that choosing k could save.
     has_draft_model: bool = True
-    target_cost: CostModel = field(default_factory=CostModel)  # a target step, by tokens
-    proposal_cost: CostModel = field(default_factory=CostModel)  # a draft forward, by tokens
+    # The engine's model of a target step's time (the scheduler feeds it every step), and a draft forward's.
+    step_costs: StepCostModel = field(default_factory=StepCostModel)
+    proposal_cost: CostBySize = field(default_factory=CostBySize)
     accepted: list[float] = field(default_factory=list)  # decayed counts per draft position
     attempted: list[float] = field(default_factory=list)
     steps_without_spec: int = 0
@@ -121,7 +81,7 @@ class AdaptiveController:
         self.steps += 1
         # The plain step is re-measured now and then, so that speculation is never judged against a
         # stale baseline; the proposer's cost must be measured once before it can be judged at all.
-        base = self.target_cost.estimate(base_tokens, high=False)
+        base = self.step_costs.by_size.estimate(base_tokens, high=False)
         if base is None or self.steps % REFRESH_INTERVAL == 0:
             return self._no_spec()
         if self.has_draft_model and not self.proposal_cost.measured_up_to(2 * num_spec):
@@ -144,7 +104,7 @@ class AdaptiveController:
         (`base` seconds) by MIN_GAIN."""
         best_k, best_rate = 0, 0.0
         for k in range(1, self.max_k + 1):
-            cost = self.target_cost.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
+            cost = self.step_costs.by_size.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
             rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -156,7 +116,7 @@ class AdaptiveController:
         of a batch-32 step) can be skipped; the step then counts as one without speculation."""
         if not self.adaptive or self.has_draft_model or self.steps_without_spec + 1 >= self.probe_interval:
             return False
-        base = self.target_cost.estimate(base_tokens, high=False)
+        base = self.step_costs.by_size.estimate(base_tokens, high=False)
         if base is None:
             return False
         # Fewer sequences with drafts can pay where all of them would not (a step that stays small
@@ -187,9 +147,6 @@ class AdaptiveController:
     def _no_spec(self) -> int:
         self.steps_without_spec += 1
         return 0
-
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        self.target_cost.record(num_tokens, seconds)
 
     def record_proposal(self, size: int, seconds: float) -> None:
         """One draft forward over `size` tokens."""

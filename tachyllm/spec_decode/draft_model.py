@@ -22,16 +22,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tachyllm.engine.block_manager import BlockManager, cdiv
-from tachyllm.engine.scheduler import ScheduledSeq
-from tachyllm.engine.sequence import Sequence
+from tachyllm.core.block_manager import BlockManager, cdiv
+from tachyllm.core.sequence import Sequence
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint, Tokenizer, load_checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
-from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler
+from tachyllm.spec_decode.proposer import Draft, Proposer
+from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
 
 logger = logging.getLogger("tachyllm")
 
@@ -82,7 +83,9 @@ class _Shadow:
     synced: int = 0  # target tokens known to equal the shadow's at the last sync
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
+    runs_forwards = True
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -103,7 +106,12 @@ class DraftModelProposer:
         self.sampler = sampler
         self.vocab_size = sampler.vocab_size
         self.shadows: dict[int, _Shadow] = {}
-        self.forward_costs: list[tuple[int, float]] = []  # (tokens, seconds) of each forward of the last round
+        self._released: list[int] = []  # shadows released since the last forward (the runner drops their state)
+        self._forward_costs: list[tuple[int, float]] = []
+
+    @property
+    def forward_costs(self) -> list[tuple[int, float]]:
+        return self._forward_costs
 
     def lag(self, seq: Sequence) -> int:
         """Tokens of seq the draft has no KV for: what its next round must catch up on first."""
@@ -114,47 +122,65 @@ class DraftModelProposer:
         """Frees the draft KV of sequences that stopped running (finished, aborted or preempted)."""
         live = {s.seq_id for s in running}
         for seq_id in [i for i in self.shadows if i not in live]:
-            self.block_manager.free_seq(self.shadows.pop(seq_id).seq)
+            shadow = self.shadows.pop(seq_id).seq
+            self.block_manager.free_seq(shadow)
+            self._released.append(shadow.seq_id)
 
     @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> None:
-        """Sets seq.spec_token_ids (ks[i] tokens) and, for sampling requests, seq.spec_draft_probs."""
-        self.forward_costs = []
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        """ks[i] draft tokens for seqs[i] (fewer when the draft's cache is full); for sampling
+        requests also the draft's distributions they were drawn from."""
+        self._forward_costs = []
         active = [(seq, self._sync(seq), k) for seq, k in zip(seqs, ks)]
         drafts: dict[int, list[int]] = {seq.seq_id: [] for seq in seqs}
         probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq in seqs}
         for step in range(max(ks, default=0)):
             active = [(seq, sh, k) for seq, sh, k in active if step < k]
             scheduled = []
-            for seq, shadow, _ in list(active):
-                n = shadow.seq.num_uncomputed_tokens
-                if not self.block_manager.allocate(shadow.seq, n):  # draft cache full: this one stops here
-                    active.remove((seq, shadow, _))
+            for entry in list(active):
+                shadow = entry[1].seq
+                n = shadow.num_uncomputed_tokens
+                if not self.block_manager.allocate(shadow, n):  # draft cache full: this one stops here
+                    active.remove(entry)
                     continue
-                scheduled.append(ScheduledSeq(shadow.seq, n))
+                scheduled.append(shadow)
             if not scheduled:
                 break
+            size = sum(shadow.num_uncomputed_tokens for shadow in scheduled)
             t0 = time.perf_counter()
-            logits = self.runner.last_token_logits(scheduled)
-            shadows = [s.seq for s in scheduled]
-            for s in scheduled:
-                s.seq.num_computed_tokens += s.num_new_tokens
-            tokens, dists = self._sample(logits, shadows)
+            logits = self._last_token_logits(scheduled)
+            for shadow in scheduled:
+                shadow.num_computed_tokens = shadow.num_tokens
+            tokens, dists = self._sample(logits, scheduled)
             for i, (seq, shadow, _) in enumerate(active):
                 shadow.seq.token_ids.append(tokens[i])
                 drafts[seq.seq_id].append(tokens[i])
                 if dists is not None and not seq.params.greedy:
                     probs[seq.seq_id].append(dists[i])
-            self.forward_costs.append((sum(s.num_new_tokens for s in scheduled), time.perf_counter() - t0))
-        for seq in seqs:
-            seq.spec_token_ids = drafts[seq.seq_id]
-            seq.spec_draft_probs = torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None
+            self._forward_costs.append((size, time.perf_counter() - t0))
+        return [Draft(drafts[seq.seq_id], torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None) for seq in seqs]
+
+    def _last_token_logits(self, shadows: list[Sequence]) -> torch.Tensor:
+        """The draft's logits after each shadow's last token, computing all its uncomputed tokens."""
+        entries = [
+            ScheduledSeq(s.seq_id, s.request.request_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens :], 0,
+                         s.block_table, s.num_tokens, completes=True)
+            for s in shadows
+        ]  # fmt: skip
+        # The runner takes decodes first; the logits come back in the shadows' order.
+        order = sorted(range(len(entries)), key=lambda i: entries[i].num_new_tokens > 1)
+        batch = StepBatch([entries[i] for i in order], self._released)
+        self._released = []
+        logits = self.runner.last_token_logits(batch)
+        back = torch.empty(len(order), dtype=torch.long)
+        back[torch.tensor(order)] = torch.arange(len(order))
+        return logits[back.to(logits.device)]
 
     def _sync(self, seq: Sequence) -> _Shadow:
         """The shadow of seq, truncated to the prefix it shares with the target and extended to match."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = _Shadow(Sequence(seq.request, seq.index, [], seq.num_prompt_tokens, seq.detokenizer, seq.generator))
+            shadow = _Shadow(Sequence(seq.request, seq.index, [], seq.num_prompt_tokens, seq.generator))
             self.shadows[seq.seq_id] = shadow
         own, target = shadow.seq.token_ids, seq.token_ids
         common = shadow.synced
@@ -174,6 +200,7 @@ class DraftModelProposer:
     def _sample(self, logits: torch.Tensor, shadows: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         """Greedy requests take the draft's argmax; sampling requests draw from the draft's own
         distribution under their parameters and keep it (q) for the rejection test."""
+        shadows = [SamplingInput(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in shadows]
         processed = self.sampler.process(logits, shadows)
         tokens = processed.argmax(dim=-1)
         if all(s.params.greedy for s in shadows):

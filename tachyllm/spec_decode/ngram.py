@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from tachyllm.engine.sequence import Sequence
+from tachyllm.core.sequence import Sequence
+from tachyllm.spec_decode.proposer import Draft, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min = lookup_min
         self.lookup_max = lookup_max
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        return [Draft(self.lookup(seq, k)) for seq, k in zip(seqs, ks)]
+
+    def lookup(self, seq: Sequence, k: int) -> list[int]:
         """Up to k tokens that followed the most recent earlier occurrence of the longest matching
         suffix (lookup_max tokens down to lookup_min); [] when there is none."""
         tokens = np.asarray(seq.token_ids, dtype=np.int64)

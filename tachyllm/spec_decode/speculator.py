@@ -8,15 +8,17 @@ import logging
 
 import torch
 
-from tachyllm.engine.scheduler import Scheduler, SchedulerOutput
-from tachyllm.engine.sequence import Sequence
+from tachyllm.core.scheduler import Scheduler
+from tachyllm.core.step_cost import StepCostModel
 from tachyllm.loading import Checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
-from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler
 from tachyllm.spec_decode.adaptive import AdaptiveController
 from tachyllm.spec_decode.config import SpeculativeConfig
 from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
 from tachyllm.spec_decode.ngram import NgramProposer
+from tachyllm.spec_decode.proposer import Proposer
+from tachyllm.step import StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
 
@@ -38,36 +40,38 @@ class Speculator:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        step_costs: StepCostModel,
     ):
         self.config = config
         self.max_model_len = max_model_len
-        self.ngram: NgramProposer | None = None
-        self.draft: DraftModelProposer | None = None
+        self.proposer: Proposer
         if config.method == "ngram":
-            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
             model = build_draft_model(config.model, target, ckpt, dtype, device, max_model_len)
-            self.draft = DraftModelProposer(
+            self.proposer = DraftModelProposer(
                 model, draft_blocks(num_blocks, block_size, max_model_len), block_size, sampler, dtype, device
             )
         self.controller = AdaptiveController(
             config.num_speculative_tokens, config.adaptive, config.disable_by_batch_size,
-            has_draft_model=self.draft is not None,
+            has_draft_model=self.proposer.runs_forwards, step_costs=step_costs,
         )  # fmt: skip
-        # What this step's draft forwards cost: (tokens, seconds) each.
-        self._proposal_costs: list[tuple[int, float]] = []
         logger.info(
-            "speculative decoding: %s, up to %d tokens per step, adaptive %s%s", config.method if self.ngram else config.model,
+            "speculative decoding: %s, up to %d tokens per step, adaptive %s%s",
+            config.method if config.method == "ngram" else config.model,
             config.num_speculative_tokens, "on" if config.adaptive else "off",
             f", off above {config.disable_by_batch_size} running" if config.disable_by_batch_size else "",
         )  # fmt: skip
+        # What this step's draft forwards cost: (tokens, seconds) each.
+        self._proposal_costs: list[tuple[int, float]] = []
 
     def propose(self, scheduler: Scheduler) -> None:
         """Sets spec_token_ids on the running sequences that will decode this step."""
         running = scheduler.running
-        self.clear(running)
-        if self.draft is not None:
-            self.draft.release_finished(running)
+        proposer = self.proposer
+        for seq in running:
+            seq.clear_spec()
+        proposer.release_finished(running)
         self._proposal_costs = []
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         # Drafts past max_tokens or the context limit could never be used.
@@ -79,17 +83,15 @@ class Speculator:
         prefill_tokens = sum(s.num_uncomputed_tokens for s in running if s.num_uncomputed_tokens > 1)
         base_tokens = len(decoding) + min(prefill_tokens, scheduler.max_num_batched_tokens - len(decoding))
 
-        lookups: dict[int, list[int]] = {}
-        if self.ngram is not None and self.controller.can_skip_proposals(len(candidates), len(decoding), base_tokens):
-            return
-        if self.ngram is not None:
-            for seq, cap in candidates:
-                drafts = self.ngram.propose(seq, cap)
-                if drafts:
-                    lookups[seq.seq_id] = drafts
-            candidates = [(s, cap) for s, cap in candidates if s.seq_id in lookups]
+        if not proposer.runs_forwards:
+            # Free to propose: propose for every candidate, and only those with drafts speculate.
+            if self.controller.can_skip_proposals(len(candidates), len(decoding), base_tokens):
+                return
+            drafts = proposer.propose([s for s, _ in candidates], [cap for _, cap in candidates])
+            found = {s.seq_id: d for (s, _), d in zip(candidates, drafts) if d.token_ids}
+            candidates = [(s, cap) for s, cap in candidates if s.seq_id in found]
         else:
-            lags = {s.seq_id: self.draft.lag(s) for s, _ in candidates}
+            lags = {s.seq_id: proposer.lag(s) for s, _ in candidates}
             candidates.sort(key=lambda c: lags[c[0].seq_id])
             synced = [c for c in candidates if lags[c[0].seq_id] <= MAX_DRAFT_LAG]
             candidates = synced or candidates[:1]
@@ -98,22 +100,20 @@ class Speculator:
             return
         if self.controller.probing:
             candidates = candidates[:1]
-        if self.ngram is not None:
-            for seq, _ in candidates:
-                seq.spec_token_ids = lookups[seq.seq_id][:k]
-        else:
-            self.draft.propose([s for s, _ in candidates], [min(k, cap) for _, cap in candidates])
-            self._proposal_costs = self.draft.forward_costs
+        seqs = [s for s, _ in candidates]
+        if not proposer.runs_forwards:
+            for seq in seqs:
+                seq.spec_token_ids = found[seq.seq_id].token_ids[:k]
+            return
+        for seq, draft in zip(seqs, proposer.propose(seqs, [min(k, cap) for _, cap in candidates])):
+            seq.spec_token_ids, seq.spec_draft_probs = draft.token_ids, draft.probs
+        self._proposal_costs = proposer.forward_costs
 
-    def observe(self, sched: SchedulerOutput, step_seconds: float, outcomes: list[tuple[int, int]]) -> None:
-        """outcomes: (draft tokens, accepted) of each verification this step."""
-        self.controller.record_step(sched.num_batched_tokens, step_seconds)
-        for size, seconds in self._proposal_costs:
-            self.controller.record_proposal(size, seconds)
-        for num_drafts, num_accepted in outcomes:
-            self.controller.record_acceptance(num_drafts, num_accepted)
-
-    @staticmethod
-    def clear(seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            seq.clear_spec()
+    def observe(self, batch: StepBatch, result: StepResult, seconds: float) -> None:
+        """Feeds the step's draft forwards and verifications to the controller (the step's own time
+        reaches it through the shared step-cost model, which the scheduler feeds)."""
+        for size, forward_seconds in self._proposal_costs:
+            self.controller.record_proposal(size, forward_seconds)
+        for r in result.seqs:
+            if r.num_draft_tokens:
+                self.controller.record_acceptance(r.num_draft_tokens, r.num_accepted)

@@ -22,20 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from tachyllm.engine.scheduler import ScheduledSeq
-from tachyllm.engine.sequence import Sequence
-from tachyllm.runner.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
-
-LogprobInfo = tuple[float, int, list[int], list[float]]
+from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq
 
 
 @dataclass(eq=False)
 class DraftRow:
-    """A sequence as seen by the target row that follows its first `num_drafts` draft tokens: the
+    """A sequence as seen by the target row that follows its first `len(drafts)` draft tokens: the
     sampler reads history (penalties, min_tokens) from here."""
 
-    seq: Sequence
+    seq: SamplingInput
     drafts: list[int]
 
     @property
@@ -59,24 +56,24 @@ class DraftRow:
         return self.seq.num_output_tokens + len(self.drafts)
 
 
-def draft_rows(seq: Sequence, drafts: list[int]) -> list[DraftRow]:
+def draft_rows(seq: SamplingInput, drafts: list[int]) -> list[DraftRow]:
     return [DraftRow(seq, drafts[:j]) for j in range(len(drafts) + 1)]
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> list[tuple[list[int], list[LogprobInfo | None]]]:
     """logits: [sum(k_i + 1), vocab], the rows of each speculating sequence in order. Returns, per
     sequence, the emitted tokens (accepted drafts + one target token) and their logprob entries."""
-    rows = [row for s in spec for row in draft_rows(s.seq, s.spec_token_ids)]
+    rows = [row for s in spec for row in draft_rows(s.sampling, s.draft_token_ids)]
     first_rows = [0]
     for s in spec:
-        first_rows.append(first_rows[-1] + len(s.spec_token_ids) + 1)
+        first_rows.append(first_rows[-1] + s.num_draft_tokens + 1)
     logits = logits[:, : sampler.vocab_size]
-    want_logprobs = any(s.seq.params.logprobs is not None for s in spec)
+    want_logprobs = any(s.sampling.params.logprobs is not None for s in spec)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = sampler.process(logits, rows)
     greedy_tokens = processed.argmax(dim=-1).tolist()
     # Target distributions, only for the rows of sampling requests: row index -> row of `probs`.
-    sampled = [r for i, s in enumerate(spec) if not s.seq.params.greedy for r in range(first_rows[i], first_rows[i + 1])]
+    sampled = [r for i, s in enumerate(spec) if not s.sampling.params.greedy for r in range(first_rows[i], first_rows[i + 1])]
     probs = None
     if sampled:
         probs = sampler.probs(processed[torch.tensor(sampled, device=logits.device)], [rows[r] for r in sampled])
@@ -84,8 +81,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> 
 
     out = []
     for i, s in enumerate(spec):
-        drafts, first = s.spec_token_ids, first_rows[i]
-        if s.seq.params.greedy:
+        drafts, first, seq = s.draft_token_ids, first_rows[i], s.sampling
+        if seq.params.greedy:
             target = greedy_tokens[first : first_rows[i + 1]]
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
@@ -93,9 +90,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> 
             tokens = drafts[:accepted] + [target[accepted]]
         else:
             p = probs[position[first] : position[first] + len(drafts) + 1]
-            tokens = _rejection_sample(sampler, s.seq, drafts, p, s.seq.spec_draft_probs)
+            tokens = _rejection_sample(sampler, seq, drafts, p, seq.draft_probs)
         logprobs: list[LogprobInfo | None] = [None] * len(tokens)
-        if s.seq.params.logprobs is not None:
+        if seq.params.logprobs is not None:
             emitted = slice(first, first + len(tokens))
             chosen = torch.tensor(tokens, device=logits.device)
             logprobs = sampler.logprob_rows(raw_logprobs[emitted], chosen, rows[emitted])
@@ -104,7 +101,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> 
 
 
 def _rejection_sample(
-    sampler: Sampler, seq: Sequence, drafts: list[int], p: torch.Tensor, q: torch.Tensor | None
+    sampler: Sampler, seq: SamplingInput, drafts: list[int], p: torch.Tensor, q: torch.Tensor | None
 ) -> list[int]:
     """p: [k + 1, vocab] target distributions (unnormalised after min-p); q: [k, vocab] draft
     distributions, or None for a deterministic proposal."""

@@ -1,4 +1,5 @@
-"""Per-request state: a Request groups the n Sequences sampled from one prompt."""
+"""Per-request scheduling state: a Request groups the n Sequences sampled from one prompt. What
+callers see of a request (its text, logprobs) is the output processor's (engine/output_processor.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tachyllm.detokenizer import IncrementalDetokenizer
-from tachyllm.outputs import Logprob, RequestMetrics
+from tachyllm.outputs import RequestMetrics
 from tachyllm.sampling_params import SamplingParams
 
 
@@ -31,7 +31,6 @@ class Sequence:
     index: int  # position among the request's n samples
     token_ids: list[int]
     num_prompt_tokens: int
-    detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
@@ -40,11 +39,8 @@ class Sequence:
     # Hash of each full block in block_table order (prefix caching); grows as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    text: str = ""  # detokenized output, truncated at a stop string when one matched
     # Speculative decoding: tokens proposed for this step (after the last token) and, for a sampled
     # draft model, the draft's distribution each was drawn from ([len, vocab]); cleared every step.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -53,6 +49,10 @@ class Sequence:
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
     @property
     def num_tokens(self) -> int:

@@ -9,21 +9,29 @@ is recomputed later from its prompt plus the tokens it had generated.
 With `max_decode_slowdown`, a step that carries decodes takes only as many prefill tokens as keep
 its predicted time within that factor of the decodes' own step (step_cost.py): long prompts then
 arrive over more, smaller chunks while the running streams keep their pace.
+
+The step is handed to the runner as plain data (a StepBatch); the runner's StepResult comes back to
+`update_from_output`, the one place that applies a step: computed-token counts, full blocks entering
+the prefix cache, sampled tokens, rejected draft slots released, sequences finished.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
-from tachyllm.engine.block_manager import BlockManager
-from tachyllm.engine.sequence import Sequence, SequenceStatus
-from tachyllm.engine.step_cost import StepCostModel, StepShape
+from tachyllm.core.block_manager import BlockManager
+from tachyllm.core.sequence import Sequence, SequenceStatus
+from tachyllm.core.step_cost import StepCostModel, StepShape
 from tachyllm.outputs import StepStats
+from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq, StepBatch, StepResult
 
 
 @dataclass
-class ScheduledSeq:
+class _Planned:
+    """A sequence's share of the step being planned (the scheduler's own view, with the Sequence)."""
+
     seq: Sequence
     num_new_tokens: int  # tokens in this step's forward, draft tokens included
     # Draft tokens verified this step after the sequence's last token (speculative decoding).
@@ -40,22 +48,28 @@ class ScheduledSeq:
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+class _Plan:
+    scheduled: list[_Planned] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-    @property
     def shape(self) -> StepShape:
-        """What the step's cost depends on (engine/step_cost.py)."""
+        """What the step's cost depends on (core/step_cost.py)."""
         return sum((StepShape.of(s.seq.num_computed_tokens, s.num_new_tokens) for s in self.scheduled), StepShape())
+
+
+@dataclass
+class SeqUpdate:
+    """What one sequence gained in a step, for the output processor (engine/output_processor.py)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    logprobs: list[LogprobInfo | None]
+
+
+def step_shape(batch: StepBatch) -> StepShape:
+    """What a step's cost depends on (core/step_cost.py)."""
+    return sum((StepShape.of(s.start, s.num_new_tokens) for s in batch.seqs), StepShape())
 
 
 class Scheduler:
@@ -67,6 +81,8 @@ class Scheduler:
         enable_chunked_prefill: bool,
         stats: StepStats,
         max_decode_slowdown: float | None = None,
+        eos_token_ids: list[int] | None = None,
+        max_model_len: int | None = None,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -74,9 +90,14 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.stats = stats
         self.max_decode_slowdown = max_decode_slowdown if enable_chunked_prefill else None
-        self.step_cost = StepCostModel()
+        self.step_cost = StepCostModel(linear_fit=self.max_decode_slowdown is not None)
+        self.eos_token_ids = eos_token_ids or []
+        self.max_model_len = max_model_len
         self.waiting: list[Sequence] = []  # kept sorted by arrival_order
         self.running: list[Sequence] = []
+        # The sequences of the batch in flight, by seq id, and those that ended since the last batch.
+        self._in_flight: dict[int, Sequence] = {}
+        self._ended_seq_ids: list[int] = []
 
     @property
     def num_unfinished(self) -> int:
@@ -86,8 +107,13 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival_order)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+    def schedule(self) -> StepBatch:
+        """The next step: how many new tokens each sequence computes, as plain data for the runner."""
+        plan = self._plan()
+        return self._batch(plan)
+
+    def _plan(self) -> _Plan:
+        out = _Plan()
         budget = self.max_num_batched_tokens
         # Decodes (one uncomputed token) first so that prefill chunks never delay a token stream.
         self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_order))
@@ -98,7 +124,7 @@ class Scheduler:
             spec = self._fit_spec_tokens(seq, budget)
             if spec:
                 if self.block_manager.allocate(seq, 1 + len(spec)):
-                    out.scheduled.append(ScheduledSeq(seq, 1 + len(spec), spec))
+                    out.scheduled.append(_Planned(seq, 1 + len(spec), spec))
                     budget -= 1 + len(spec)
                     continue
                 seq.clear_spec()  # no room for the drafts: decode one token, preempting if need be
@@ -118,7 +144,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(_Planned(seq, num_new))
                 budget -= num_new
 
         # New sequences join only when nobody had to be preempted: otherwise they would take the
@@ -146,16 +172,114 @@ class Scheduler:
                 seq.request.num_cached_tokens = len(prefix) * self.block_manager.block_size
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(_Planned(seq, num_new))
             budget -= num_new
         return out
 
-    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The wall time of the step `out` described, for the chunk-size model."""
-        if self.max_decode_slowdown is not None:
-            self.step_cost.observe(out.shape, seconds)
+    def _batch(self, plan: _Plan) -> StepBatch:
+        """The plan as the runner's StepBatch: decodes first, then prefill chunks."""
+        plan.scheduled.sort(key=lambda s: s.num_real_tokens > 1)
+        seqs = []
+        for s in plan.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            sampling = None
+            if s.completes:
+                sampling = SamplingInput(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs)
+            new_tokens = seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
+            seqs.append(
+                ScheduledSeq(
+                    seq.seq_id, seq.request.request_id, start, new_tokens, len(s.spec_token_ids), seq.block_table,
+                    seq.num_tokens, s.completes, sampling,
+                )
+            )  # fmt: skip
+        self._in_flight = {s.seq.seq_id: s.seq for s in plan.scheduled}
+        batch = StepBatch(seqs, self._ended_seq_ids)
+        self._ended_seq_ids = []
+        return batch
 
-    def _prefill_cap(self, seq: Sequence, num_new: int, out: SchedulerOutput, start: int | None = None) -> int:
+    def in_flight(self) -> list[Sequence]:
+        """The sequences of the last batch that schedule() returned."""
+        return list(self._in_flight.values())
+
+    def update_from_output(self, batch: StepBatch, result: StepResult, seconds: float) -> list[SeqUpdate]:
+        """Applies a step the runner computed in `seconds`: every scheduled token now has K/V (of a
+        speculating sequence only its last token and the accepted drafts), full blocks enter the
+        prefix cache, sampled tokens are appended, blocks of rejected drafts are released, and
+        sequences that reached a stop token or their length limit finish. Returns what each
+        sequence gained, in result order."""
+        # Without the linear fit only the token count matters (the per-size table).
+        self.step_cost.observe(step_shape(batch) if self.step_cost.linear_fit else StepShape(batch.num_tokens), seconds)
+        seqs = self._in_flight
+        for s in batch.seqs:
+            seq = seqs[s.seq_id]
+            if not s.num_draft_tokens:
+                seq.num_computed_tokens += s.num_new_tokens
+                self.block_manager.cache_full_blocks(seq)
+            seq.clear_spec()
+        now = time.time()
+        updates = []
+        for r in result.seqs:
+            seq = seqs[r.seq_id]
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            if r.num_draft_tokens:
+                seq.num_computed_tokens += 1 + r.num_accepted
+                self.stats.record_spec(r.num_draft_tokens, r.num_accepted)
+                m = seq.request.metrics
+                m.spec_num_drafts += 1
+                m.spec_num_draft_tokens += r.num_draft_tokens
+                m.spec_num_accepted_tokens += r.num_accepted
+            kept = 0
+            for token in r.token_ids:
+                kept += 1
+                self._append_token(seq, token, now)
+                if seq.is_finished:
+                    break
+            if r.num_draft_tokens and not seq.is_finished:
+                self.block_manager.trim(seq, seq.num_tokens)
+                self.block_manager.cache_full_blocks(seq)
+            updates.append(SeqUpdate(seq, r.token_ids[:kept], r.logprobs[:kept]))
+        self._in_flight = {}
+        return updates
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        """Appends a sampled token and finishes the sequence at a stop token or its length limit.
+        Stop strings need the text: the output processor finishes those (finish_at_stop_string)."""
+        params, metrics = seq.params, seq.request.metrics
+        seq.token_ids.append(token)
+        self.stats.num_generation_tokens += 1
+        if seq.index == 0:
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            metrics.num_generated_tokens += 1
+        n_out = seq.num_output_tokens
+        can_stop = n_out >= params.min_tokens
+        if can_stop and not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(seq, "stop", token)
+        elif can_stop and token in params.stop_token_ids:
+            self.finish(seq, "stop", token)
+        elif n_out >= params.max_tokens or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
+            self.finish(seq, "length")
+
+    def finish_at_stop_string(self, seq: Sequence, stop: str, num_output_tokens: int) -> None:
+        """Ends seq at a stop string that its text reached with its first num_output_tokens output
+        tokens. Tokens after those are dropped, and the stop string takes precedence over a length
+        limit or stop token that a later token (or the same token, for the limit) reached."""
+        dropped = seq.num_output_tokens - num_output_tokens
+        if dropped:
+            del seq.token_ids[seq.num_prompt_tokens + num_output_tokens :]
+            self.stats.num_generation_tokens -= dropped
+            if seq.index == 0:
+                seq.request.metrics.num_generated_tokens -= dropped
+        if not seq.is_finished:
+            self.finish(seq, "stop", stop)
+            return
+        reasons = self.stats.finished_reasons
+        reasons[seq.finish_reason] -= 1
+        reasons["stop"] = reasons.get("stop", 0) + 1
+        seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _prefill_cap(self, seq: Sequence, num_new: int, out: _Plan, start: int | None = None) -> int:
         """num_new, or fewer prefill tokens if the step would otherwise slow its decodes beyond
         max_decode_slowdown (at least one token, so that the prompt always advances)."""
         if self.max_decode_slowdown is None or num_new <= 1:
@@ -164,7 +288,7 @@ class Scheduler:
         if not decodes:
             return num_new
         cost = self.step_cost
-        alone = cost.predict(SchedulerOutput(decodes).shape)
+        alone = cost.predict(_Plan(decodes).shape)
         if alone is None:
             return num_new
         limit = self.max_decode_slowdown * alone
@@ -195,6 +319,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
+        self._ended_seq_ids.append(seq.seq_id)
         seq.num_computed_tokens = 0
         self.running.remove(seq)
         self.add(seq)
@@ -209,6 +334,7 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free_seq(seq)
+        self._ended_seq_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

@@ -12,14 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tachyllm.engine.sequence import Sequence
+from tachyllm.step import LogprobInfo, SamplingInput
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    # Per row, when that row asked for logprobs: (chosen logprob, chosen rank, top ids, top logprobs).
-    logprobs: list[tuple[float, int, list[int], list[float]] | None]
+    logprobs: list[LogprobInfo | None]  # per row, when that row asked for logprobs
 
 
 class Sampler:
@@ -31,7 +30,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> SampleResult:
         """logits: [rows, vocab] float32, row i belongs to seqs[i] and predicts its next token."""
         logits = logits[:, : self.vocab_size]
         num_logprobs = [s.params.logprobs for s in seqs]
@@ -45,7 +44,7 @@ class Sampler:
         logprob_rows = self.logprob_rows(raw_logprobs, tokens, seqs) if raw_logprobs is not None else [None] * len(seqs)
         return SampleResult(tokens.tolist(), logprob_rows)
 
-    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens,
         penalties, logit biases."""
         logits = self._suppress_stops_before_min_tokens(logits[:, : self.vocab_size], seqs)
@@ -55,7 +54,7 @@ class Sampler:
             logits = self._apply_logit_bias(logits, seqs)
         return logits
 
-    def probs(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """The distribution a sampling request draws from: processed logits under temperature,
         top-k / top-p and min-p (greedy rows are treated as temperature 1)."""
         dev = logits.device
@@ -73,7 +72,7 @@ class Sampler:
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
         return probs
 
-    def draw(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """One token per row from (unnormalised) probs: the row's CDF inverted at one uniform from
         the row's own noise stream (the engine's for unseeded rows). One random number per row: a
         [rows, vocab] tensor of exponential noise cost ~65 ms for 64 rows of a 49k vocabulary, more
@@ -91,16 +90,16 @@ class Sampler:
         target = (u * cdf[:, -1]).unsqueeze(1)
         return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
-    def uniform(self, count: int, seq: Sequence) -> torch.Tensor:
+    def uniform(self, count: int, seq: SamplingInput) -> torch.Tensor:
         """count uniforms in [0, 1) from the sequence's own stream (or the engine's)."""
         return torch.rand(count, generator=seq.generator or self.generator, device=self.device)
 
     def logprob_rows(
-        self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence]
-    ) -> list[tuple[float, int, list[int], list[float]] | None]:
+        self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[SamplingInput]
+    ) -> list[LogprobInfo | None]:
         """Per row that asked for logprobs: the chosen token's logprob and rank, and the top-N."""
         num_logprobs = [s.params.logprobs for s in seqs]
-        rows: list[tuple[float, int, list[int], list[float]] | None] = [None] * len(seqs)
+        rows: list[LogprobInfo | None] = [None] * len(seqs)
         k = max(n or 0 for n in num_logprobs)
         chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
@@ -115,7 +114,7 @@ class Sampler:
                 rows[i] = (chosen_l[i], ranks_l[i], ids, lps)
         return rows
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         rows, cols = [], []
         for i, s in enumerate(seqs):
             if s.num_output_tokens < s.params.min_tokens:
@@ -129,7 +128,7 @@ class Sampler:
             logits[rows, cols] = float("-inf")
         return logits
 
-    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         rows, cols, values = [], [], []
         for i, s in enumerate(seqs):
             for token, bias in (s.params.logit_bias or {}).items():
@@ -140,7 +139,7 @@ class Sampler:
         index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
         return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         n, vocab, dev = len(seqs), logits.shape[1], logits.device
         rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
         pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)

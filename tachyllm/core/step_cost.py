@@ -11,12 +11,16 @@ instead of being set by hand. The scheduler uses the prediction to cut prefill c
 step carrying one stays within `max_decode_slowdown` times the step the running decodes would
 take alone (the idea of Sarathi-Serve's stall-free batching, with the budget measured rather than
 profiled offline).
+
+The same measurements also fill a per-size table (CostBySize), which the speculative-decoding
+switch reads: one model, fed once per step, for both.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
@@ -24,6 +28,7 @@ WINDOW = 128  # steps the fit looks back over, of each kind (one token per seque
 MIN_STEPS = 8  # no prediction before this many steps of at least two different shapes
 BIAS_WEIGHT = 0.1  # of the latest step in the running measured / fitted ratio of its kind
 MAX_BIAS = 3.0  # one step's ratio counts at most this much (a stall must not blow up the cap)
+COST_EMA = 0.2  # weight of a new measurement in its size bucket
 
 
 def attention_pairs(start: int, num_tokens: int) -> int:
@@ -48,8 +53,56 @@ class StepShape:
         return StepShape(self.tokens + other.tokens, self.pairs + other.pairs, self.context + other.context)
 
 
+def _bucket(n: int) -> int:
+    """Exact up to 16 tokens, then four buckets per doubling."""
+    return n if n <= 16 else 16 + round(4 * math.log2(n / 16))
+
+
+@dataclass
+class CostBySize:
+    """Seconds of a forward as a function of its size in tokens alone, from measurements: a table
+    rather than a fit, since the CPU kernels make the cost far from linear in the token count
+    (fused one-call layers up to a row threshold, batched matmuls beyond)."""
+
+    points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean size, seconds)
+
+    def record(self, size: int, seconds: float) -> None:
+        b = _bucket(size)
+        old = self.points.get(b)
+        self.points[b] = (size, seconds) if old is None else (
+            old[0] + COST_EMA * (size - old[0]), old[1] + COST_EMA * (seconds - old[1])
+        )  # fmt: skip
+
+    def measured_up_to(self, size: int) -> bool:
+        return any(p[0] <= size for p in self.points.values())
+
+    def estimate(self, size: int, high: bool) -> float | None:
+        """Seconds for a step of `size`: measured, or interpolated between the nearest measured sizes.
+        Outside the measured range the estimate leans the cautious way: high=True gives an upper
+        bound (cost grows at most linearly past the largest size, and a smaller step costs at most
+        what the smallest measured did), high=False a lower bound. None before any measurement."""
+        if not self.points:
+            return None
+        exact = self.points.get(_bucket(size))
+        if exact is not None:
+            return exact[1]
+        below = max((p for p in self.points.values() if p[0] <= size), default=None)
+        above = min((p for p in self.points.values() if p[0] >= size), default=None)
+        if below is None:
+            return above[1] if high else above[1] * size / above[0]
+        if above is None:
+            return below[1] * size / below[0] if high else below[1]
+        if above[0] == below[0]:
+            return below[1]
+        return below[1] + (above[1] - below[1]) * (size - below[0]) / (above[0] - below[0])
+
+
 class StepCostModel:
-    def __init__(self) -> None:
+    def __init__(self, linear_fit: bool = True) -> None:
+        # The linear fit costs a least-squares solve per step; the scheduler only wants it for
+        # max_decode_slowdown. The per-size table is always kept.
+        self.linear_fit = linear_fit
+        self.by_size = CostBySize()
         # Steps where every sequence computed one token (pairs == context), and the others. Both
         # stay in the fit: during a long prefill every step carries a chunk, and a window of those
         # alone would leave the decodes-only prediction, the cap's yardstick, extrapolated.
@@ -61,6 +114,9 @@ class StepCostModel:
         self._bias = {True: 1.0, False: 1.0}
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        self.by_size.record(shape.tokens, seconds)
+        if not self.linear_fit:
+            return
         decode_only = shape.pairs == shape.context
         fitted = self._fitted(shape)
         if fitted is not None and fitted > 0:

@@ -16,7 +16,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tachyllm.engine.sequence import Sequence
+from tachyllm.core.sequence import Sequence
 
 
 def cdiv(a: int, b: int) -> int:

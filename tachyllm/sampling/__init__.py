@@ -1,0 +1,1 @@
+"""Token sampling and lossless verification of speculative draft tokens."""
