@@ -276,6 +276,8 @@ class Scheduler:
             return
         reasons = self.stats.finished_reasons
         reasons[seq.finish_reason] -= 1
+        if not reasons[seq.finish_reason]:
+            del reasons[seq.finish_reason]
         reasons["stop"] = reasons.get("stop", 0) + 1
         seq.finish_reason, seq.stop_reason = "stop", stop
 
