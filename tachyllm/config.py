@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from tachyllm.argtypes import byte_size
 from tachyllm.errors import ConfigError
 from tachyllm.spec_decode.config import SpeculativeConfig
 
@@ -24,6 +27,18 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf")
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def option(default: Any, help: str, *, choices: Sequence | None = None, parse: Callable[[str], Any] | None = None):
+    """An EngineConfig field that is also a command-line flag (tachyllm/entrypoints/engine_args.py builds it
+    from this metadata). `choices`: the values the flag accepts; `parse`: turns the flag's text into the value
+    when the field's type does not say how (byte sizes, a JSON string)."""
+    metadata: dict[str, Any] = {"help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if parse is not None:
+        metadata["parse"] = parse
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -62,32 +77,61 @@ class ModelConfig:
 
 @dataclass
 class EngineConfig:
-    """Engine options, named as in vLLM where such a name exists."""
+    """Engine options, named as in vLLM where such a name exists. Each field is also a command-line flag,
+    --field-name-with-dashes, generated from its `option` metadata (tachyllm/entrypoints/engine_args.py)."""
 
-    model: str | None = None  # GGUF file or HF directory; None = embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"
-    device: str = "cpu"
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    kv_cache_memory: int | None = None  # bytes; None = a share of free memory
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    model: str | None = option(
+        None, "GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    dtype: str = option("auto", "weights and activations dtype; auto = bfloat16", choices=("auto", *DTYPES))
+    device: str = option("cpu", "cpu or cuda[:N]")
+    max_model_len: int | None = option(None, "context length limit (default: the model's max_position_embeddings)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    max_num_seqs: int = option(256, "sequences running at once")
+    max_num_batched_tokens: int = option(2048, "token budget of one step")
+    kv_cache_memory: int | None = option(
+        None, "KV cache size in bytes, e.g. 2G (default: a share of free memory)", parse=byte_size
+    )
+    enable_prefix_caching: bool = option(
+        True, "prefix caching: a prompt reuses the KV cache of a prefix computed before (default: on)"
+    )
+    enable_chunked_prefill: bool = option(
+        True, "chunked prefill: long prompts run in chunks beside running decodes (default: on)"
+    )
     # Cap prefill chunks so that a step with decodes takes at most this many times as long as the
     # decodes alone (predicted from measured steps); None = chunks fill max_num_batched_tokens.
-    max_decode_slowdown: float | None = None
-    seed: int = 0
-    threads: int | None = None  # torch intra-op threads; None = OMP_NUM_THREADS or the usable CPUs
-    quantization: str | None = None  # weight-only: int8, int4, awq, gguf; None = model dtype
-    quant_group_size: int | None = None  # int4/awq; None = largest of 128/64/32 dividing each layer
-    quant_skip: str | None = None  # comma list (lm_head, attn, mlp, name fragments); None = "lm_head"; "none"
+    max_decode_slowdown: float | None = option(
+        None,
+        "cut prefill chunks so that steps with running decodes take at most this factor of the decodes' own step,"
+        " e.g. 2 (default: off)",
+    )
+    seed: int = option(0, "engine seed for requests without their own")
+    threads: int | None = option(
+        None, "compute threads (default: OMP_NUM_THREADS, or the usable CPUs: affinity mask, cgroup CPU quota)"
+    )
+    quantization: str | None = option(None, "weight-only quantization: int8, int4, awq, gguf (default: none)")
+    quant_group_size: int | None = option(
+        None, "int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)"
+    )
+    quant_skip: str | None = option(
+        None, "layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)"
+    )
     # Activation rounding of the C++ int4/Q8_0 kernels, per 32 inputs: 16 (default) or 8 (llama.cpp's
     # Q8_1: ~1.4x batched throughput on the default model, mean KL vs fp32 0.0044 instead of 0.0012).
-    quant_activation_bits: int = 16
-    kv_cache_dtype: str = "auto"  # auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8
-    # vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4}; see spec_decode/config.py
-    speculative_config: SpeculativeConfig | dict | str | None = None
+    quant_activation_bits: int = option(
+        16,
+        "activation rounding of the int4/gguf C++ kernels: 16, or 8 (llama.cpp's Q8_1: faster batches, lower fidelity)"
+        " (default: 16)",
+        choices=QUANT_ACTIVATION_BITS,
+    )
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8")
+    # vLLM-style dict or JSON string; see spec_decode/config.py for the keys
+    speculative_config: SpeculativeConfig | dict | str | None = option(
+        None,
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} or'
+        ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
+        parse=str,
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

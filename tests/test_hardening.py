@@ -21,7 +21,8 @@ from test_server import ENGINE_FLAGS, GREEDY, error_of, graceful_server, server_
 
 from tachyllm import LLM, SamplingParams, faults
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.cli import build_parser, engine_config
+from tachyllm.entrypoints.cli import build_parser
+from tachyllm.entrypoints.engine_args import engine_config
 from tachyllm.entrypoints.serve import GracefulServer, make_server
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app

@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from tachyllm.argtypes import non_negative_int, positive_float, positive_int
 from tachyllm.bench.datasets import DATASETS
 from tachyllm.bench.offline import cmd_bench_latency, cmd_bench_throughput
 from tachyllm.bench.plot import cmd_bench_plot
 from tachyllm.bench.serve import cmd_bench_serve
-from tachyllm.entrypoints.cli import add_engine_args, non_negative_int, positive_float, positive_int
+from tachyllm.entrypoints.engine_args import add_engine_args
 
 
 def parse_rates(text: str) -> list[float]:

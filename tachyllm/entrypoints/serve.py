@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
+from tachyllm.argtypes import byte_size, non_negative_float, positive_int
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.cli import add_engine_args, byte_size, engine_config, non_negative_float, positive_int
+from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
 
 logger = logging.getLogger("tachyllm.server")
 

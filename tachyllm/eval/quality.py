@@ -18,6 +18,7 @@ import torch
 
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
 from tachyllm.quantization.calibration import HELDOUT_FILE, forward_sequence, load_text, token_windows
 
 DEFAULT_SEQ_LEN = 128
@@ -120,8 +121,6 @@ def format_report(r: QualityReport) -> str:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
-    from tachyllm.entrypoints.cli import engine_config
-
     config = engine_config(args)
     ref_config = replace(
         config, dtype=args.reference_dtype, quantization=None, quant_group_size=None, quant_skip=None,
@@ -136,8 +135,6 @@ def cmd_quality(args: argparse.Namespace) -> int:
 
 
 def add_eval_parser(sub) -> None:
-    from tachyllm.entrypoints.cli import add_engine_args
-
     ev = sub.add_parser("eval", help="evaluation tools")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
     q = ev_sub.add_parser("quality", help="compare a (quantized) configuration with the unquantized reference on held-out text")

@@ -1,0 +1,52 @@
+"""The "engine" argument group of every `tachy` command, generated from the EngineConfig fields.
+
+Each field becomes --field-name-with-dashes with the field's default and the help, choices and parser of
+its metadata (config.option); a bool field becomes a --name / --no-name pair. Adding an engine option is
+therefore one edit: a field of EngineConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from tachyllm.argtypes import none_or
+from tachyllm.config import EngineConfig
+
+
+def _value_parser(field: dataclasses.Field, annotation: Any) -> Callable[[str], Any]:
+    """The flag's `type=`: the metadata's parse, else the field's type; an optional number also takes "none"
+    (an optional string keeps the word: --quant-skip none means skip nothing)."""
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    members = typing.get_args(annotation) if is_union else (annotation,)
+    optional = type(None) in members
+    kinds = [m for m in members if m is not type(None)]
+    parse = field.metadata.get("parse")
+    if parse is None:
+        if len(kinds) != 1 or kinds[0] not in (int, float, str):
+            raise TypeError(f"EngineConfig.{field.name}: give its option a parse= for type {annotation}")
+        parse = kinds[0]
+    return none_or(parse) if optional and parse in (int, float) else parse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        flag = "--" + field.name.replace("_", "-")
+        options: dict[str, Any] = {"default": field.default, "help": field.metadata.get("help")}
+        if hints[field.name] is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = _value_parser(field, hints[field.name])
+            options["choices"] = field.metadata.get("choices")
+        group.add_argument(flag, **options)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed arguments (a parser that add_engine_args built)."""
+    return EngineConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(EngineConfig)})
