@@ -11,6 +11,7 @@ from tachyllm import faults
 from tachyllm.config import EngineConfig, default_threads
 from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.engine.block_manager import BlockManager
+from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tachyllm.engine.scheduler import Scheduler
 from tachyllm.engine.sequence import Request, Sequence
 from tachyllm.engine.stats_logger import StatsLogger
@@ -79,6 +80,10 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats,
             config.max_decode_slowdown,
         )
+        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
+            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        ))  # fmt: skip
         eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = eos
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
@@ -109,35 +114,23 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedRequest,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> Request:
-        """Validates and queues a request; raises RequestError (nothing queued) when it can never run."""
-        params = params or SamplingParams()
+        """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
+        it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
+        with its own params."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, ProcessedRequest):
+            if params is not None and params is not prompt.params:
+                raise ValueError("a ProcessedRequest carries its own sampling params; pass none or the same")
+            processed = prompt
         else:
-            text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:3]}", param="prompt"
-                )
-        if not token_ids:
-            raise RequestError("prompt is empty (no tokens)", param="prompt")
-        if unknown := params.token_ids_at_or_above(self.model_config.vocab_size):
-            name, token = unknown[0]
-            raise RequestError(
-                f"{name}: token id {token} is not in the vocabulary (ids 0 to {self.model_config.vocab_size - 1})",
-                param=name,
-            )
-        self._check_fits(len(token_ids), params)
+            processed = self.input_processor.process(prompt, params or SamplingParams())
+        text, token_ids, params = processed.prompt, processed.prompt_token_ids, processed.params
 
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
         for i in range(params.n):
@@ -160,25 +153,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.stats.num_prompt_tokens += len(token_ids)
         return req
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        total = prompt_len + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        blocks = self.block_manager.blocks_needed(total)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(
-                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
-            )
-        if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_batched_tokens:
-            raise RequestError(
-                f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens ({self.config.max_num_batched_tokens}) "
-                "and chunked prefill is disabled"
-            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request at any stage; its blocks are free when this returns."""
