@@ -176,6 +176,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
         bm = engine.block_manager
         self.kv_cache_tokens = bm.num_blocks * bm.block_size
 
