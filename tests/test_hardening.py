@@ -384,7 +384,7 @@ def test_server_answers_a_failed_request_and_goes_on(served, http, offline):
     add_requests = engine.add_requests
 
     async def tagging(requests, *args, **kwargs):  # notes the victim's engine request ids
-        victims.update(rid for rid, prompt, _ in requests if prompt == victim_prompt)
+        victims.update(rid for rid, processed, _ in requests if processed.prompt_token_ids == victim_prompt)
         return await add_requests(requests, *args, **kwargs)
 
     def hook(stage: str, request_ids: list[str]) -> None:

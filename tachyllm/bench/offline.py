@@ -66,7 +66,7 @@ def throughput_prompts(args: argparse.Namespace, llm: LLM) -> list[tuple[list[in
     tokenizer = llm.get_tokenizer()
     if args.dataset == "file":
         turns = read_prompt_file(args.dataset_path, args.output_len, args.num_prompts)
-        return [(tokenizer.encode(t.text), t.output_len) for t in turns]
+        return [(llm.engine.input_processor.encode(t.text), t.output_len) for t in turns]
     rng = np.random.default_rng(args.seed)
     inputs = sample_lengths(args.input_len, args.range_ratio, args.num_prompts, rng)
     outputs = sample_lengths(args.output_len, args.range_ratio, args.num_prompts, rng)

@@ -9,7 +9,7 @@ profile, its phases are wrapped in `record_function` ranges, and put back afterw
     tachy::prepare_inputs  engine.runner._prepare (the step's input tensors and attention metadata)
     tachy::forward         the model's forward (embedding, layers, final norm; not the LM head)
     tachy::attention       paged_attention as the model calls it (tachyllm.models.llama.paged_attention)
-    tachy::sample          engine.runner.sampler
+    tachy::sample          sampling
 
 The step's wall time is then split into categories that add up to it exactly:
 
@@ -55,9 +55,9 @@ CATEGORIES = {
     "attention": "attention (paged_attention, whole call)",
     "other_ops": "other ops (norms, rotary, activations, adds; C++ or ATen)",
     "python_forward": "Python / dispatch in model forward",
-    "prepare_inputs": "input preparation (runner._prepare)",
-    "sampling": "sampling (runner.sampler)",
-    "scheduling": "scheduling (scheduler.schedule)",
+    "prepare_inputs": "input preparation (tensors, attention metadata)",
+    "sampling": "sampling (and draft verification)",
+    "scheduling": "scheduling",
     "python_other": "Python / other (outputs, detokenize, engine)",
 }
 # Parts of the attention row; not added to the total again.

@@ -34,6 +34,7 @@ from tachyllm.bench.metrics import (
     percentile_key,
     server_stats,
 )
+from tachyllm.engine.input_processor import chat_prompt_ids
 from tachyllm.errors import TachyError
 from tachyllm.loading import Tokenizer, load_checkpoint
 
@@ -99,7 +100,7 @@ def prompt_length(tokenizer: Tokenizer, prompt: Prompt) -> int:
     if isinstance(prompt, str):
         return len(tokenizer.encode(prompt))
     try:
-        return len(tokenizer.encode(tokenizer.apply_chat_template(prompt), add_special_tokens=False))
+        return len(chat_prompt_ids(tokenizer, prompt))
     except TachyError:  # no usable chat template: count the message texts alone
         return sum(len(tokenizer.encode(m["content"], add_special_tokens=False)) for m in prompt)
 

@@ -14,6 +14,7 @@ from tachyllm.config import EngineConfig, default_threads
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.scheduler import Scheduler, SeqUpdate
 from tachyllm.core.sequence import Request, Sequence
+from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import EngineCorruptedError, RequestError
@@ -88,6 +89,10 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key()
         )
+        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
+            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        ))  # fmt: skip
         eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
@@ -123,35 +128,23 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | ProcessedRequest,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> Request:
-        """Validates and queues a request; raises RequestError (nothing queued) when it can never run."""
-        params = params or SamplingParams()
+        """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
+        it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
+        with its own params."""
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, ProcessedRequest):
+            if params is not None and params is not prompt.params:
+                raise ValueError("a ProcessedRequest carries its own sampling params; pass none or the same")
+            processed = prompt
         else:
-            text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:3]}", param="prompt"
-                )
-        if not token_ids:
-            raise RequestError("prompt is empty (no tokens)", param="prompt")
-        if unknown := params.token_ids_at_or_above(self.model_config.vocab_size):
-            name, token = unknown[0]
-            raise RequestError(
-                f"{name}: token id {token} is not in the vocabulary (ids 0 to {self.model_config.vocab_size - 1})",
-                param=name,
-            )
-        self._check_fits(len(token_ids), params)
+            processed = self.input_processor.process(prompt, params or SamplingParams())
+        text, token_ids, params = processed.prompt, processed.prompt_token_ids, processed.params
 
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
         for i in range(params.n):
@@ -168,25 +161,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.stats.num_prompt_tokens += len(token_ids)
         return req
-
-    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        total = prompt_len + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        blocks = self.block_manager.blocks_needed(total)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(
-                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}; raise kv_cache_memory or lower max_tokens"
-            )
-        if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_batched_tokens:
-            raise RequestError(
-                f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens ({self.config.max_num_batched_tokens}) "
-                "and chunked prefill is disabled"
-            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request at any stage; its blocks are free when this returns."""
@@ -227,10 +201,6 @@ class LLMEngine:
                 spec_draft_tokens_per_pos=list(stats.spec_draft_tokens_per_pos),
             ),
         )
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        return self.block_manager.num_blocks * self.block_manager.block_size
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

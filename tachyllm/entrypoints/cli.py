@@ -70,8 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     prompt: str | list[int] = args.prompt
     if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+        prompt = engine.input_processor.chat_prompt_ids([{"role": "user", "content": args.prompt}])
     for delta in stream(engine, "generate-0", prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -99,8 +98,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        text = engine.tokenizer.apply_chat_template(messages)
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = engine.input_processor.chat_prompt_ids(messages)
         reply = []
         sys.stdout.write("assistant> ")
         try:

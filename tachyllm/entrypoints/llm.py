@@ -116,12 +116,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tokenizer = self.engine.tokenizer
-        prompts: list[Prompt] = []
-        for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            # The template already spells out special tokens; do not add a BOS a second time.
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        processor = self.engine.input_processor
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": processor.chat_prompt_ids(conv, add_generation_prompt)} for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
 

@@ -22,7 +22,7 @@ logger = logging.getLogger("tachyllm.server")
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from tachyllm.server.app import ServerState
+    from tachyllm.server.state import ServerState
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -165,7 +165,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
-        self.kv_cache_tokens = engine.kv_cache_tokens
+        self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
 
     # -- any thread ---------------------------------------------------------------------------
     def add_output_listener(self, listener: OutputListener) -> None:

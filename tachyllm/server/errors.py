@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from tachyllm.outputs import RequestOutput
 from tachyllm.server import protocol as p
+from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 
 
 class APIError(Exception):
@@ -23,3 +25,21 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def engine_dead(engine: AsyncEngine, e: EngineDeadError) -> APIError:
+    # 503 either way: a failed engine makes the server exit, so a supervisor restarts it.
+    code = "engine_failed" if engine.error is not None else "shutting_down"
+    return APIError(503, str(e), "service_unavailable_error", code=code)
+
+
+def request_aborted() -> APIError:
+    # Clients never see their own aborts (they hung up); this abort came from a server shutdown.
+    return APIError(
+        503, "the request was aborted: the server is shutting down", "service_unavailable_error", code="aborted"
+    )
+
+
+def request_failed(out: RequestOutput) -> APIError:
+    message = out.error or "the engine failed while running this request"
+    return APIError(500, message, "internal_error", code="engine_error")

@@ -1,0 +1,119 @@
+"""InputProcessor: a request's prompt (chat template, tokenization) and every check that it can run, written once.
+
+LLMEngine.add_request runs it on whatever it is given; the server runs it off the event loop and hands the
+engine the ProcessedRequest, which the engine queues without checking again. It holds the tokenizer (whose
+encode and apply_chat_template leave it unchanged) and plain numbers, so any thread may use it while the
+engine thread steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tachyllm.errors import RequestError
+from tachyllm.loading.tokenizer import Tokenizer
+from tachyllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What an engine can hold: the vocabulary, the context, the KV cache, one step's prompt tokens."""
+
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt and output tokens together: what the context and the KV cache both hold."""
+        return min(self.max_model_len, self.num_kv_blocks * self.block_size)
+
+
+@dataclass
+class Prompt:
+    """A checked prompt: its token ids (never empty, each in the vocabulary) and its text when it came as text."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A request the engine can run as it is: made by InputProcessor.process/process_request."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def chat_prompt_ids(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+) -> list[int]:
+    """The token ids of a conversation in the model's chat template."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    # The template spells out its special tokens; adding a BOS again would double it.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of a text prompt (a BOS first, when the model wants one)."""
+        return self.tokenizer.encode(text)
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+        """Tokenizes and checks a request; raises RequestError when it can never run."""
+        return self.process_request(self.process_prompt(prompt), params)
+
+    def process_prompt(self, prompt: str | list[int]) -> Prompt:
+        """A text prompt tokenized, or token ids checked against the vocabulary; neither may be empty."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            text, token_ids = prompt, self.encode(prompt)
+        else:
+            vocab_size = self.limits.vocab_size
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {bad[:3]}", param="prompt")
+        if not token_ids:
+            raise RequestError("prompt is empty (no tokens)", param="prompt")
+        return Prompt(text, token_ids)
+
+    def process_request(self, prompt: Prompt, params: SamplingParams) -> ProcessedRequest:
+        """Checks what `params` name (token ids) and ask for (room in the context and the KV cache)."""
+        limits = self.limits
+        if unknown := params.token_ids_at_or_above(limits.vocab_size):
+            name, token = unknown[0]
+            raise RequestError(
+                f"{name}: token id {token} is not in the vocabulary (ids 0 to {limits.vocab_size - 1})", param=name
+            )
+        prompt_len = len(prompt.token_ids)
+        total = prompt_len + params.max_tokens
+        if total > limits.max_model_len:
+            raise RequestError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"max_model_len ({limits.max_model_len})"
+            )
+        blocks = -(-total // limits.block_size)
+        if blocks > limits.num_kv_blocks:
+            raise RequestError(
+                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache has only "
+                f"{limits.num_kv_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
+        if not limits.enable_chunked_prefill and prompt_len > limits.max_num_batched_tokens:
+            raise RequestError(
+                f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens ({limits.max_num_batched_tokens}) "
+                "and chunked prefill is disabled"
+            )
+        return ProcessedRequest(prompt.text, prompt.token_ids, params)

@@ -1,0 +1,38 @@
+"""start_requests: a route's requests checked by the engine's InputProcessor and admitted to the engine, all or none."""
+
+from __future__ import annotations
+
+from tachyllm.engine.input_processor import Prompt
+from tachyllm.errors import RequestError
+from tachyllm.sampling_params import SamplingParams
+from tachyllm.server.async_engine import QueueFullError, RequestStream
+from tachyllm.server.errors import APIError, bad_request
+from tachyllm.server.state import ServerState
+
+
+async def start_requests(
+    state: ServerState, base_id: str, prompts: list[Prompt], params: list[SamplingParams], prompt_param: str
+) -> list[RequestStream]:
+    """Admits one engine request per prompt, all or none, while the queue has room for them all. The
+    InputProcessor checks them here, once: the engine queues the processed requests as they are."""
+    state.check_not_draining()
+    limit = state.max_queue_len
+    if limit is not None and len(prompts) > limit:
+        raise bad_request(
+            f"{len(prompts)} prompts can never wait at once on this server (--max-queue-len {limit})",
+            param=prompt_param,
+        )
+    try:
+        processed = [state.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
+        requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
+        return await state.engine.add_requests(requests, max_queued=limit)
+    except QueueFullError as e:
+        raise APIError(
+            503,
+            f"the server is busy: {e.num_queued} requests are waiting to start (max_queue_len {e.limit}); retry later",
+            "service_unavailable_error",
+            code="queue_full",
+            headers={"Retry-After": "1"},
+        ) from None
+    except RequestError as e:
+        raise bad_request(str(e), param=e.param or prompt_param) from None

@@ -1,0 +1,115 @@
+"""How the engine's outputs of a response's requests reach the response: merged() reads them as they come,
+final_outputs() keeps each request's last, and choice_updates() tells a stream what is new in each choice.
+
+The engine's RequestOutputs are cumulative (each holds a choice's whole text and tokens so far), so what a
+stream sends is the difference to what it sent before, which ChoiceProgress remembers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from tachyllm.outputs import CompletionOutput, RequestOutput
+from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.responses import finish_reason
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as they come, tagged with each request's position.
+    Leaving early (client gone, error) aborts every unfinished request."""
+    tasks: list[asyncio.Task] = []
+    try:
+        if len(streams) == 1:  # the common case needs no helper tasks
+            async for out in streams[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as e:
+                queue.put_nowait((i, e))
+                return
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+    """Each request's final output, in order; None if the client hung up first (all are then aborted)."""
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+        async for i, out in merged(streams):
+            finals[i] = out
+        return finals
+
+    async def hang_up() -> None:
+        # Once the body is read, receive() returns only when the connection goes away.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()  # unwinds merged(), which aborts the requests
+    return work.result() if work.done() and not work.cancelled() else None
+
+
+@dataclass
+class ChoiceProgress:
+    """How much of one choice a stream has sent."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: offset of the next token in the choice's text
+    finished: bool = False
+
+
+@dataclass
+class ChoiceUpdate:
+    """What a stream sends next for one choice."""
+
+    index: int  # the choice's index in the response
+    choice: CompletionOutput  # as the engine sent it
+    text: str  # text not sent yet
+    first_token: int  # the position in choice.token_ids (and choice.logprobs) of the first token not sent yet
+    finish_reason: str | None
+    progress: ChoiceProgress  # already counting this update as sent
+
+
+def choice_updates(out: RequestOutput, progress: list[ChoiceProgress], first_index: int) -> Iterator[ChoiceUpdate]:
+    """The choices of `out` with something to send (new text, or their end); the choice of engine index i
+    is the response's choice first_index + i."""
+    for c in out.outputs:
+        index = first_index + c.index
+        pg = progress[index]
+        delta, reason = c.text[pg.text_len :], finish_reason(out, c)
+        if pg.finished or (not delta and reason is None):
+            continue
+        first_token = pg.num_tokens
+        pg.text_len, pg.num_tokens, pg.finished = len(c.text), len(c.token_ids), reason is not None
+        yield ChoiceUpdate(index, c, delta, first_token, reason, pg)

@@ -1,0 +1,87 @@
+"""A request body parsed strictly into its protocol model, with errors that name the field at fault,
+and the refusal of fields this server does not support."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from tachyllm.server import protocol as p
+from tachyllm.server.errors import APIError, bad_request
+
+T = TypeVar("T", bound=BaseModel)
+
+# What a union-typed field accepts, for one readable message instead of one per alternative.
+UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+async def parse_body(request: Request, model: type[T]) -> T:
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as e:
+        raise invalid_body(e) from None
+
+
+def invalid_body(e: ValidationError) -> APIError:
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return bad_request(f"malformed JSON body: {first['msg']}", code="invalid_json")
+    if not first["loc"]:
+        return bad_request("the request body must be a JSON object")
+    # A union-typed field reports one error per alternative, all under the field's location.
+    related = [err for err in errors if err["loc"][:1] == first["loc"][:1]]
+    common = related[0]["loc"]
+    for err in related[1:]:
+        k = 0
+        while k < min(len(common), len(err["loc"])) and common[k] == err["loc"][k]:
+            k += 1
+        common = common[:k]
+    if len(related) > 1 and common and common[-1] in UNION_HINTS:
+        path = loc_path(common)
+        # The value had the type of one alternative and broke its constraint (too long, < 0, ...):
+        # that one says what is wrong (its location, less the alternative's name).
+        broken = [err for err in related if not err["type"].endswith("_type")]
+        if len(broken) == 1:
+            err = broken[0]
+            where = loc_path(common + err["loc"][len(common) + 1 :])
+            return bad_request(f"{where}: {err['msg']}{got(err)}", param=path)
+        return bad_request(f"{path} must be {UNION_HINTS[common[-1]]}", param=path)
+    path = loc_path(first["loc"])
+    return bad_request(f"{path}: {first['msg']}{got(first)}", param=path)
+
+
+def got(err: dict) -> str:
+    return "" if err["type"] == "missing" else f" (got {repr(err['input'])[:100]})"
+
+
+def loc_path(loc: tuple) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def reject_unsupported(body: p.SamplingFields) -> None:
+    if isinstance(body, p.CompletionRequest):
+        if body.suffix:
+            raise bad_request("suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != (body.n or 1):
+            raise bad_request("best_of other than n is not supported", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
+    else:
+        if body.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+        if body.top_logprobs and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

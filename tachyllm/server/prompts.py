@@ -1,0 +1,92 @@
+"""A request's prompts as the engine's InputProcessor makes them: completions' prompts tokenized,
+chat messages rendered in the model's template; off the event loop, for a long prompt takes the
+tokenizer a while (~0.4 s per MiB)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TypeVar
+
+from tachyllm.engine.input_processor import Prompt
+from tachyllm.errors import ConfigError, RequestError
+from tachyllm.server import protocol as p
+from tachyllm.server.errors import bad_request
+from tachyllm.server.state import ServerState
+
+R = TypeVar("R")
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+async def completion_prompts(state: ServerState, prompt: str | list) -> list[Prompt]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items = [prompt]
+    else:
+        items = prompt
+    if not items:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if len(items) > state.limits.max_prompts:
+        raise bad_request(
+            f"at most {state.limits.max_prompts} prompts per request on this server (--max-prompts-per-request), "
+            f"got {len(items)}",
+            param="prompt",
+        )
+    for item in items:
+        if isinstance(item, str):
+            state.check_prompt_chars(len(item), "prompt")
+    processor = state.processor
+    try:
+        return await asyncio.to_thread(lambda: [processor.process_prompt(item) for item in items])
+    except RequestError as e:
+        raise bad_request(str(e), param=e.param or "prompt") from None
+
+
+def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
+    conversation = []
+    for i, m in enumerate(messages):
+        role = CHAT_ROLES[m.role]
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise bad_request(
+                        f"only text content parts are supported, got type {part.type!r}",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                if part.text is None:
+                    raise bad_request(
+                        "a content part of type 'text' needs a 'text' field", param=f"messages[{i}].content[{j}].text"
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        elif m.content is None:
+            if role != "assistant":
+                raise bad_request("content is required", param=f"messages[{i}].content")
+            content = ""
+        else:
+            content = m.content
+        conversation.append({"role": role, "content": content})
+    return conversation
+
+
+async def chat_prompt(state: ServerState, messages: list[p.ChatMessage]) -> Prompt:
+    """The prompt of a chat completion: the conversation rendered, tokenized and checked."""
+    conversation = chat_conversation(messages)
+    state.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+    processor = state.processor
+    return await in_thread_for_messages(lambda: processor.process_prompt(processor.chat_prompt_ids(conversation)))
+
+
+async def chat_token_ids(state: ServerState, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The conversation's token ids, as /tokenize shows them (no prompt checks: nothing will run)."""
+    conversation = chat_conversation(messages)
+    return await in_thread_for_messages(lambda: state.processor.chat_prompt_ids(conversation, add_generation_prompt))
+
+
+async def in_thread_for_messages(render: Callable[[], R]) -> R:
+    """Runs `render` off the event loop; a template that refuses the conversation is the messages' fault."""
+    try:
+        return await asyncio.to_thread(render)
+    except (RequestError, ConfigError) as e:
+        raise bad_request(str(e), param="messages") from None

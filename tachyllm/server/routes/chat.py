@@ -1,0 +1,114 @@
+"""/v1/chat/completions: the conversation in the model's chat template, answered whole or streamed as
+server-sent events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from tachyllm.engine.input_processor import Prompt
+from tachyllm.server import protocol as p
+from tachyllm.server.admission import start_requests
+from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.openapi import route_doc
+from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
+from tachyllm.server.parsing import parse_body, reject_unsupported
+from tachyllm.server.prompts import chat_prompt
+from tachyllm.server.responses import (
+    SSE_DONE,
+    chat_logprobs,
+    event_stream,
+    finish_reason,
+    json_response,
+    sse,
+    stream_errors,
+    usage,
+)
+from tachyllm.server.sampling import logit_bias, resolve_max_tokens, sampling_params
+from tachyllm.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", **route_doc(p.ChatCompletionRequest, p.ChatCompletionResponse, generates=True))
+async def chat_completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
+    body = await parse_body(request, p.ChatCompletionRequest)
+    state.check_model(body.model)
+    reject_unsupported(body)
+    state.check_n(body.n)
+    bias = logit_bias(body.logit_bias)
+    prompt = await chat_prompt(state, body.messages)
+    requested, max_param = body.max_completion_tokens, "max_completion_tokens"
+    if requested is None:
+        requested, max_param = body.max_tokens, "max_tokens"
+    max_tokens = resolve_max_tokens(state, requested, len(prompt.token_ids), "messages", max_param)
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens, top_logprobs, bias)
+    state.check_requested_tokens([prompt], [params], max_param)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await start_requests(state, request_id, [prompt], [params], "messages")
+    if body.stream:
+        return event_stream(stream_errors(state.engine, chat_events(state, body, request_id, prompt, streams)))
+    finals = await final_outputs(request, streams)
+    if finals is None:
+        return Response(status_code=499)
+    out = finals[0]
+    choices = [
+        p.ChatChoice(
+            index=c.index,
+            message=p.AssistantMessage(content=c.text),
+            logprobs=None if top_logprobs is None else chat_logprobs(c, 0, top_logprobs),
+            finish_reason=finish_reason(out, c),
+        )
+        for c in out.outputs
+    ]
+    num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return json_response(
+        p.ChatCompletionResponse(
+            id=request_id, model=state.model_name, choices=choices, usage=usage([prompt], num_output_tokens)
+        )
+    )
+
+
+async def chat_events(
+    state: ServerState, body: p.ChatCompletionRequest, request_id: str, prompt: Prompt, streams: list[RequestStream]
+) -> AsyncIterator[str]:
+    n, created = body.n or 1, int(time.time())
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    progress = [ChoiceProgress() for _ in range(n)]
+
+    def chunk(choices: list[p.ChatChunkChoice], usage_info: p.UsageInfo | None = None) -> str:
+        return sse(
+            p.ChatCompletionChunk(
+                id=request_id, created=created, model=state.model_name, choices=choices, usage=usage_info
+            )
+        )
+
+    try:
+        for index in range(n):
+            yield chunk([p.ChatChunkChoice(index=index, delta=p.ChatDelta(role="assistant", content=""))])
+        num_output_tokens = 0
+        async for _, out in merged(streams):
+            for update in choice_updates(out, progress, 0):
+                logprobs = None
+                if top_logprobs is not None:
+                    logprobs = chat_logprobs(update.choice, update.first_token, top_logprobs)
+                if update.finish_reason is not None:
+                    num_output_tokens += len(update.choice.token_ids)
+                choice = p.ChatChunkChoice(
+                    index=update.index,
+                    delta=p.ChatDelta(content=update.text or None),
+                    logprobs=logprobs,
+                    finish_reason=update.finish_reason,
+                )
+                yield chunk([choice])
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield chunk([], usage([prompt], num_output_tokens))
+        yield SSE_DONE
+    finally:
+        for stream in streams:
+            stream.close()

@@ -1,0 +1,50 @@
+"""/tokenize and /detokenize (vLLM's): the model's tokenizer, and chat template, over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from tachyllm.server import protocol as p
+from tachyllm.server.errors import bad_request
+from tachyllm.server.openapi import route_doc
+from tachyllm.server.parsing import parse_body
+from tachyllm.server.prompts import chat_token_ids
+from tachyllm.server.responses import json_object, json_response
+from tachyllm.server.state import ServerState, server_state
+
+router = APIRouter()
+
+
+@router.post("/tokenize", **route_doc(p.TokenizeRequest, p.TokenizeResponse))
+async def tokenize(request: Request, state: ServerState = Depends(server_state)) -> Response:
+    body = await parse_body(request, p.TokenizeRequest)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", param="prompt")
+    engine = state.engine
+    tokenizer = engine.tokenizer
+    if body.messages is not None:
+        ids = await chat_token_ids(state, body.messages, body.add_generation_prompt)
+    else:
+        ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+
+    def respond() -> Response:
+        strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
+        head = {"count": len(ids), "max_model_len": engine.max_model_len}
+        return Response(json_object(head, tokens=ids, token_strs=strs), media_type="application/json")
+
+    return await asyncio.to_thread(respond)
+
+
+@router.post("/detokenize", **route_doc(p.DetokenizeRequest, p.DetokenizeResponse))
+async def detokenize(request: Request, state: ServerState = Depends(server_state)) -> Response:
+    body = await parse_body(request, p.DetokenizeRequest)
+    state.check_model(body.model)
+    engine = state.engine
+    if any(t >= engine.vocab_size for t in body.tokens):
+        raise bad_request(f"token ids must be below the vocabulary size {engine.vocab_size}", param="tokens")
+    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
+    return json_response(p.DetokenizeResponse(prompt=text))

@@ -1,0 +1,148 @@
+"""ServerState: what every route shares (the engine, the served names, the API key, the limits of one
+request) and the server's own checks (HTTP policy; the engine's InputProcessor checks the rest)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from tachyllm.engine.input_processor import InputProcessor, Prompt
+from tachyllm.sampling_params import SamplingParams
+from tachyllm.server.async_engine import AsyncEngine
+from tachyllm.server.errors import APIError, bad_request
+from tachyllm.server.metrics import ServerMetrics
+
+logger = logging.getLogger("tachyllm.server")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one HTTP request may ask for (each breach is a 400 naming the field)."""
+
+    max_n: int = 128  # OpenAI's own cap on n
+    max_prompts: int = 256  # prompts in one completions request
+    # Tokens one HTTP request may claim: prompts plus n x max_tokens, summed over its prompts.
+    max_request_tokens: int = 1 << 20
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_names: list[str]
+    api_key: str | None
+    max_queue_len: int | None
+    metrics: ServerMetrics
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Seconds a step may run before the engine counts as hung (0: never).
+    iteration_timeout: float = 0.0
+    draining: bool = False
+
+    @property
+    def model_name(self) -> str:
+        return self.served_names[0]
+
+    @property
+    def processor(self) -> InputProcessor:
+        return self.engine.input_processor
+
+    async def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(
+                401,
+                "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.served_names))}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_not_draining(self) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                "service_unavailable_error",
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
+
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve (it stopped, or its step hangs past the timeout); None if it can."""
+        if not self.engine.is_running:
+            return f"the engine stopped: {self.engine.error}" if self.engine.error else "the engine was shut down"
+        busy = self.engine.busy_seconds()
+        if self.iteration_timeout and busy > self.iteration_timeout:
+            return (
+                f"the engine's current iteration has run for {busy:.0f} s "
+                f"(--engine-iteration-timeout {self.iteration_timeout:g})"
+            )
+        return None
+
+    @property
+    def context_limit(self) -> int:
+        """Prompt and output tokens together: what the context and the KV cache both hold."""
+        return self.processor.limits.context_limit
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuses, before tokenizing, a prompt whose length alone proves it cannot fit: no token
+        spells more than max_token_chars characters."""
+        per_token = self.engine.tokenizer.max_token_chars
+        if num_chars > self.context_limit * per_token:
+            raise bad_request(
+                f"the prompt has {num_chars} characters, more than the {self.context_limit} tokens of this "
+                f"server's context limit can hold (at most {per_token} characters per token); shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_n(self, n: int | None) -> None:
+        if (n or 1) > self.limits.max_n:
+            raise bad_request(f"n must be at most {self.limits.max_n} on this server (--max-n), got {n}", param="n")
+
+    def check_requested_tokens(self, prompts: list[Prompt], params: list[SamplingParams], max_param: str) -> None:
+        requested = sum(len(pr.token_ids) + sp.n * sp.max_tokens for pr, sp in zip(prompts, params))
+        if requested > self.limits.max_request_tokens:
+            raise bad_request(
+                f"this request asks for {requested} tokens (prompts plus n x {max_param}), more than this "
+                f"server's limit of {self.limits.max_request_tokens} per request (--max-request-tokens); "
+                f"lower n or {max_param}, or send fewer prompts",
+                param=max_param,
+            )
+
+    async def drain(self, timeout: float) -> None:
+        """Refuses new requests, waits up to `timeout` s for the admitted ones, then aborts the rest."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if unfinished := self.engine.num_unfinished:
+            logger.info("shutting down: waiting up to %.1f s for %d requests", timeout, unfinished)
+        while self.engine.num_unfinished and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if unfinished := self.engine.num_unfinished:
+            logger.warning("shutdown timeout reached: aborting %d unfinished requests", unfinished)
+            self.engine.abort_all()
+
+
+async def server_state(request: Request) -> ServerState:
+    """The app's ServerState, as a route dependency."""
+    return request.app.state.server
+
+
+async def authorize(request: Request) -> None:
+    """The API key check, as a dependency of every route but the open ones."""
+    await request.app.state.server.authorize(request)
