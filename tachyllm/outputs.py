@@ -82,6 +82,39 @@ class RequestOutput:
         return f"RequestOutput(id={self.request_id!r}, finished={self.finished}, outputs={texts!r}, error={self.error!r})"
 
 
+class DeltaAccumulator:
+    """Adds up a request's DELTA outputs (RequestOutputKind.DELTA) into one output holding everything
+    so far, in O(size of each delta): texts are joined once, when result() is asked for."""
+
+    def __init__(self) -> None:
+        self._out: RequestOutput | None = None
+        self._texts: dict[int, list[str]] = {}
+
+    def add(self, delta: RequestOutput) -> None:
+        if self._out is None:
+            self._out = delta
+            self._texts = {c.index: [c.text] for c in delta.outputs}
+            return
+        out = self._out
+        for c in delta.outputs:
+            total = out.outputs[c.index]
+            self._texts[c.index].append(c.text)
+            total.token_ids += c.token_ids
+            if total.logprobs is not None and c.logprobs is not None:
+                total.logprobs += c.logprobs
+            total.finish_reason, total.stop_reason = c.finish_reason, c.stop_reason
+            total.cumulative_logprob = c.cumulative_logprob
+        out.finished, out.error, out.metrics = delta.finished, delta.error, delta.metrics
+
+    def result(self) -> RequestOutput:
+        out = self._out
+        for c in out.outputs:
+            parts = self._texts[c.index]
+            c.text = parts[0] if len(parts) == 1 else "".join(parts)
+            self._texts[c.index] = [c.text]
+        return out
+
+
 @dataclass
 class StepStats:
     """Counters the engine accumulates; the server and logs read them."""

@@ -18,6 +18,7 @@ from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import RequestError
 from tachyllm.outputs import RequestOutput, StepStats
 from tachyllm.runner import kv_cache
+from tachyllm.step import StepBatch
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
@@ -343,7 +344,7 @@ def test_stats_line_at_most_once_per_interval(tiny_model_factory, caplog):
     logger = StatsLogger(block_size=4, prefix_caching=True, interval_s=5.0)
     t0 = time.monotonic()
     logged = [
-        logger.maybe_log(StepStats(), eng.scheduler, eng.block_manager, [], now=t0 + t) for t in (1, 4, 6, 7, 10, 12)
+        logger.maybe_log(StepStats(), eng.scheduler, eng.block_manager, StepBatch([]), [], now=t0 + t) for t in (1, 4, 6, 7, 10, 12)
     ]
     assert logged == [False, False, True, False, False, True]
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
-from tachyllm.outputs import RequestOutput
+from tachyllm.outputs import DeltaAccumulator, RequestOutput
 from tachyllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tachyllm.server")
@@ -49,8 +49,8 @@ class QueueFullError(TachyError):
 class RequestStream:
     """One request's outputs, in order, as an async iterator; close() aborts the request if unfinished.
 
-    Outputs are cumulative (text and token ids so far), so a consumer that fell behind only needs
-    the newest one: __anext__ skips to it.
+    The server asks for DELTA outputs (what each step added), so a consumer that fell behind gets the
+    outputs waiting for it added up into one.
     """
 
     def __init__(self, engine: AsyncEngine, request_id: str) -> None:
@@ -71,8 +71,15 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         item = await self._queue.get()
-        while not self._queue.empty() and not isinstance(item, BaseException):
-            item = self._queue.get_nowait()
+        if not self._queue.empty() and not isinstance(item, BaseException):
+            waiting = DeltaAccumulator()
+            waiting.add(item)
+            while not self._queue.empty() and not isinstance(item, BaseException):
+                item = self._queue.get_nowait()
+                if not isinstance(item, BaseException):
+                    waiting.add(item)
+            if not isinstance(item, BaseException):
+                item = waiting.result()
         if isinstance(item, BaseException):
             self._done = True
             raise item

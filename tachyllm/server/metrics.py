@@ -111,7 +111,7 @@ class ServerMetrics:
     def _observe_finished(self, out: RequestOutput) -> None:
         m = out.metrics
         reason = out.outputs[0].finish_reason if out.outputs else None
-        prompt_len, output_len = len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+        prompt_len, output_len = len(out.prompt_token_ids), m.num_generated_tokens
         ttft = "-" if m.ttft is None else f"{m.ttft * 1000:.1f} ms"
         tpot = "-" if m.mean_tpot is None else f"{m.mean_tpot * 1000:.1f} ms"
         logger.info(

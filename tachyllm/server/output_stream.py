@@ -1,8 +1,9 @@
 """How the engine's outputs of a response's requests reach the response: merged() reads them as they come,
-final_outputs() keeps each request's last, and choice_updates() tells a stream what is new in each choice.
+final_outputs() adds each request's outputs up, and choice_updates() tells a stream what to send of each choice.
 
-The engine's RequestOutputs are cumulative (each holds a choice's whole text and tokens so far), so what a
-stream sends is the difference to what it sent before, which ChoiceProgress remembers.
+The server asks the engine for DELTA outputs (each holds only what a step added to a choice), so a stream
+sends them as they come, except tokens that complete no text yet (a multi-byte character in progress, a
+possible stop string held back): ChoiceProgress keeps those until text arrives with them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tachyllm.outputs import CompletionOutput, RequestOutput
+from tachyllm.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
 from tachyllm.server.async_engine import RequestStream
 from tachyllm.server.responses import finish_reason
 
@@ -59,10 +60,10 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
     """Each request's final output, in order; None if the client hung up first (all are then aborted)."""
 
     async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput] = [None] * len(streams)  # type: ignore[list-item]
+        totals = [DeltaAccumulator() for _ in streams]
         async for i, out in merged(streams):
-            finals[i] = out
-        return finals
+            totals[i].add(out)
+        return [total.result() for total in totals]
 
     async def hang_up() -> None:
         # Once the body is read, receive() returns only when the connection goes away.
@@ -81,12 +82,12 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
 
 @dataclass
 class ChoiceProgress:
-    """How much of one choice a stream has sent."""
+    """What a stream has sent of one choice, and what it holds back."""
 
-    text_len: int = 0
-    num_tokens: int = 0
+    num_tokens: int = 0  # tokens sent
     text_offset: int = 0  # completions logprobs: offset of the next token in the choice's text
     finished: bool = False
+    pending: CompletionOutput | None = None  # tokens received without text, sent with the next text
 
 
 @dataclass
@@ -94,9 +95,8 @@ class ChoiceUpdate:
     """What a stream sends next for one choice."""
 
     index: int  # the choice's index in the response
-    choice: CompletionOutput  # as the engine sent it
+    choice: CompletionOutput  # the tokens (and their logprobs) not sent yet, as the engine sent them
     text: str  # text not sent yet
-    first_token: int  # the position in choice.token_ids (and choice.logprobs) of the first token not sent yet
     finish_reason: str | None
     progress: ChoiceProgress  # already counting this update as sent
 
@@ -107,9 +107,19 @@ def choice_updates(out: RequestOutput, progress: list[ChoiceProgress], first_ind
     for c in out.outputs:
         index = first_index + c.index
         pg = progress[index]
-        delta, reason = c.text[pg.text_len :], finish_reason(out, c)
-        if pg.finished or (not delta and reason is None):
+        if pg.finished:
             continue
-        first_token = pg.num_tokens
-        pg.text_len, pg.num_tokens, pg.finished = len(c.text), len(c.token_ids), reason is not None
-        yield ChoiceUpdate(index, c, delta, first_token, reason, pg)
+        reason = finish_reason(out, c)
+        if pg.pending is not None:
+            held, pg.pending = pg.pending, None
+            c = CompletionOutput(
+                c.index, held.text + c.text, held.token_ids + c.token_ids, c.finish_reason, c.stop_reason,
+                None if c.logprobs is None else held.logprobs + c.logprobs, c.cumulative_logprob,
+            )  # fmt: skip
+        if not c.text and reason is None:
+            if c.token_ids:
+                pg.pending = c
+            continue
+        pg.num_tokens += len(c.token_ids)
+        pg.finished = reason is not None
+        yield ChoiceUpdate(index, c, c.text, reason, pg)

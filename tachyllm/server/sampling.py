@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
 from tachyllm.server.state import ServerState
@@ -69,8 +69,10 @@ def sampling_params(
     }
     try:
         # Unset (None) fields take SamplingParams' defaults, which are OpenAI's.
+        # Per-step deltas, streamed or not: a response accumulates them (output_stream.py).
         return SamplingParams(
-            max_tokens=max_tokens, ignore_eos=body.ignore_eos, **{k: v for k, v in options.items() if v is not None}
-        )
+            max_tokens=max_tokens, ignore_eos=body.ignore_eos, output_kind=RequestOutputKind.DELTA,
+            **{k: v for k, v in options.items() if v is not None},
+        )  # fmt: skip
     except ValueError as e:  # cross-field checks (e.g. min_tokens > max_tokens); messages start with the field
         raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None

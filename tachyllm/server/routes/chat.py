@@ -96,9 +96,9 @@ async def chat_events(
             for update in choice_updates(out, progress, 0):
                 logprobs = None
                 if top_logprobs is not None:
-                    logprobs = chat_logprobs(update.choice, update.first_token, top_logprobs)
+                    logprobs = chat_logprobs(update.choice, 0, top_logprobs)
                 if update.finish_reason is not None:
-                    num_output_tokens += len(update.choice.token_ids)
+                    num_output_tokens += update.progress.num_tokens
                 choice = p.ChatChunkChoice(
                     index=update.index,
                     delta=p.ChatDelta(content=update.text or None),

@@ -109,10 +109,10 @@ async def completion_events(
                 logprobs = None
                 if body.logprobs is not None:
                     pg = update.progress
-                    logprobs = completion_logprobs(update.choice, update.first_token, body.logprobs, pg.text_offset)
+                    logprobs = completion_logprobs(update.choice, 0, body.logprobs, pg.text_offset)
                     pg.text_offset += sum(map(len, logprobs.tokens))
                 if update.finish_reason is not None:
-                    num_output_tokens += len(update.choice.token_ids)
+                    num_output_tokens += update.progress.num_tokens
                 choice = p.CompletionChoice(
                     index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason
                 )
