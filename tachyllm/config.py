@@ -24,6 +24,8 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf")
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Execution backends (tachyllm/backends): auto = cpu where the C++ kernels run, else torch.
+BACKENDS = ("auto", "torch", "cpu")
 
 
 @dataclass
@@ -88,6 +90,14 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8
     # vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4}; see spec_decode/config.py
     speculative_config: SpeculativeConfig | dict | str | None = None
+    backend: str = field(
+        default="auto",
+        metadata={
+            "help": "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops), "
+            "auto = cpu when the device is the CPU and the kernels built, else torch",
+            "choices": BACKENDS,
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -124,6 +134,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.backend != "auto":
+            from tachyllm.backends import resolve_backend_name  # the backends import the model layers' kernels
+
+            resolve_backend_name(self.backend, torch.device(self.device))
 
     def resolve_dtype(self) -> torch.dtype:
         """'auto' is bfloat16: half the bytes of fp32 per weight, and this CPU has native bf16 dot

@@ -8,6 +8,7 @@ import time
 import torch
 
 from tachyllm import faults
+from tachyllm.backends import create_backend
 from tachyllm.config import EngineConfig, default_threads
 from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.engine.block_manager import BlockManager
@@ -18,7 +19,7 @@ from tachyllm.errors import EngineCorruptedError, RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import load_checkpoint
 from tachyllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
-from tachyllm.quantization.kv_calibration import quantized_kv_caches
+from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
@@ -44,9 +45,10 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.backend = create_backend(config.backend, self.device)
 
         self.model, self.weight_bytes = build_model(
-            ckpt, self.dtype, self.device, self.max_model_len,
+            ckpt, self.dtype, self.backend, self.max_model_len,
             config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
         )  # fmt: skip
         model = self.model
@@ -58,14 +60,14 @@ class LLMEngine:
         num_blocks = cache_bytes // block_bytes
         if num_blocks < 1:
             raise RequestError(f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)")
-        caches = kv_cache.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, self.device)
+        scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
+        caches = self.backend.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, scales)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20,
             str(kv_dtype).removeprefix("torch."), self.max_model_len,
         )  # fmt: skip
         if config.kv_cache_dtype != "auto":
-            caches = quantized_kv_caches(model, self.tokenizer, caches)
             logger.info(
                 "KV cache dtype %s: %.1fx the blocks of %s at the same memory",
                 config.kv_cache_dtype, self.dtype.itemsize / kv_dtype.itemsize, str(self.dtype).removeprefix("torch."),
@@ -82,12 +84,12 @@ class LLMEngine:
         eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
         self.eos_token_ids = eos
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
-        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.device)
+        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
                 config.speculative_config, self.model, ckpt, sampler, num_blocks, config.block_size,
-                self.max_model_len, self.dtype, self.device,
+                self.max_model_len, self.dtype, self.backend,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}
         # The fault barrier's view of the current step: what it works on, who failed already, and

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tachyllm.config import QUANT_ACTIVATION_BITS, EngineConfig
+from tachyllm.config import BACKENDS, QUANT_ACTIVATION_BITS, EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import TachyError
 from tachyllm.sampling_params import SamplingParams
@@ -72,6 +72,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="activation rounding of the int4/gguf C++ kernels: 16, or 8 (llama.cpp's Q8_1: faster batches, lower fidelity) (default: 16)",
     )  # fmt: skip
     g.add_argument("--kv-cache-dtype", default="auto", help="KV cache storage: auto (model dtype), fp8, fp8_e5m2, int8")
+    g.add_argument("--backend", default="auto", choices=BACKENDS, help="execution backend: cpu (C++ kernels), torch (PyTorch ops); auto = cpu where they run")
     g.add_argument(
         "--speculative-config", default=None,
         help='speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} or '
@@ -116,6 +117,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         quant_activation_bits=args.quant_activation_bits,
         kv_cache_dtype=args.kv_cache_dtype,
         speculative_config=args.speculative_config,
+        backend=args.backend,
     )
 
 

@@ -1,4 +1,5 @@
-"""Turns a SchedulerOutput into one forward pass over a flattened token batch, then samples.
+"""Runs one step: a StepBatch through the model (inputs and attention metadata from the backend's
+MetadataBuilder), then samples.
 
 The batch is ordered decodes first (a sequence's last token, plus any draft tokens to verify),
 then prefill chunks, with no padding between sequences.
@@ -6,30 +7,22 @@ then prefill chunks, with no padding between sequences.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
 from tachyllm import faults
+from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
 from tachyllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 from tachyllm.engine.sequence import Sequence, SequenceStatus
-from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, runs_native
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.sampler import Sampler
 from tachyllm.spec_decode.rejection import verify
+from tachyllm.step import SamplingInput, StepBatch
+from tachyllm.step import ScheduledSeq as StepSeq
 
 LogprobInfo = tuple[float, int, list[int], list[float]]
-
-# Prompts at least this long keep a contiguous K/V copy while they are prefilled in chunks.
-CHUNK_BUFFER_MIN_TOKENS = 256
-
-
-@dataclass(eq=False)
-class _ChunkBuffer:
-    seq: Sequence
-    kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
-    filled: int = 0  # leading positions holding valid K/V
 
 
 @dataclass
@@ -48,33 +41,26 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         block_size: int,
         sampler: Sampler,
-        device: torch.device,
+        backend: Backend,
     ):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.sampler = sampler
-        self.device = device
-        # Whether the C++ kernel computes attention (CPU): it reads every sequence's context from
-        # the paged cache by block table.
-        k_cache = kv_caches[0][0]
-        self.native_attention = runs_native(k_cache)
-        # A quantized cache is read back even by a prompt's first chunk (instead of its fresh K/V),
-        # so that a prompt computes the same whether its prefix comes from the cache or not.
-        self.read_back_first_chunk = not isinstance(k_cache, torch.Tensor)
-        # Otherwise a long prompt prefilled in chunks keeps a contiguous K/V copy; quantized caches
-        # dequantize on read, which the copy would skip.
-        self.use_chunk_buffers = isinstance(k_cache, torch.Tensor) and not self.native_attention
-        self.chunk_buffers: dict[int, _ChunkBuffer] = {}
+        self.backend = backend
+        self.device = backend.device
+        self.builder = backend.metadata_builder(kv_caches, block_size)
+        # Sequences whose last step left their prompt part-computed, for finished_seq_ids.
+        self._prefilling: dict[int, Sequence] = {}
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> list[SeqStepResult]:
         """Runs the step; returns what each sequence that reached its next token gained."""
         ordered = _decode_first(sched.scheduled)
-        hidden = self._forward(ordered)
+        hidden = self._forward(self._step_batch(ordered), [s.seq for s in ordered])
         plain_rows, plain_seqs, spec_rows, spec = [], [], [], []
         end = 0
         for s in ordered:
@@ -105,122 +91,47 @@ class ModelRunner:
     def last_token_logits(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Logits of each sequence's last scheduled position, in the given order (a draft model's step)."""
         ordered = _decode_first(scheduled)
-        hidden = self._forward(ordered)
+        hidden = self._forward(self._step_batch(ordered), [s.seq for s in ordered])
         ends = torch.tensor([s.num_new_tokens for s in ordered]).cumsum(0) - 1
         logits = self.model.compute_logits(hidden[ends.to(self.device)])
         order = {id(s): i for i, s in enumerate(ordered)}
         return logits[torch.tensor([order[id(s)] for s in scheduled], device=self.device)]
 
-    def _forward(self, ordered: list[ScheduledSeq]) -> torch.Tensor:
-        faults.check("prepare", (s.seq for s in ordered))
-        input_ids, positions, meta = self._prepare(ordered)
-        faults.check("forward", (s.seq for s in ordered))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, attention metadata) of the step, made by the backend's builder."""
+        return self.builder.prepare(batch)
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        """Hidden states [batch.num_tokens, hidden] of every token of the step, as a step computes
+        them (teacher-forced scoring: eval/quality.py)."""
+        return self._forward(batch, ())
+
+    def _forward(self, batch: StepBatch, seqs: Iterable[Sequence]) -> torch.Tensor:
+        faults.check("prepare", seqs)
+        input_ids, positions, meta = self.prepare(batch)
+        faults.check("forward", seqs)
+        return self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _step_batch(self, ordered: list[ScheduledSeq]) -> StepBatch:
+        """The scheduler's step as a StepBatch, until the scheduler emits one itself."""
+        finished = [i for i, seq in self._prefilling.items() if seq.status != SequenceStatus.RUNNING]
+        for seq_id in finished:
+            del self._prefilling[seq_id]
+        seqs = []
         for s in ordered:
-            buffer = self.chunk_buffers.get(s.seq.seq_id)
-            if buffer is not None:
-                buffer.filled = s.seq.num_computed_tokens + s.num_new_tokens
-                if s.completes:  # the prompt is done: decodes read the paged cache
-                    del self.chunk_buffers[s.seq.seq_id]
-        return hidden
-
-    def _chunk_buffer(self, s: ScheduledSeq) -> _ChunkBuffer | None:
-        """The contiguous K/V copy for a long prompt prefilled in several chunks (created at its
-        first chunk, or after a preemption reset it)."""
-        seq, start = s.seq, s.seq.num_computed_tokens
-        if not self.use_chunk_buffers or seq.num_tokens < CHUNK_BUFFER_MIN_TOKENS or (start == 0 and s.completes):
-            return None
-        buffer = self.chunk_buffers.get(seq.seq_id)
-        if buffer is None or buffer.filled > start or buffer.kv.shape[3] < seq.num_tokens:
-            k_cache = self.kv_caches[0][0]
-            layers, kv_heads, head_dim = len(self.kv_caches), k_cache.shape[2], k_cache.shape[3]
-            kv = torch.empty(layers, 2, kv_heads, seq.num_tokens, head_dim, dtype=k_cache.dtype, device=self.device)
-            buffer = self.chunk_buffers[seq.seq_id] = _ChunkBuffer(seq, kv)
-        return buffer
-
-    def _drop_stale_chunk_buffers(self) -> None:
-        for seq_id in [i for i, b in self.chunk_buffers.items() if b.seq.status != SequenceStatus.RUNNING]:
-            del self.chunk_buffers[seq_id]
-
-    def _slots(self, block_tables: list[list[int]], num_slots: int) -> torch.Tensor:
-        """Flat cache slots of positions [0, num_slots) for each block table, as [len(tables), num_slots]."""
-        bs = self.block_size
-        width = -(-num_slots // bs)
-        table = torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables], dtype=torch.long)
-        slots = table.unsqueeze(-1) * bs + torch.arange(bs)
-        return slots.view(len(block_tables), -1)[:, :num_slots]
-
-    def _prepare(self, ordered: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        if self.chunk_buffers:
-            self._drop_stale_chunk_buffers()
-        bs = self.block_size
-        native = self.native_attention
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        # Sequences whose attention reads the paged cache by block table: the decodes, or with the
-        # C++ kernel every sequence.
-        tables, starts, counts = [], [], []
-        prefills: list[PrefillSpan] = []
-        for s in ordered:
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            table = seq.block_table
-            input_ids += seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
-            positions += range(start, start + n)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if native or s.num_real_tokens == 1:
-                tables.append(table)
-                starts.append(start)
-                counts.append(n)
+            seq, start = s.seq, s.seq.num_computed_tokens
+            sampling = None
+            if s.completes:
+                sampling = SamplingInput(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs)
+                self._prefilling.pop(seq.seq_id, None)
             else:
-                offset = len(input_ids) - n
-                read_back = start > 0 or self.read_back_first_chunk
-                slots = self._slots([table], start + n)[0].to(self.device) if read_back else None
-                span = PrefillSpan(offset, offset + n, slots, start)
-                buffer = self._chunk_buffer(s)
-                if buffer is not None:
-                    span.buffer, span.buffer_filled = buffer.kv, buffer.filled
-                prefills.append(span)
-
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
-            num_decode_tokens=sum(counts),
-            decode_slots=None,
-            decode_bias=None,
-            prefills=prefills,
-        )
-        if tables and native:
-            first_rows = [0] + list(accumulate(counts))[:-1]
-            meta.seq_info = torch.tensor(list(zip(first_rows, counts, starts)), dtype=torch.int32)
-            width = max(len(t) for t in tables)
-            meta.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        elif tables:
-            self._decode_metadata(meta, tables, starts, counts)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return ids, pos, meta
-
-    def _decode_metadata(
-        self, meta: AttentionMetadata, tables: list[list[int]], starts: list[int], counts: list[int]
-    ) -> None:
-        """Context slots and masks of the decodes; query j of a decode starting at position p sees
-        positions <= p + j (padding queries repeat the decode's last one)."""
-        queries = max(counts)
-        starts_t, counts_t = torch.tensor(starts), torch.tensor(counts)
-        max_len = int((starts_t + counts_t).max())
-        meta.decode_slots = self._slots(tables, max_len).to(self.device)
-        j = torch.arange(queries).unsqueeze(0)
-        last_visible = starts_t.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)  # [B, queries]
-        hidden_slot = torch.arange(max_len).view(1, 1, -1) > last_visible.unsqueeze(-1)
-        bias = torch.zeros(len(tables), queries, max_len).masked_fill(hidden_slot, float("-inf"))
-        meta.decode_bias = bias.view(len(tables), 1, queries, 1, max_len).to(self.device)
-        meta.decode_queries = queries
-        if min(counts) != queries:
-            first_row = counts_t.cumsum(0) - counts_t
-            padded = first_row.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)
-            real = (j < counts_t.unsqueeze(1)).flatten()
-            meta.decode_query_rows = padded.flatten().to(self.device)
-            meta.decode_output_rows = torch.arange(len(tables) * queries)[real].to(self.device)
+                self._prefilling[seq.seq_id] = seq
+            token_ids = seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
+            seqs.append(
+                StepSeq(seq.seq_id, seq.request.request_id, start, token_ids, len(s.spec_token_ids), seq.block_table, seq.num_tokens, sampling)
+            )
+        return StepBatch(seqs, finished)
 
 
 def _decode_first(scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
