@@ -175,7 +175,10 @@ class Backend(ABC):
             return caches
         flat = (-1, cfg.num_kv_heads, cfg.head_dim)
         return [
-            (QuantizedKV(k.view(flat), ks.to(self.device), block_size), QuantizedKV(v.view(flat), vs.to(self.device), block_size))
+            (
+                QuantizedKV(k.view(flat), ks.to(self.device), block_size),
+                QuantizedKV(v.view(flat), vs.to(self.device), block_size),
+            )
             for (k, v), (ks, vs) in zip(caches, scales)
         ]
 

@@ -158,7 +158,14 @@ class CpuBackend(Backend):
         return CpuMetadataBuilder(self, kv_caches, block_size)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKV, meta: CpuMetadata, scale: float, layer: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKV,
+        meta: CpuMetadata,
+        scale: float,
+        layer: int,
     ) -> torch.Tensor:
         (kc, ks), (vc, vs) = kernel_caches(*kv_cache)
         self._write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)

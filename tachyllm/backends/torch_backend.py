@@ -99,7 +99,9 @@ class TorchMetadataBuilder(MetadataBuilder):
                         del self.chunk_buffers[s.seq_id]
                 prefills.append(span)
             offset += n
-        meta = TorchMetadata(backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=sum(counts), prefills=prefills)
+        meta = TorchMetadata(
+            backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=sum(counts), prefills=prefills
+        )
         if tables:
             self._decode_metadata(meta, tables, starts, counts)
         return input_ids, positions, meta
@@ -126,7 +128,9 @@ class TorchMetadataBuilder(MetadataBuilder):
         slots = table.unsqueeze(-1) * bs + torch.arange(bs)
         return slots.view(len(block_tables), -1)[:, :num_slots]
 
-    def _decode_metadata(self, meta: TorchMetadata, tables: list[list[int]], starts: list[int], counts: list[int]) -> None:
+    def _decode_metadata(
+        self, meta: TorchMetadata, tables: list[list[int]], starts: list[int], counts: list[int]
+    ) -> None:
         """Context slots and masks of the decodes; query j of a decode starting at position p sees
         positions <= p + j (padding queries repeat the decode's last one)."""
         queries = max(counts)
@@ -156,7 +160,14 @@ class TorchBackend(Backend):
         return TorchMetadataBuilder(self, kv_caches, block_size)
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKV, meta: TorchMetadata, scale: float, layer: int
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKV,
+        meta: TorchMetadata,
+        scale: float,
+        layer: int,
     ) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, layer)
 
@@ -252,7 +263,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cach
     return _causal_head_major(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), num_cached, scale)
 
 
-def _causal_head_major(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
+def _causal_head_major(
+    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
     """causal_attention with K/V given head-major: kh, vh [kv_heads, num_cached + L, hd]."""
     length, num_heads, head_dim = q.shape
     num_kv_heads = kh.shape[0]
@@ -270,5 +283,7 @@ def _causal_head_major(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_
         scores[..., first:].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(probs, vh[:, :visible])  # [kvh, rows, hd]
-        out[i0:i1] = o.view(num_kv_heads, i1 - i0, group, head_dim).transpose(0, 1).reshape(i1 - i0, num_heads, head_dim)
+        out[i0:i1] = (
+            o.view(num_kv_heads, i1 - i0, group, head_dim).transpose(0, 1).reshape(i1 - i0, num_heads, head_dim)
+        )
     return out

@@ -55,7 +55,14 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables; applied in the half-split (NeoX / HF) layout."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device, dtype, ops: LayerOps = PORTABLE_OPS
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        device,
+        dtype,
+        ops: LayerOps = PORTABLE_OPS,
     ):
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)

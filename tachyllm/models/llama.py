@@ -78,7 +78,9 @@ class LlamaForCausalLM(nn.Module):
 
     def init_rotary(self, max_positions: int) -> None:
         cfg, w = self.config, self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, w.device, w.dtype, self.ops)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, w.device, w.dtype, self.ops
+        )
 
     def fuse_layers(self, backend: Backend) -> None:
         """Gives each decoder layer the backend's fused form of it, where it has one. Called once the

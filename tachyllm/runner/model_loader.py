@@ -35,10 +35,11 @@ def build_model(
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
         gguf_path = ckpt.source if ckpt.format == "gguf" else None
+        skip = parse_skip(quant_skip)
+        kernels = backend.block_kernels()
         quantize_model(
-            model, quantization, quant_group_size, parse_skip(quant_skip), ckpt.tokenizer, gguf_path, quant_activation_bits,
-            backend.block_kernels(),
-        )  # fmt: skip
+            model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels
+        )
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
         pack_linears(model, backend.bf16_linear_kernels())

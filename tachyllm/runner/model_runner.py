@@ -123,13 +123,24 @@ class ModelRunner:
             seq, start = s.seq, s.seq.num_computed_tokens
             sampling = None
             if s.completes:
-                sampling = SamplingInput(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs)
+                sampling = SamplingInput(
+                    seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs
+                )
                 self._prefilling.pop(seq.seq_id, None)
             else:
                 self._prefilling[seq.seq_id] = seq
             token_ids = seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
             seqs.append(
-                StepSeq(seq.seq_id, seq.request.request_id, start, token_ids, len(s.spec_token_ids), seq.block_table, seq.num_tokens, sampling)
+                StepSeq(
+                    seq.seq_id,
+                    seq.request.request_id,
+                    start,
+                    token_ids,
+                    len(s.spec_token_ids),
+                    seq.block_table,
+                    seq.num_tokens,
+                    sampling,
+                )
             )
         return StepBatch(seqs, finished)
 
