@@ -209,7 +209,7 @@ def engine_settings(llm: LLM) -> dict[str, Any]:
         "kv_cache_bytes": bm.num_blocks * block_bytes,
         "kv_cache_dtype": str(kv_dtype),
         "weight_bytes": engine.weight_bytes,
-        "native_attention": engine.runner.native_attention,
+        "native_attention": engine.backend.name == "cpu",
         "torch_threads": torch.get_num_threads(),
     }
 

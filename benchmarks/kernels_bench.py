@@ -30,9 +30,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from tachyllm.backends import create_backend
+from tachyllm.backends.torch_backend import causal_attention
 from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear
 from tachyllm.kernels.native import native_ops
-from tachyllm.kernels.paged_attention import causal_attention
 from tachyllm.quantization.int4 import quantize_int4
 
 
@@ -44,11 +45,16 @@ def per_call_us(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def _engine_bf16_kernels():
+    """The bf16 kernel the engine's PackedLinear gets here (None: oneDNN's packed weight)."""
+    return create_backend("auto", torch.device("cpu")).bf16_linear_kernels()
+
+
 def bench_linear() -> None:
     print("| weight (out x in) | tokens | F.linear µs | packed µs | ratio |\n|---|---|---|---|---|")
     for out_f, in_f in [(960, 576), (3072, 576), (576, 1536), (49152, 576)]:
         linear = torch.nn.Linear(in_f, out_f, bias=False).to(torch.bfloat16)
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear, _engine_bf16_kernels())
         for tokens in (1, 64, 512):
             x = torch.randn(tokens, in_f, dtype=torch.bfloat16)
             calls = 10 if out_f * tokens > 10**6 else 100
@@ -128,7 +134,8 @@ def _copies(t: torch.Tensor, total: float = 128e6) -> list[torch.Tensor]:
 def _bf16_linears(out_f: int, in_f: int, total: float = 128e6) -> list[PackedLinear]:
     """The engine's bf16 linear (PackedLinear), each on its own weight (it may not copy it)."""
     count = max(2, int(total // (out_f * in_f * 2)))
-    return [PackedLinear(torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)) for _ in range(count)]
+    kernels = _engine_bf16_kernels()
+    return [PackedLinear(torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16), kernels) for _ in range(count)]
 
 
 QUANT_ROWS = (1, 4, 16, 64)

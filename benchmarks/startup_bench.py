@@ -95,7 +95,7 @@ STEPS = [
     ("tachyllm.loading.gguf", "dequantize", "  dequantize (gguf, numpy)"),
     ("tachyllm.loading.cache", "_Writer.commit", "  cache entry fsync + rename"),
     ("tachyllm.kernels.linear", "PackedLinear.__init__", "oneDNN weight packing"),
-    ("tachyllm.runner.kv_cache", "allocate_kv_cache", "KV cache allocation"),
+    ("tachyllm.backends.base", "Backend.allocate_kv_cache", "KV cache allocation"),
 ]
 
 

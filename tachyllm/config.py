@@ -27,6 +27,8 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf")
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Execution backends (tachyllm/backends): auto = cpu where the C++ kernels run, else torch.
+BACKENDS = ("auto", "torch", "cpu")
 
 
 def option(default: Any, help: str, *, choices: Sequence | None = None, parse: Callable[[str], Any] | None = None):
@@ -132,6 +134,12 @@ class EngineConfig:
         ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
         parse=str,
     )
+    backend: str = option(
+        "auto",
+        "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops); auto = cpu when the device"
+        " is the CPU and the kernels built, else torch",
+        choices=BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
@@ -168,6 +176,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
+        if self.backend != "auto":
+            from tachyllm.backends import resolve_backend_name  # the backends import the model layers' kernels
+
+            resolve_backend_name(self.backend, torch.device(self.device))
 
     def resolve_dtype(self) -> torch.dtype:
         """'auto' is bfloat16: half the bytes of fp32 per weight, and this CPU has native bf16 dot

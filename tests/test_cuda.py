@@ -20,6 +20,7 @@ def test_cuda_greedy_matches_transformers(tiny_model_factory, arch, tie):
     path = tiny_model_factory(arch, tie)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
     llm = LLM(str(path), dtype="float32", device="cuda", block_size=4, kv_cache_memory=4 << 20, max_num_batched_tokens=64)
+    assert llm.engine.backend.name == "torch"  # auto: the C++ kernels are CPU-only
     prompts = mixed_prompts(hf.config.vocab_size)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outputs):

@@ -10,7 +10,7 @@ from test_quantization import engine_for, teacher_forced_top1
 from tachyllm.eval.greedy import agreement
 from tachyllm.eval.greedy import greedy_tokens as greedy
 from tachyllm.kernels.kv_quant import KV_STORAGE, QuantizedKV, qmax
-from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, paged_attention
+from tachyllm.backends.torch_backend import PrefillSpan, TorchBackend, TorchMetadata, paged_attention
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys", "0123456789 numbers"]
 
@@ -55,7 +55,8 @@ def test_paged_attention_on_quantized_cache_is_close_to_plain(name):
     n = 12
     q, k, v = torch.randn(n, HEADS, HEAD_DIM), torch.randn(n, KV_HEADS, HEAD_DIM), torch.randn(n, KV_HEADS, HEAD_DIM)
     slots = torch.arange(n)
-    meta = AttentionMetadata(slots, 0, None, None, [PrefillSpan(0, n, slots, 0)])
+    backend = TorchBackend(torch.device("cpu"))
+    meta = TorchMetadata(backend=backend, slot_mapping=slots, prefills=[PrefillSpan(0, n, slots, 0)])
     plain = torch.zeros(1, 16, KV_HEADS, HEAD_DIM)
     ref = paged_attention(q, k, v, plain, plain.clone(), meta, HEAD_DIM**-0.5)
     dtype = KV_STORAGE[name]
@@ -63,7 +64,10 @@ def test_paged_attention_on_quantized_cache_is_close_to_plain(name):
     out = paged_attention(q, k, v, kc, vc, meta, HEAD_DIM**-0.5)
     assert float((out - ref).norm() / ref.norm()) < 0.05
     # Decode path: one more query token reading the quantized context.
-    meta_d = AttentionMetadata(torch.tensor([n]), 1, torch.arange(n + 1).unsqueeze(0), torch.zeros(1, 1, 1, 1, n + 1), [])
+    meta_d = TorchMetadata(
+        backend=backend, slot_mapping=torch.tensor([n]), num_decode_tokens=1,
+        decode_slots=torch.arange(n + 1).unsqueeze(0), decode_bias=torch.zeros(1, 1, 1, 1, n + 1),
+    )  # fmt: skip
     out_d = paged_attention(q[:1], k[:1], v[:1], kc, vc, meta_d, HEAD_DIM**-0.5)
     assert torch.isfinite(out_d).all()
 

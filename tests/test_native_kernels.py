@@ -6,42 +6,38 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tachyllm.backends.cpu_backend import CpuBackend, CpuLayerOps
 from tachyllm.kernels import native
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 ops = native.native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
+KERNEL_OPS = CpuLayerOps(ops) if ops is not None else None  # the cpu backend's; the layers' default is PyTorch's
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-def _eager_call(fn, *args):
-    saved = native.native_ops
-    native.native_ops = lambda: None
-    try:
-        return fn(*args)
-    finally:
-        native.native_ops = saved
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norms_rotary_and_activation_match_eager(dtype):
     torch.manual_seed(0)
-    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm = RMSNorm(96, 1e-5, KERNEL_OPS).to(dtype)
     norm.weight.data.uniform_(0.5, 1.5)
+    eager_norm = RMSNorm(96, 1e-5).to(dtype)
+    eager_norm.weight = norm.weight
     x, residual = torch.randn(7, 96, dtype=dtype), torch.randn(7, 96, dtype=dtype)
-    torch.testing.assert_close(norm(x), _eager_call(norm, x), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    expected = _eager_call(norm.add_and_norm, x.clone(), residual.clone())
+    torch.testing.assert_close(norm(x), eager_norm(x), rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    expected = eager_norm.add_and_norm(x.clone(), residual.clone())
     got = norm.add_and_norm(x.clone(), residual.clone())
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
     # q and k as row-strided views of one fused projection output, as the model has them.
-    rotary = RotaryEmbedding(32, 64, 10000.0, None, torch.device("cpu"), dtype)
+    rotary = RotaryEmbedding(32, 64, 10000.0, None, torch.device("cpu"), dtype, KERNEL_OPS)
+    eager_rotary = RotaryEmbedding(32, 64, 10000.0, None, torch.device("cpu"), dtype)
     qkv = torch.randn(5, (4 + 2 * 2) * 32, dtype=dtype)
     positions = torch.tensor([0, 3, 9, 63, 17])
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
-    expected_q, expected_k = _eager_call(rotary, positions, q.reshape(5, 4, 32), k.reshape(5, 2, 32))
+    expected_q, expected_k = eager_rotary(positions, q.reshape(5, 4, 32), k.reshape(5, 2, 32))
     rotary(positions, q.view(5, 4, 32), k.view(5, 2, 32))  # in place
     torch.testing.assert_close(qkv[:, :128].view(5, 4, 32), expected_q, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     torch.testing.assert_close(qkv[:, 128:192].view(5, 2, 32), expected_k, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
@@ -55,11 +51,13 @@ def test_norms_rotary_and_activation_match_eager(dtype):
 
 def test_mlp_uses_kernel_and_matches_eager():
     torch.manual_seed(1)
-    mlp = GatedMLP(32, 48)
+    mlp = GatedMLP(32, 48, KERNEL_OPS)
     for p in mlp.parameters():
         p.data.normal_(0, 0.2)
+    eager_mlp = GatedMLP(32, 48)
+    eager_mlp.load_state_dict(mlp.state_dict())
     x = torch.randn(3, 32)
-    torch.testing.assert_close(mlp(x), _eager_call(mlp, x))
+    torch.testing.assert_close(mlp(x), eager_mlp(x))
 
 
 def _reference_attention(q, k_cache, v_cache, tables, info, scale):
@@ -227,25 +225,24 @@ def test_write_kv_and_bad_inputs():
                              torch.tensor([[0, 1, 2]], dtype=torch.int32), 1.0)
 
 
-def _greedy(path, prompts, expect_native: bool, **kwargs):
+def _greedy(path, prompts, backend: str, **kwargs):
     from tachyllm import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=32, **kwargs)
-    assert llm.engine.runner.native_attention == expect_native
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=32, backend=backend, **kwargs)
+    assert llm.engine.backend.name == backend
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("arch, kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8"), ("llama", "fp8")])
-def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, kv_cache_dtype, monkeypatch):
+def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, kv_cache_dtype):
     """Mixed prefill chunks and decodes, n-gram speculation (several queries per decode); Qwen3's
     q/k norms run before the in-place rotary; int8 / fp8 caches read in place by the kernel."""
     tiny_llama = tiny_model_factory(arch)
     prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
-    with_kernels = _greedy(tiny_llama, prompts, speculative_config=spec, kv_cache_dtype=kv_cache_dtype, expect_native=True)
-    monkeypatch.setattr(native, "native_ops", lambda: None)
-    assert _greedy(tiny_llama, prompts, speculative_config=spec, kv_cache_dtype=kv_cache_dtype, expect_native=False) == with_kernels
+    with_kernels = _greedy(tiny_llama, prompts, "cpu", speculative_config=spec, kv_cache_dtype=kv_cache_dtype)
+    assert _greedy(tiny_llama, prompts, "torch", speculative_config=spec, kv_cache_dtype=kv_cache_dtype) == with_kernels
 
 
 @pytest.mark.parametrize(
@@ -257,13 +254,12 @@ def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantiza
     and their logprobs are identical."""
     from tachyllm import LLM, SamplingParams
     from tachyllm.kernels.linear import onednn_packing_available
-    from tachyllm.models.llama import DecoderLayer
-    from tachyllm.quantization.int4 import block_kernels
 
     # The fused layer chains the kernels the linears run; without them here it is never built.
-    if quantization is None and not (onednn_packing_available(torch.bfloat16) and ops.bf16_linear_vectorized):
+    backend = CpuBackend(torch.device("cpu"))
+    if quantization is None and not (onednn_packing_available(torch.bfloat16) and backend.bf16_linear_kernels()):
         pytest.skip("the bf16 linears run the C++ kernel only with AVX512-BF16")
-    if quantization == "int4" and block_kernels(torch.device("cpu")) is None:
+    if quantization == "int4" and backend.block_kernels() is None:
         pytest.skip("needs the C++ block kernels (AVX-512 VNNI)")
     path = str(tiny_model_factory("llama"))
     prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
@@ -272,12 +268,12 @@ def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantiza
     runs = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(DecoderLayer, "fused", lambda self, rotary: None)
+            monkeypatch.setattr(CpuBackend, "fused_decoder_layer", lambda self, layer, rotary: None)
         llm = LLM(model=path, dtype="bfloat16", quantization=quantization, quant_group_size=32 if quantization else None,
                   quant_activation_bits=activation_bits, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22,
                   speculative_config=spec)  # fmt: skip
         outs = llm.generate(prompts, params)
         runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
         if fused:
-            assert all(layer._fused is not None for layer in llm.engine.model.layers), "the fused path never ran"
+            assert all(layer.fused is not None for layer in llm.engine.model.layers), "the fused path never ran"
     assert runs[0] == runs[1]

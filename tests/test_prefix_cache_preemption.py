@@ -193,18 +193,19 @@ def test_long_chunked_prompts_use_a_contiguous_kv_copy(tiny_model_factory, monke
     output as unchunked, also when the first chunk starts on cached blocks or after preemption.
     That is the PyTorch attention path (off the CPU, or without the C++ kernels, which read every
     chunk's context from the paged cache themselves)."""
+    from tachyllm.backends import torch_backend
     from tachyllm.kernels import native
-    from tachyllm.runner import model_runner
 
     monkeypatch.setattr(native, "native_ops", lambda: None)
-    monkeypatch.setattr(model_runner, "CHUNK_BUFFER_MIN_TOKENS", 40)
+    monkeypatch.setattr(torch_backend, "CHUNK_BUFFER_MIN_TOKENS", 40)
     path = tiny_model_factory("llama")
     prompts = random_prompts(6, 5, shared=24, tail=(30, 90))
     params = SamplingParams(max_tokens=12, **GREEDY)
     expected = token_ids(run(tiny_llm(path, enable_chunked_prefill=False, enable_prefix_caching=False), prompts, params))
     chunked = tiny_llm(path, max_num_batched_tokens=16)
     created = []
-    real = chunked.engine.runner._chunk_buffer
+    builder = chunked.engine.runner.builder
+    real = builder._chunk_buffer
 
     def spy(s):
         buffer = real(s)
@@ -212,15 +213,15 @@ def test_long_chunked_prompts_use_a_contiguous_kv_copy(tiny_model_factory, monke
             created.append(buffer)
         return buffer
 
-    monkeypatch.setattr(chunked.engine.runner, "_chunk_buffer", spy)
+    monkeypatch.setattr(builder, "_chunk_buffer", spy)
     run(chunked, prompts[:1], params, "w")  # later prompts start on its cached blocks
     assert token_ids(run(chunked, prompts, params)) == expected
-    assert len(created) >= len(prompts) and not chunked.engine.runner.chunk_buffers
+    assert len(created) >= len(prompts) and not builder.chunk_buffers
     # Preemption mid-prefill: the buffer is rebuilt from the recomputed chunks.
     block_bytes = kv_cache.bytes_per_block(chunked.engine.model_config, 4, torch.float32)
     small = tiny_llm(path, max_num_batched_tokens=16, kv_cache_memory=2 * (128 // 4) * block_bytes)
     assert token_ids(run(small, prompts, params)) == expected
-    assert small.engine.stats.num_preemptions > 0 and not small.engine.runner.chunk_buffers
+    assert small.engine.stats.num_preemptions > 0 and not small.engine.runner.builder.chunk_buffers
 
 
 # -- abort -------------------------------------------------------------------------------------------

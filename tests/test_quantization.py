@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from tachyllm.backends import create_backend
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import ConfigError
@@ -22,7 +23,6 @@ from tachyllm.quantization.gguf_packed import decode_q4_0, decode_q4_1
 from tachyllm.quantization.int4 import (
     Int4Linear,
     Int4Weight,
-    block_kernels,
     pack_nibbles,
     quantize_int4,
     unpack_nibbles,
@@ -31,6 +31,8 @@ from tachyllm.quantization.int8 import Int8Linear, dequantize_int8, quantize_int
 from tachyllm.quantization.policy import parse_skip, select_linears
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys", "0123456789 numbers"]
+# The block kernels the engine's CPU backend would give quantized layers here (None without AVX-512 VNNI).
+BLOCK_KERNELS = create_backend("auto", torch.device("cpu")).block_kernels()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -219,7 +221,7 @@ def test_tiny_model_quantized_runs_and_agrees(tiny_model_factory, method):
     assert all(len(t) == 8 for t in greedy(engine_for(path, quantization=method), PROMPTS, 8))
 
 
-@pytest.mark.skipif(block_kernels(torch.device("cpu")) is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
+@pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 def test_activation_bits_reach_the_kernels_and_keep_rows_independent(tiny_model_factory):
     """quant_activation_bits=8 rounds every block-kernel layer's input to int8 (llama.cpp's Q8_1):
     the logprobs move away from the 16-bit ones, stay close to them, and in bf16 (where every kernel
@@ -275,7 +277,7 @@ def test_default_model_quantized_agrees(method):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(block_kernels(torch.device("cpu")) is None, reason="8-bit activations are a mode of the C++ block kernels (AVX-512 VNNI)")
+@pytest.mark.skipif(BLOCK_KERNELS is None, reason="8-bit activations are a mode of the C++ block kernels (AVX-512 VNNI)")
 def test_default_model_8bit_activations_cost_little_top1():
     """The opt-in 8-bit activations (quant_activation_bits=8) against the bf16 engine, beside the
     default 16 bits on the same windows: measurably further from it (mean KL against fp32 measured

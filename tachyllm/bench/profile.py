@@ -6,7 +6,7 @@ profile, its phases are wrapped in `record_function` ranges, and put back afterw
 
     tachy::step            each engine.step() (the driver loop here)
     tachy::schedule        engine.scheduler.schedule
-    tachy::prepare_inputs  engine.runner._prepare (the step's input tensors and attention metadata)
+    tachy::prepare_inputs  engine.runner.prepare (the step's input tensors and attention metadata)
     tachy::forward         the model's forward (embedding, layers, final norm; not the LM head)
     tachy::attention       paged_attention as the model calls it (tachyllm.models.llama.paged_attention)
     tachy::sample          sampling
@@ -15,7 +15,7 @@ The step's wall time is then split into categories that add up to it exactly:
 
     matmul        ops outside the ranges above, other than attention, that are matrix products
                   (linear, mm, addmm, bmm, matmul, oneDNN linear, packed int4/int8 products), LM head included
-    attention     the whole paged_attention call: K/V cache write, gather, grouped matmuls, softmax, its Python
+    attention     the whole attention call: K/V cache write, gather, grouped matmuls, softmax, its Python
     other_ops     the remaining ops of the forward and the logits (norms, rotary, activations, adds, copies)
     python_forward  the forward's time outside any op: Python and dispatch between the ops
     prepare_inputs, sampling, scheduling   the whole range (ops and Python)
@@ -52,7 +52,7 @@ RANGES = (STEP, SCHEDULE, PREPARE, FORWARD, ATTENTION, SAMPLE)
 # Categories in print order, with their labels; their ms add up to the step's.
 CATEGORIES = {
     "matmul": "matmuls (linear, mm, oneDNN, int4/int8 packed, C++ GEMV)",
-    "attention": "attention (paged_attention, whole call)",
+    "attention": "attention (the backend's, whole call)",
     "other_ops": "other ops (norms, rotary, activations, adds; C++ or ATen)",
     "python_forward": "Python / dispatch in model forward",
     "prepare_inputs": "input preparation (tensors, attention metadata)",
@@ -245,7 +245,7 @@ def analyze(events, num_steps: int) -> StepProfile:
             continue
         top_level += 1
         if region in (STEP, FORWARD):
-            if name in ATTENTION_KERNELS:  # called by the fused C++ decode layer, not paged_attention
+            if name in ATTENTION_KERNELS:  # called by the fused C++ decode layer, not the backend's attention
                 us["attention"] += dur
                 att["other_ops"] += dur
             else:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tachyllm import faults, tracing
+from tachyllm.backends import create_backend
 from tachyllm.config import EngineConfig, default_threads
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.scheduler import Scheduler, SeqUpdate
@@ -21,7 +22,7 @@ from tachyllm.errors import EngineCorruptedError, RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import load_checkpoint
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
-from tachyllm.quantization.kv_calibration import quantized_kv_caches
+from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
@@ -58,9 +59,10 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.backend = create_backend(config.backend, self.device)
 
         self.model, self.weight_bytes = build_model(
-            ckpt, self.dtype, self.device, self.max_model_len,
+            ckpt, self.dtype, self.backend, self.max_model_len,
             config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
         )  # fmt: skip
         model = self.model
@@ -72,14 +74,14 @@ class LLMEngine:
         num_blocks = cache_bytes // block_bytes
         if num_blocks < 1:
             raise RequestError(f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)")
-        caches = kv_cache.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, self.device)
+        scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
+        caches = self.backend.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, scales)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20,
             str(kv_dtype).removeprefix("torch."), self.max_model_len,
         )  # fmt: skip
         if config.kv_cache_dtype != "auto":
-            caches = quantized_kv_caches(model, self.tokenizer, caches)
             logger.info(
                 "KV cache dtype %s: %.1fx the blocks of %s at the same memory",
                 config.kv_cache_dtype, self.dtype.itemsize / kv_dtype.itemsize, str(self.dtype).removeprefix("torch."),
@@ -101,12 +103,12 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
-        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.device)
+        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
                 config.speculative_config, self.model, ckpt, sampler, num_blocks, config.block_size,
-                self.max_model_len, self.dtype, self.device, self.scheduler.step_cost,
+                self.max_model_len, self.dtype, self.backend, self.scheduler.step_cost,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}
         # The fault barrier's view of the current step: what it works on, who failed already, and

@@ -1,8 +1,8 @@
 """`tachy eval quality`: how far a configuration (quantized weights, KV cache, dtype) moves the
 model's predictions from an unquantized reference, on the held-out text shipped in tachyllm/data.
 
-Both engines score the same windows teacher-forced (the model's forward over the whole window,
-attention reading K/V back from the engine's own cache so KV quantization counts). Reported:
+Both engines score the same windows teacher-forced (each window one step of the engine's own model
+runner, so its backend, its KV cache and the cache's quantization all count). Reported:
 perplexity of each, top-1 next-token agreement, and the distribution of per-sequence mean
 KL(reference || configuration) with the worst sequences — averages hide the tails that users hit.
 """
@@ -19,7 +19,7 @@ import torch
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
-from tachyllm.quantization.calibration import HELDOUT_FILE, forward_sequence, load_text, token_windows
+from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, sequence_batch, token_windows
 
 DEFAULT_SEQ_LEN = 128
 
@@ -61,7 +61,7 @@ def eval_engine(config: EngineConfig, seq_len: int) -> LLMEngine:
 
 def sequence_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """Log-probabilities [n, vocab] (fp32) of the next token at every position of the window."""
-    hidden = forward_sequence(engine.model, token_ids, engine.runner.kv_caches, read_cache=True)
+    hidden = engine.runner.forward(sequence_batch(token_ids, engine.config.block_size))
     with torch.inference_mode():
         return torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
 

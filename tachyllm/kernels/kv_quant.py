@@ -7,7 +7,7 @@ dynamic per-token scales would have to be stored beside the cache and break the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,13 +32,17 @@ class QuantizedKV:
     data: torch.Tensor
     scale: torch.Tensor
     block_size: int | None = None
+    # (paged data, flat scales): made once, as every layer of every step passes them to the kernels.
+    _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def paged(self) -> torch.Tensor:
         return self.data.view(-1, self.block_size, *self.data.shape[1:])
 
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache, per-head scales) as the C++ kernels take them."""
-        return self.paged(), self.scale.view(-1)
+        if self._kernel_args is None:
+            self._kernel_args = self.paged(), self.scale.view(-1)
+        return self._kernel_args
 
     def write(self, slots: torch.Tensor, x: torch.Tensor) -> None:
         dtype = self.data.dtype

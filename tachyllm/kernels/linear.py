@@ -13,11 +13,11 @@ AVX512-BF16 (where the kernel is a scalar loop), the weight is prepacked for one
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from tachyllm.kernels import native
 
 # Largest row count (tokens) sent to the C++ kernel. Against F.linear on the same weight, at the
 # default model's shapes: 1.3-3x faster up to 16 rows; at 64 rows 0-7% slower with 1 thread and
@@ -30,14 +30,14 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    """`kernels`: the backend's bf16 matrix-vector kernel (Backend.bf16_linear_kernels), or None."""
+
+    def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
-        ops = native.cpu_ops(weight.device) if weight.dtype == torch.bfloat16 else None
-        # Without AVX512-BF16 the kernel is a scalar loop, ~8x slower than oneDNN: not worth it.
-        self.ops = ops if getattr(ops, "bf16_linear_vectorized", False) else None
+        self.ops = kernels if weight.dtype == torch.bfloat16 else None
         if self.ops is not None:
             self.weight, self.packed_weight = weight, None
         else:
@@ -55,11 +55,11 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, kernels: ModuleType | None = None) -> int:
     """Replaces every nn.Linear in model by a PackedLinear; returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
+        setattr(parent, child, PackedLinear(module, kernels))
     return len(targets)

@@ -4,8 +4,8 @@ kept on disk, and loaded in a few milliseconds afterwards.
 Eager PyTorch spends most of a small decode step in per-op dispatch (~1,700 ATen ops per step for
 the default model); these kernels fuse each layer's norms, rotary, paged decode attention and
 activation into single calls, and add quantized matrix-vector products that read GGUF-style
-blocks at memory speed. Every caller keeps a pure-PyTorch path: it runs when the build fails
-(no compiler), off the CPU, or with TACHY_NATIVE=0.
+blocks at memory speed. The cpu backend (backends/cpu_backend.py) runs them; when the build fails
+(no compiler), off the CPU, or with TACHY_NATIVE=0, the engine runs the portable torch backend.
 
 Build directory: $TACHY_NATIVE_DIR, else <XDG cache>/tachyllm/native/<key>, where the key covers
 the sources, the torch version and the CPU, so a stale or foreign build is never loaded.
@@ -116,9 +116,4 @@ def native_ops() -> ModuleType | None:
         message = str(exc).strip().splitlines()
         logger.warning("C++ kernels unavailable, using PyTorch ops (slower): %s", message[-1] if message else exc)
         return None
-
-
-def cpu_ops(device: torch.device) -> ModuleType | None:
-    """The kernels if tensors on `device` can use them."""
-    return native_ops() if device.type == "cpu" else None
 

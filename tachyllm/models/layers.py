@@ -1,43 +1,33 @@
-"""Building blocks shared by the decoder-only models: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by the decoder-only models: RMSNorm, rotary embedding, gated MLP.
+
+Each runs its elementwise work through the LayerOps it is built with (the backend's `ops`:
+portable PyTorch by default, tachyllm's C++ kernels with the cpu backend)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tachyllm.backends.base import PORTABLE_OPS, LayerOps
 from tachyllm.errors import ConfigError
-from tachyllm.kernels.native import cpu_ops
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: LayerOps = PORTABLE_OPS):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self._norm, self._add_norm = ops.rms_norm, ops.add_rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_ops(x.device)
-        if ops is not None and x.dim() == 2 and x.dtype == self.weight.dtype:
-            out = torch.empty_like(x)
-            ops.rms_norm(out, x, self.weight, self.eps)
-            return out
-        # Normalise in fp32 like the reference implementation, then scale in the model dtype.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self._norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add fused with the next norm: returns (norm(x + residual), x + residual).
-        The C++ kernel updates both tensors in place (x is always a fresh layer output)."""
-        ops = cpu_ops(x.device)
-        if ops is not None and x.dim() == 2 and x.dtype == residual.dtype == self.weight.dtype:
-            ops.add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        residual = x + residual
-        return self.forward(residual), residual
+        """Residual add fused with the next norm: returns (norm(x + residual), x + residual); may
+        update both tensors in place (x is always a fresh layer output)."""
+        return self._add_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -64,40 +54,35 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
 class RotaryEmbedding:
     """Precomputed cos/sin tables; applied in the half-split (NeoX / HF) layout."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, device, dtype):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        device,
+        dtype,
+        ops: LayerOps = PORTABLE_OPS,
+    ):
         inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self._rotate = ops.rotary
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotates q [tokens, heads, head_dim] and k; in place where the C++ kernel runs."""
-        ops = cpu_ops(q.device)
-        if ops is not None and q.dtype == self.cos.dtype:
-            ops.rotary_inplace(q, k, positions, self.cos, self.sin)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        """Rotates q [tokens, heads, head_dim] and k (possibly in place)."""
+        return self._rotate(positions, q, k, self.cos, self.sin)
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, ops: LayerOps = PORTABLE_OPS):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self._silu_mul = ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = cpu_ops(x.device)
-        if ops is not None and gate_up.dim() == 2:
-            return self.down_proj(ops.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self._silu_mul(self.gate_up_proj(x)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from torch import nn
 
@@ -12,7 +13,7 @@ from tachyllm.errors import ConfigError
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
 from tachyllm.quantization.gguf_packed import Q8_0Linear, Q8_0Weight, head_weight_name, packed_gguf_weights
-from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight, block_kernels
+from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
 from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.quantization.policy import select_linears
 
@@ -66,7 +67,10 @@ def quantize_model(
     tokenizer=None,
     gguf_path: str | None = None,
     activation_bits: int = ACTIVATION_BITS,
+    kernels: ModuleType | None = None,
 ) -> QuantizationResult:
+    """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / Q8_0 layers pack
+    their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere)."""
     targets, skipped = select_linears(model, skip)
     result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
     groups: dict[str, int] = {}
@@ -83,11 +87,11 @@ def quantize_model(
     if method == "int8":
         replacements = {n: Int8Linear.from_linear(model.get_submodule(n)) for n in targets}
     elif method == "int4":
-        replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n]) for n in targets}
+        replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels) for n in targets}
     elif method == "awq":
-        replacements = _awq(model, targets, groups, tokenizer)
+        replacements = _awq(model, targets, groups, tokenizer, kernels)
     elif method == "gguf":
-        replacements = _gguf(model, targets, gguf_path, result)
+        replacements = _gguf(model, targets, gguf_path, result, kernels)
     else:
         raise ConfigError(f"unknown quantization {method!r}")
 
@@ -116,14 +120,16 @@ def _set_activation_bits(model: nn.Module, bits: int) -> None:
             logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
 
-def _awq(model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer) -> dict[str, nn.Module]:
+def _awq(
+    model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer, kernels: ModuleType | None
+) -> dict[str, nn.Module]:
     windows = calibration_windows(model, tokenizer, AWQ_SEQ_LEN, AWQ_WINDOWS)
     if not windows:
         raise ConfigError("awq: the calibration text is shorter than one window")
     inputs = collect_inputs(model, targets, windows)
     out, plain_total, best_total = {}, 0.0, 0.0
     for name in targets:
-        out[name], plain, best = awq_linear(model.get_submodule(name), inputs.pop(name), groups[name])
+        out[name], plain, best = awq_linear(model.get_submodule(name), inputs.pop(name), groups[name], kernels)
         plain_total, best_total = plain_total + plain, best_total + best
     logger.info(
         "awq: %d calibration tokens; summed layer output MSE %.4g (plain int4) -> %.4g (awq)",
@@ -132,7 +138,9 @@ def _awq(model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer
     return out
 
 
-def _gguf(model: nn.Module, targets: list[str], path: str | None, result: QuantizationResult) -> dict[str, nn.Module]:
+def _gguf(
+    model: nn.Module, targets: list[str], path: str | None, result: QuantizationResult, kernels: ModuleType | None
+) -> dict[str, nn.Module]:
     """Runs the file's own Q4_0/Q4_1 blocks for the targeted layers, and a Q8_0 LM head (its own
     output.weight or the tied token_embd) on its Q8_0 blocks with the C++ kernel.
 
@@ -141,20 +149,20 @@ def _gguf(model: nn.Module, targets: list[str], path: str | None, result: Quanti
     default) or not. The default skip exists so that tachyllm does not round the head more coarsely
     than the checkpoint; a Q8_0 head *is* the checkpoint's precision, and its dequantized bf16 copy
     would only round it once more and stream twice the bytes (54 vs 29 MiB per step for the default
-    model). TACHY_NATIVE=0 (all C++ kernels off) gives the dequantized head. A Q4_0/Q4_1 head keeps
+    model). Without the block kernels (the torch backend) the head is dequantized. A Q4_0/Q4_1 head keeps
     the usual rule: skipped (default) -> dequantized, not skipped -> int4 kernel on its blocks.
     """
     if path is None:
         raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
     head_source = head_weight_name(model.config)
-    head_q8_0 = (head_source,) if block_kernels(model.embed_tokens.weight.device) is not None else ()
+    head_q8_0 = (head_source,) if kernels is not None else ()
     packed, other = packed_gguf_weights(path, model.config, q8_0=head_q8_0)
     dtype = model.embed_tokens.weight.dtype
     for name, kind in sorted(other.items()):
         if name.endswith(".weight") and "norm" not in name:
             logger.info("gguf: %s is %s, which has no packed mapping: dequantized to %s", name, kind, dtype)
     if isinstance(packed.get(head_source), Q8_0Weight):
-        model.lm_head = Q8_0Linear(packed.pop(head_source))
+        model.lm_head = Q8_0Linear(packed.pop(head_source), kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
         shared = ", tied: the embedding lookup keeps its dequantized table" if model.config.tie_word_embeddings else ""
@@ -172,7 +180,7 @@ def _gguf(model: nn.Module, targets: list[str], path: str | None, result: Quanti
             continue
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else linear.bias.detach()
-        out[name] = Int4Linear(Int4Weight.concat([packed[k] for k in keys]), bias)
+        out[name] = Int4Linear(Int4Weight.concat([packed[k] for k in keys]), bias, kernels=kernels)
     if result.head is None and "lm_head" in result.kept:
         stored = other.get(head_source) or "Q4_0/Q4_1"
         result.head = f"{head_source} ({stored} in the file) dequantized to {dtype}"

@@ -10,6 +10,8 @@ RMSNorm / projection: one elementwise multiply per linear, but works for every l
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -67,10 +69,12 @@ def search_scale(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> tupl
     return best_scale, plain, best_err
 
 
-def awq_linear(linear: nn.Linear, x: torch.Tensor, group_size: int) -> tuple[Int4Linear, float, float]:
+def awq_linear(
+    linear: nn.Linear, x: torch.Tensor, group_size: int, kernels: ModuleType | None = None
+) -> tuple[Int4Linear, float, float]:
     scale, plain, best = search_scale(linear.weight.detach(), x, group_size)
     bias = None if linear.bias is None else linear.bias.detach()
     w = linear.weight.detach().float()
     if scale is None:
-        return Int4Linear(quantize_int4(w, group_size), bias), plain, best
-    return Int4Linear(quantize_int4(w * scale, group_size), bias, input_scale=1 / scale), plain, best
+        return Int4Linear(quantize_int4(w, group_size), bias, kernels=kernels), plain, best
+    return Int4Linear(quantize_int4(w * scale, group_size), bias, input_scale=1 / scale, kernels=kernels), plain, best

@@ -1,5 +1,5 @@
 """Shipped text sets and a teacher-forced forward pass, shared by AWQ, KV-scale calibration and the
-quality report. The pass is one prefill span over a scratch KV cache, outside the scheduler."""
+quality report. A window is one sequence computed in one step (sequence_batch), outside the scheduler."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from importlib import resources
 import torch
 from torch import nn
 
-from tachyllm.kernels.paged_attention import AttentionMetadata, PrefillSpan, kernel_caches, runs_native
+from tachyllm.backends.base import LayerKV
+from tachyllm.backends.torch_backend import TorchBackend
+from tachyllm.sampling_params import SamplingParams
+from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
 
 CALIBRATION_FILE = "calibration.txt"
 HELDOUT_FILE = "heldout.txt"
@@ -31,31 +34,31 @@ def calibration_windows(model: nn.Module, tokenizer, seq_len: int, max_windows: 
     return token_windows(tokenizer, load_text(CALIBRATION_FILE), seq_len, max_windows)
 
 
-def scratch_kv_caches(model: nn.Module, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Plain model-dtype caches shaped [1, num_tokens, kv_heads, head_dim] per layer."""
-    cfg = model.config
+def sequence_batch(token_ids: list[int], block_size: int) -> StepBatch:
+    """A whole window as one step: its every position computed, K/V in cache slots 0..n-1."""
+    n = len(token_ids)
+    seq = ScheduledSeq(
+        seq_id=0, request_id="teacher-forced", start=0, token_ids=token_ids, num_draft_tokens=0,
+        block_table=list(range(-(-n // block_size))), seq_len=n, sampling=SamplingInput(SamplingParams(), token_ids, n),
+    )  # fmt: skip
+    return StepBatch([seq])
+
+
+def scratch_kv_caches(model: nn.Module, num_tokens: int) -> list[LayerKV]:
+    """Plain model-dtype caches of one num_tokens block per layer."""
     w = model.embed_tokens.weight
-    shape = (1, num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=w.dtype, device=w.device), torch.zeros(shape, dtype=w.dtype, device=w.device)) for _ in range(cfg.num_layers)]
+    return TorchBackend(w.device).allocate_kv_cache(model.config, 1, num_tokens, w.dtype)
 
 
 @torch.inference_mode()
-def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches, read_cache: bool = False) -> torch.Tensor:
-    """Final hidden states [n, hidden] of one sequence written to cache slots 0..n-1.
+def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches: list[LayerKV]) -> torch.Tensor:
+    """Final hidden states [n, hidden] of one sequence written to scratch caches (scratch_kv_caches).
 
-    read_cache=True computes the step as the engine does: attention reads K/V back from the cache
-    (so a quantized cache's rounding is part of the result), in the C++ kernel where the engine
-    uses it (the quality report). False attends to the fresh K/V through the Python modules, so
-    that calibration hooks on them see every layer.
+    It runs the portable backend's step whatever backend the model was built for: attention over
+    the fresh K/V in the Python modules, so that calibration hooks on them see every layer.
     """
-    device = model.embed_tokens.weight.device
-    n = len(token_ids)
-    slots = torch.arange(n, device=device)
-    span = PrefillSpan(0, n, slots if read_cache else None, 0)
-    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=0, decode_slots=None, decode_bias=None, prefills=[span])
-    if read_cache and runs_native(kv_caches[0][0]):
-        (paged_k, _), _ = kernel_caches(*kv_caches[0])  # [blocks, block_size, kv_heads, head_dim]
-        meta.seq_info = torch.tensor([[0, n, 0]], dtype=torch.int32)
-        meta.block_tables = torch.arange(-(-n // paged_k.shape[1]), dtype=torch.int32).view(1, -1)
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    return model(ids, slots, kv_caches, meta)
+    w = model.embed_tokens.weight
+    block_size = kv_caches[0][0].shape[1]
+    builder = TorchBackend(w.device).metadata_builder(kv_caches, block_size)
+    input_ids, positions, meta = builder.prepare(sequence_batch(token_ids, block_size))
+    return model(input_ids, positions, kv_caches, meta)

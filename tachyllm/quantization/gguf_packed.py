@@ -12,6 +12,7 @@ stays in the model dtype; the caller logs which tensors those are.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from tachyllm.config import ModelConfig
 from tachyllm.loading.gguf import fix_rotary_rows, open_gguf, raw_tensors
 from tachyllm.quantization import int4
-from tachyllm.quantization.int4 import BLOCK, KERNEL_DTYPES, Int4Weight, block_kernels
+from tachyllm.quantization.int4 import BLOCK, KERNEL_DTYPES, Int4Weight
 
 GGUF_GROUP_SIZE = 32
 _Q4_1_BYTES, _Q4_0_BYTES, _Q8_0_BYTES = 20, 18, 34  # bytes per 32-weight block
@@ -100,20 +101,17 @@ def packed_gguf_weights(
 
 class Q8_0Linear(nn.Module):
     """A linear layer on Q8_0 blocks with the C++ kernel (16-row tiles, codes stored as q + 128 for
-    VNNI's unsigned operand; quant_gemv.cpp). Built only where block_kernels() is available: the
+    VNNI's unsigned operand; quant_gemv.cpp). Built only with the backend's block kernels: the
     bf16 alternative is the dequantized table, so there is no slower fallback worth keeping here.
     Measured at the default model's head (49152 x 576, 2 threads, benchmarks/kernels_bench.py):
     0.57 ms per one-token step against 1.5 ms for the bf16 linear on the dequantized table (30 vs
     57 MB read); 0.9-1.2x its speed from 16 to 64 rows, where the dot products dominate."""
 
-    def __init__(self, weight: Q8_0Weight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Q8_0Weight, kernels: ModuleType, bias: torch.Tensor | None = None):
         super().__init__()
-        ops = block_kernels(weight.codes.device)
-        if ops is None:
-            raise RuntimeError("Q8_0Linear needs tachyllm's C++ kernels (AVX-512 VNNI build) on CPU")
         self.out_features, self.in_features = weight.codes.shape
-        self.register_buffer("packed", ops.quant_pack_q8_0(weight.codes, weight.scales))
-        self._gemv = ops.quant_gemv_q8_0  # the kernel this layout was packed for
+        self.register_buffer("packed", kernels.quant_pack_q8_0(weight.codes, weight.scales))
+        self._gemv = kernels.quant_gemv_q8_0  # the kernel this layout was packed for
         self.bias = bias
         self.activation_bits = int4.ACTIVATION_BITS  # quantize_model sets it
 

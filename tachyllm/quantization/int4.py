@@ -13,8 +13,6 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from tachyllm.kernels import native
-
 INT4_MAX = 15
 # Group sizes we expose (all accepted by aten._weight_int4pack_mm_for_cpu, the fallback CPU kernel).
 GROUP_SIZES = (32, 64, 128)
@@ -30,13 +28,6 @@ BLOCK = 32
 # result independent of the batch it runs in (prefill, decode, speculative verification).
 ACTIVATION_BITS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernels take (and return)
-
-
-def block_kernels(device: torch.device) -> ModuleType | None:
-    """The C++ block kernels, when tensors on `device` can use them and they were built with SIMD
-    (AVX-512 VNNI): their portable scalar fallback exists for correctness, and is slower than aten."""
-    ops = native.cpu_ops(device)
-    return ops if ops is not None and ops.quant_gemv_isa() != "scalar" else None
 
 
 @dataclass
@@ -85,7 +76,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """Holds int4 weights in the layout of the device's fastest path.
 
-    CPU with the C++ kernels (`kernel == "blocks"`): 16-row tiles of Q4_1 blocks with fp16 (d, m)
+    With the backend's block kernels (Backend.block_kernels, `kernel == "blocks"`): 16-row tiles of Q4_1 blocks with fp16 (d, m)
     (quant_gemv.cpp); activations are rounded per 32 inputs (ACTIVATION_BITS) and each block is an
     integer dot product. Groups of 64/128 are stored as 32-blocks sharing (d, m): 0.625 byte per
     weight instead of aten's 0.5625. No row threshold: this kernel beat aten's at every row count
@@ -99,12 +90,18 @@ class Int4Linear(nn.Module):
     per-input-channel `input_scale` (AWQ) multiplies x first.
     """
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, input_scale: torch.Tensor | None = None):
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None,
+        input_scale: torch.Tensor | None = None,
+        kernels: ModuleType | None = None,
+    ):
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
         self.group_size = weight.group_size
         device = weight.codes.device
-        ops = block_kernels(device) if self.group_size % BLOCK == 0 else None
+        ops = kernels if self.group_size % BLOCK == 0 else None
         self.kernel = "blocks" if ops is not None else "aten" if device.type == "cpu" else "dequantize"
         if ops is not None:
             per_block = self.group_size // BLOCK
@@ -124,9 +121,9 @@ class Int4Linear(nn.Module):
         self.activation_bits = ACTIVATION_BITS  # the block kernels' activation rounding; quantize_model sets it
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int, kernels: ModuleType | None = None) -> Int4Linear:
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(quantize_int4(linear.weight.detach(), group_size), bias)
+        return cls(quantize_int4(linear.weight.detach(), group_size), bias, kernels=kernels)
 
     def native_spec(self) -> tuple | None:
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""

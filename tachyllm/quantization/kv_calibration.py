@@ -12,7 +12,8 @@ import logging
 import torch
 from torch import nn
 
-from tachyllm.kernels.kv_quant import QuantizedKV, qmax
+from tachyllm.backends.base import KVScales
+from tachyllm.kernels.kv_quant import qmax
 from tachyllm.quantization.calibration import calibration_windows, forward_sequence, scratch_kv_caches
 
 logger = logging.getLogger("tachyllm")
@@ -40,24 +41,15 @@ def kv_absmax(model: nn.Module, windows: list[list[int]]) -> list[tuple[torch.Te
     return amax
 
 
-def quantized_kv_caches(
-    model: nn.Module, tokenizer, caches: list[tuple[torch.Tensor, torch.Tensor]]
-) -> list[tuple[QuantizedKV, QuantizedKV]]:
-    """Wraps the allocated (storage-dtype) caches with scales calibrated on the shipped text."""
+def kv_cache_scales(model: nn.Module, tokenizer, dtype: torch.dtype) -> KVScales:
+    """Per layer (K scale, V scale) [kv_heads, 1] (fp32) for a cache stored as `dtype`, calibrated on
+    the shipped text (Backend.allocate_kv_cache takes them)."""
     windows = calibration_windows(model, tokenizer, KV_CALIB_SEQ_LEN, KV_CALIB_WINDOWS)
     amax = kv_absmax(model, windows)
-    dtype = caches[0][0].dtype
     factor = MARGIN.get(dtype, DEFAULT_MARGIN) / qmax(dtype)
-    cfg = model.config
-    out = []
-    for (k, v), (ka, va) in zip(caches, amax):
-        device = k.device
-        ks = (ka.clamp(min=1e-4) * factor).view(-1, 1).to(device)
-        vs = (va.clamp(min=1e-4) * factor).view(-1, 1).to(device)
-        shape, block_size = (-1, cfg.num_kv_heads, cfg.head_dim), k.shape[1]  # k: [blocks, block_size, heads, dim]
-        out.append((QuantizedKV(k.view(shape), ks, block_size), QuantizedKV(v.view(shape), vs, block_size)))
+    scales = [((ka.clamp(min=1e-4) * factor).view(-1, 1), (va.clamp(min=1e-4) * factor).view(-1, 1)) for ka, va in amax]
     logger.info(
         "KV cache scales calibrated per layer and KV head on %d tokens (largest |K| %.1f, |V| %.1f)",
         sum(map(len, windows)), max(float(a[0].max()) for a in amax), max(float(a[1].max()) for a in amax),
     )  # fmt: skip
-    return out
+    return scales

@@ -1,10 +1,12 @@
-"""build_model: a loaded checkpoint -> a ready LlamaForCausalLM (weights, rotary table,
-optional weight-only quantization, CPU weight packing), and the bytes a decode step streams."""
+"""build_model: a loaded checkpoint -> a ready LlamaForCausalLM for a backend (weights, rotary
+table, optional weight-only quantization, CPU weight packing, the backend's fused layers), and the
+bytes a decode step streams."""
 
 from __future__ import annotations
 
 import torch
 
+from tachyllm.backends.base import Backend
 from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import Checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
@@ -15,15 +17,16 @@ from tachyllm.quantization.policy import parse_skip
 def build_model(
     ckpt: Checkpoint,
     dtype: torch.dtype,
-    device: torch.device,
+    backend: Backend,
     max_model_len: int,
     quantization: str | None = None,
     quant_group_size: int | None = None,
     quant_skip: str | None = None,
     quant_activation_bits: int = 16,
 ) -> tuple[LlamaForCausalLM, int]:
+    device = backend.device
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config).to(dtype)  # casting on meta costs nothing
+        model = LlamaForCausalLM(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
     model = model.to_empty(device=device)
     model.load_weights(ckpt.weights())
     model.init_rotary(max_model_len)
@@ -32,10 +35,13 @@ def build_model(
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
         gguf_path = ckpt.source if ckpt.format == "gguf" else None
+        skip = parse_skip(quant_skip)
+        kernels = backend.block_kernels()
         quantize_model(
-            model, quantization, quant_group_size, parse_skip(quant_skip), ckpt.tokenizer, gguf_path, quant_activation_bits
+            model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels
         )
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
-        pack_linears(model)
+        pack_linears(model, backend.bf16_linear_kernels())
+    model.fuse_layers(backend)
     return model.eval(), weight_bytes

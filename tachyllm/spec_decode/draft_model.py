@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tachyllm.backends.base import Backend
 from tachyllm.core.block_manager import BlockManager, cdiv
 from tachyllm.core.sequence import Sequence
 from tachyllm.errors import ConfigError
@@ -38,20 +39,20 @@ logger = logging.getLogger("tachyllm")
 
 
 def build_draft_model(
-    spec_model: str, target: LlamaForCausalLM, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, max_len: int
+    spec_model: str, target: LlamaForCausalLM, ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, max_len: int
 ) -> LlamaForCausalLM:
     """The draft for a speculative_config 'model' entry; a foreign checkpoint must share the tokenizer."""
     if spec_model == "self:int4":
         # A GGUF file's own 4-bit weights are packed as they are (the draft then differs from the
         # target only by rounding); other checkpoints are quantized round-to-nearest.
         method = "gguf" if ckpt.format == "gguf" else "int4"
-        draft, _ = build_model(ckpt, dtype, device, max_len, method, None, "none")
+        draft, _ = build_model(ckpt, dtype, backend, max_len, method, None, "none")
         return draft
     if spec_model.startswith("self:layers="):
         return _truncated(target, int(spec_model.removeprefix("self:layers=")))
     draft_ckpt = load_checkpoint(spec_model)
     check_same_vocabulary(ckpt.tokenizer, draft_ckpt.tokenizer, spec_model)
-    draft, _ = build_model(draft_ckpt, dtype, device, max_len)
+    draft, _ = build_model(draft_ckpt, dtype, backend, max_len)
     return draft
 
 
@@ -93,16 +94,16 @@ class DraftModelProposer(Proposer):
         block_size: int,
         sampler: Sampler,
         dtype: torch.dtype,
-        device: torch.device,
+        backend: Backend,
     ):
-        caches = kv_cache.allocate_kv_cache(model.config, num_blocks, block_size, dtype, device)
+        caches = backend.allocate_kv_cache(model.config, num_blocks, block_size, dtype)
         logger.info(
             "draft model: %d layers, KV cache %d blocks (%.1f MiB)", model.config.num_layers, num_blocks,
             num_blocks * kv_cache.bytes_per_block(model.config, block_size, dtype) / 2**20,
         )  # fmt: skip
         # Prefix caching stays off: rolled-back drafts would leave registered blocks behind.
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.runner = ModelRunner(model, caches, block_size, sampler, device)
+        self.runner = ModelRunner(model, caches, block_size, sampler, backend)
         self.sampler = sampler
         self.vocab_size = sampler.vocab_size
         self.shadows: dict[int, _Shadow] = {}

@@ -8,6 +8,7 @@ import logging
 
 import torch
 
+from tachyllm.backends.base import Backend
 from tachyllm.core.scheduler import Scheduler
 from tachyllm.core.step_cost import StepCostModel
 from tachyllm.loading import Checkpoint
@@ -39,7 +40,7 @@ class Speculator:
         block_size: int,
         max_model_len: int,
         dtype: torch.dtype,
-        device: torch.device,
+        backend: Backend,
         step_costs: StepCostModel,
     ):
         self.config = config
@@ -48,9 +49,9 @@ class Speculator:
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            model = build_draft_model(config.model, target, ckpt, dtype, device, max_model_len)
+            model = build_draft_model(config.model, target, ckpt, dtype, backend, max_model_len)
             self.proposer = DraftModelProposer(
-                model, draft_blocks(num_blocks, block_size, max_model_len), block_size, sampler, dtype, device
+                model, draft_blocks(num_blocks, block_size, max_model_len), block_size, sampler, dtype, backend
             )
         self.controller = AdaptiveController(
             config.num_speculative_tokens, config.adaptive, config.disable_by_batch_size,

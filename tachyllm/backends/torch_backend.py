@@ -1,30 +1,29 @@
-"""Attention over a flattened token batch whose K/V live in a paged cache.
+"""The portable backend: attention in plain PyTorch ops, on any device.
 
 The batch is laid out decodes first, then prefill chunks. A decode is a sequence's last token,
 possibly followed by draft tokens to verify (speculative decoding): a few queries at the end of
 its context. Decodes are computed together as a grouped matmul + softmax over their gathered,
-padded contexts, with their queries padded to the longest decode's; each prefill chunk is a causal grouped matmul + softmax over query tiles. Both beat
-SDPA's CPU paths for these shapes (SDPA with a mask and grouped KV heads was ~5x slower per layer
-for a chunk with cached context, see docs/scheduler.md).
-
-On the CPU, the C++ kernels (kernels/csrc/attention.cpp) compute every sequence of the batch,
-decodes and prefill chunks alike, straight from the block tables instead (the runner then fills
-`seq_info` / `block_tables` rather than the gathered slots, masks and prefill spans), and write
-K/V, an int8 / fp8 cache included (with its per-head scales).
+padded contexts, with their queries padded to the longest decode's; each prefill chunk is a
+causal grouped matmul + softmax over query tiles. Both beat SDPA's CPU paths for these shapes
+(SDPA with a mask and grouped KV heads was ~5x slower per layer for a chunk with cached context,
+see docs/scheduler.md).
 """
-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV, MetadataBuilder
+from tachyllm.backends.registry import register_backend
 from tachyllm.kernels.kv_quant import QuantizedKV, kv_flat, kv_read, kv_write
-from tachyllm.kernels.native import cpu_ops
+from tachyllm.step import ScheduledSeq, StepBatch
 
 # Queries per tile of a prefill chunk: bounds the fp32 score matrix to kv_heads x tile x group x context.
 QUERY_TILE = 256
+# Prompts at least this long keep a contiguous K/V copy while they are prefilled in chunks.
+CHUNK_BUFFER_MIN_TOKENS = 256
 
 
 @dataclass
@@ -43,41 +42,134 @@ class PrefillSpan:
     buffer_filled: int = 0
 
 
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot where each token's K/V is written
-    num_decode_tokens: int  # leading tokens of the batch that belong to decodes
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] flat slots (padding slots are masked)
+@dataclass(kw_only=True, eq=False)
+class TorchMetadata(AttentionMetadata):
+    num_decode_tokens: int = 0  # leading tokens of the batch that belong to decodes
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] flat slots (padding slots are masked)
     # [num_decodes, 1, queries, 1, max_context]: 0 where query j of a decode may see a context slot, else -inf
-    decode_bias: torch.Tensor | None
-    prefills: list[PrefillSpan]
+    decode_bias: torch.Tensor | None = None
+    prefills: list[PrefillSpan] = field(default_factory=list)
     decode_queries: int = 1  # queries per decode after padding
     # When decodes have different numbers of queries: the batch row of each padded query
     # ([num_decodes * decode_queries]), and the padded row of each real decode token.
     decode_query_rows: torch.Tensor | None = None
     decode_output_rows: torch.Tensor | None = None
-    # For the C++ kernel instead of the fields above, one row per sequence of the batch: int32
-    # [num_seqs, 3] rows of (first batch row, number of queries, position of the first query),
-    # and int32 block tables.
-    seq_info: torch.Tensor | None = None
-    block_tables: torch.Tensor | None = None
 
 
-def runs_native(k_cache: torch.Tensor | QuantizedKV) -> bool:
-    """Whether the C++ kernel computes attention over this cache (CPU; a quantized cache laid out
-    in blocks): the caller then describes sequences by `seq_info` / `block_tables`."""
-    if isinstance(k_cache, QuantizedKV):
-        return k_cache.block_size is not None and cpu_ops(k_cache.data.device) is not None
-    return cpu_ops(k_cache.device) is not None
+@dataclass(eq=False)
+class _ChunkBuffer:
+    kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
+    filled: int = 0  # leading positions holding valid K/V
 
 
-def kernel_caches(
-    k_cache: torch.Tensor | QuantizedKV, v_cache: torch.Tensor | QuantizedKV
-) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
-    """((K cache, K scales), (V cache, V scales)) as the C++ kernels take them; no scales for a plain cache."""
-    if isinstance(k_cache, QuantizedKV):
-        return k_cache.kernel_args(), v_cache.kernel_args()
-    return (k_cache, None), (v_cache, None)
+class TorchMetadataBuilder(MetadataBuilder):
+    def __init__(self, backend: Backend, kv_caches: list[LayerKV], block_size: int):
+        super().__init__(backend, kv_caches, block_size)
+        quantized = isinstance(kv_caches[0][0], QuantizedKV)
+        # A quantized cache is read back even by a prompt's first chunk (instead of its fresh K/V),
+        # so that a prompt computes the same whether its prefix comes from the cache or not.
+        self.read_back_first_chunk = quantized
+        # Otherwise a long prompt prefilled in chunks keeps a contiguous K/V copy; quantized caches
+        # dequantize on read, which the copy would skip.
+        self.use_chunk_buffers = not quantized
+        self.chunk_buffers: dict[int, _ChunkBuffer] = {}
+
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, TorchMetadata]:
+        for seq_id in batch.finished_seq_ids:
+            self.chunk_buffers.pop(seq_id, None)
+        input_ids, positions, slot_mapping = self.token_inputs(batch)
+        tables, starts, counts = [], [], []  # of the decodes, which read the paged cache by block table
+        prefills: list[PrefillSpan] = []
+        offset = 0
+        for s in batch.seqs:
+            start, n = s.start, len(s.token_ids)
+            if s.is_decode:
+                tables.append(s.block_table)
+                starts.append(start)
+                counts.append(n)
+            else:
+                read_back = start > 0 or self.read_back_first_chunk
+                slots = self._slots([s.block_table], start + n)[0].to(self.device) if read_back else None
+                span = PrefillSpan(offset, offset + n, slots, start)
+                buffer = self._chunk_buffer(s)
+                if buffer is not None:
+                    span.buffer, span.buffer_filled = buffer.kv, buffer.filled
+                    buffer.filled = start + n
+                    if s.completes:  # the prompt is done: decodes read the paged cache
+                        del self.chunk_buffers[s.seq_id]
+                prefills.append(span)
+            offset += n
+        meta = TorchMetadata(
+            backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=sum(counts), prefills=prefills
+        )
+        if tables:
+            self._decode_metadata(meta, tables, starts, counts)
+        return input_ids, positions, meta
+
+    def _chunk_buffer(self, s: ScheduledSeq) -> _ChunkBuffer | None:
+        """The contiguous K/V copy for a long prompt prefilled in several chunks (created at its
+        first chunk, or when a chunk starts before the copy's end: the sequence was preempted and
+        is recomputed)."""
+        if not self.use_chunk_buffers or s.seq_len < CHUNK_BUFFER_MIN_TOKENS or (s.start == 0 and s.completes):
+            return None
+        buffer = self.chunk_buffers.get(s.seq_id)
+        if buffer is None or buffer.filled > s.start or buffer.kv.shape[3] < s.seq_len:
+            k_cache = self.kv_caches[0][0]
+            layers, kv_heads, head_dim = len(self.kv_caches), k_cache.shape[2], k_cache.shape[3]
+            kv = torch.empty(layers, 2, kv_heads, s.seq_len, head_dim, dtype=k_cache.dtype, device=self.device)
+            buffer = self.chunk_buffers[s.seq_id] = _ChunkBuffer(kv)
+        return buffer
+
+    def _slots(self, block_tables: list[list[int]], num_slots: int) -> torch.Tensor:
+        """Flat cache slots of positions [0, num_slots) for each block table, as [len(tables), num_slots]."""
+        bs = self.block_size
+        width = -(-num_slots // bs)
+        table = torch.tensor([bt[:width] + [0] * (width - len(bt[:width])) for bt in block_tables], dtype=torch.long)
+        slots = table.unsqueeze(-1) * bs + torch.arange(bs)
+        return slots.view(len(block_tables), -1)[:, :num_slots]
+
+    def _decode_metadata(
+        self, meta: TorchMetadata, tables: list[list[int]], starts: list[int], counts: list[int]
+    ) -> None:
+        """Context slots and masks of the decodes; query j of a decode starting at position p sees
+        positions <= p + j (padding queries repeat the decode's last one)."""
+        queries = max(counts)
+        starts_t, counts_t = torch.tensor(starts), torch.tensor(counts)
+        max_len = int((starts_t + counts_t).max())
+        meta.decode_slots = self._slots(tables, max_len).to(self.device)
+        j = torch.arange(queries).unsqueeze(0)
+        last_visible = starts_t.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)  # [B, queries]
+        hidden_slot = torch.arange(max_len).view(1, 1, -1) > last_visible.unsqueeze(-1)
+        bias = torch.zeros(len(tables), queries, max_len).masked_fill(hidden_slot, float("-inf"))
+        meta.decode_bias = bias.view(len(tables), 1, queries, 1, max_len).to(self.device)
+        meta.decode_queries = queries
+        if min(counts) != queries:
+            first_row = counts_t.cumsum(0) - counts_t
+            padded = first_row.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)
+            real = (j < counts_t.unsqueeze(1)).flatten()
+            meta.decode_query_rows = padded.flatten().to(self.device)
+            meta.decode_output_rows = torch.arange(len(tables) * queries)[real].to(self.device)
+
+
+@register_backend
+class TorchBackend(Backend):
+    name = "torch"
+    description = "portable PyTorch ops"
+
+    def metadata_builder(self, kv_caches: list[LayerKV], block_size: int) -> TorchMetadataBuilder:
+        return TorchMetadataBuilder(self, kv_caches, block_size)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKV,
+        meta: TorchMetadata,
+        scale: float,
+        layer: int,
+    ) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, layer)
 
 
 def paged_attention(
@@ -86,7 +178,7 @@ def paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor | QuantizedKV,  # [blocks, block_size, kv_heads, head_dim], or quantized storage
     v_cache: torch.Tensor | QuantizedKV,
-    meta: AttentionMetadata,
+    meta: TorchMetadata,
     scale: float,
     layer: int = 0,
 ) -> torch.Tensor:
@@ -94,18 +186,10 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     k_flat = kv_flat(k_cache, num_kv_heads, head_dim)
     v_flat = kv_flat(v_cache, num_kv_heads, head_dim)
-    ops = cpu_ops(q.device) if runs_native(k_cache) else None
-    if ops is not None:
-        (kc, ks), (vc, vs) = kernel_caches(k_cache, v_cache)
-        ops.write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
-    else:
-        kv_write(k_flat, meta.slot_mapping, k)
-        kv_write(v_flat, meta.slot_mapping, v)
+    kv_write(k_flat, meta.slot_mapping, k)
+    kv_write(v_flat, meta.slot_mapping, v)
 
     out = torch.empty_like(q)
-    if meta.seq_info is not None:
-        ops.paged_attention(out, q, kc, vc, meta.block_tables, meta.seq_info, scale, ks, vs)
-        return out
     nd = meta.num_decode_tokens
     if nd:
         out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale)
@@ -145,7 +229,7 @@ def _decode_attention(
     q: torch.Tensor,
     k_flat: torch.Tensor | QuantizedKV,
     v_flat: torch.Tensor | QuantizedKV,
-    meta: AttentionMetadata,
+    meta: TorchMetadata,
     num_kv_heads: int,
     scale: float,
 ) -> torch.Tensor:
@@ -179,7 +263,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cach
     return _causal_head_major(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), num_cached, scale)
 
 
-def _causal_head_major(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
+def _causal_head_major(
+    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_cached: int, scale: float
+) -> torch.Tensor:
     """causal_attention with K/V given head-major: kh, vh [kv_heads, num_cached + L, hd]."""
     length, num_heads, head_dim = q.shape
     num_kv_heads = kh.shape[0]
@@ -197,5 +283,7 @@ def _causal_head_major(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_
         scores[..., first:].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o = torch.matmul(probs, vh[:, :visible])  # [kvh, rows, hd]
-        out[i0:i1] = o.view(num_kv_heads, i1 - i0, group, head_dim).transpose(0, 1).reshape(i1 - i0, num_heads, head_dim)
+        out[i0:i1] = (
+            o.view(num_kv_heads, i1 - i0, group, head_dim).transpose(0, 1).reshape(i1 - i0, num_heads, head_dim)
+        )
     return out

@@ -1,0 +1,202 @@
+"""What an execution backend is: the one place that knows which kernels run a step.
+
+A backend is chosen once, at engine start (backends/registry.py), and handed to everything that
+used to ask "are the C++ kernels here?" at call time:
+
+- the model is built with the backend's elementwise ops (`ops`: RMSNorm, residual add + norm,
+  rotary, SiLU-and-multiply), its quantized linears with its block kernels, and may have its
+  decoder layers replaced by the backend's fused ones (`fused_decoder_layer`);
+- the engine allocates the KV cache through it (`allocate_kv_cache`: its layout, fp8/int8 storage
+  with calibrated scales included);
+- each model runner gets a `MetadataBuilder` from it (`metadata_builder`), which turns a StepBatch
+  into the model's inputs and this backend's AttentionMetadata; per-sequence state it keeps between
+  steps is its own;
+- the model's attention layers call `attention` of the backend that built the step's metadata.
+
+A new backend is one module: subclass Backend (and MetadataBuilder / AttentionMetadata), decorate
+it with `@register_backend`, and import it in tachyllm/backends/__init__.py.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from tachyllm.kernels.kv_quant import QuantizedKV
+
+if TYPE_CHECKING:
+    from tachyllm.config import ModelConfig
+    from tachyllm.step import StepBatch
+
+# One layer's (K, V) cache: [blocks, block_size, kv_heads, head_dim] in the model dtype, or quantized storage.
+LayerKV = tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV]
+# Per-(layer) (K scale, V scale) of a quantized cache, [kv_heads, 1] fp32 each (quantization/kv_calibration.py).
+KVScales = list[tuple[torch.Tensor, torch.Tensor]]
+# A decoder layer as one call: (x, residual, positions, kv_cache, meta) -> (x, residual).
+FusedLayer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(kw_only=True, eq=False)
+class AttentionMetadata:
+    """One step's attention inputs, as a backend's MetadataBuilder made them."""
+
+    backend: Backend  # whose `attention` reads this metadata
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot where each token's K/V is written
+    # Whether the backend's fused decoder layers (where it built them) run this step.
+    fused_layers: bool = False
+
+
+class LayerOps:
+    """The elementwise ops of the model layers, in portable PyTorch. A backend with kernels for
+    them subclasses this; the layers call whichever object they were built with."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, then scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q [tokens, heads, head_dim] and k in the half-split (NeoX / HF) layout."""
+        cos = cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
+        sin = sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+PORTABLE_OPS = LayerOps()
+
+
+class MetadataBuilder(ABC):
+    """Belongs to one model runner (one KV cache): prepares each of its steps."""
+
+    def __init__(self, backend: Backend, kv_caches: list[LayerKV], block_size: int):
+        self.backend = backend
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = backend.device
+
+    @abstractmethod
+    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input ids, positions, metadata) of the step; reads only the batch."""
+
+    def token_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, positions and cache slots of every token of the batch, in row order."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        for s in batch.seqs:
+            start, table = s.start, s.block_table
+            end = start + len(s.token_ids)
+            input_ids += s.token_ids
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+        device = self.device
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        )
+
+
+class Backend(ABC):
+    name: ClassVar[str]  # as EngineConfig.backend names it
+    description: ClassVar[str]  # for the start-up log
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.ops: LayerOps = PORTABLE_OPS
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device` here, or None when it can."""
+        return None
+
+    # -- building the model ------------------------------------------------------------------
+    def block_kernels(self) -> ModuleType | None:
+        """Kernels for GGUF-style 32-weight blocks (int4 Q4_1, Q8_0) that quantized linears pack
+        their weights for, or None (they use aten's int4 layout, or dequantize)."""
+        return None
+
+    def bf16_linear_kernels(self) -> ModuleType | None:
+        """A bf16 matrix-vector kernel that plain linears run for few-token inputs, or None."""
+        return None
+
+    def fused_decoder_layer(self, layer, rotary) -> FusedLayer | None:
+        """The decoder layer as one call, or None where this backend has no fused form for it."""
+        return None
+
+    # -- the KV cache ------------------------------------------------------------------------
+    def allocate_kv_cache(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, scales: KVScales | None = None
+    ) -> list[LayerKV]:
+        """Per layer (K, V) caches [blocks, block_size, kv_heads, head_dim] carved out of one
+        allocation; with `scales`, `dtype` is a quantized storage type and each is a QuantizedKV."""
+        # Zero-filled: attention reads padding slots (masked out) and 0 * garbage could be NaN.
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            # A fresh anonymous mapping: the OS hands out zero pages on first touch, so a multi-GiB
+            # cache costs nothing until it is used (torch.zeros writes every byte, ~1 s). Not numpy's
+            # zeros (calloc), which asks for transparent huge pages on large arrays: on this VM first
+            # writes to that memory cost ~3x more (offline 64 x 128/128, Q4_1: the KV writes of the
+            # whole run took 0.95 s vs 0.32 s; writing 512 MiB at once: 0.55 s vs 0.15 s).
+            raw = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+            storage = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+        else:
+            storage = torch.zeros(shape, dtype=dtype, device=self.device)
+        caches = [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]
+        if scales is None:
+            return caches
+        flat = (-1, cfg.num_kv_heads, cfg.head_dim)
+        return [
+            (
+                QuantizedKV(k.view(flat), ks.to(self.device), block_size),
+                QuantizedKV(v.view(flat), vs.to(self.device), block_size),
+            )
+            for (k, v), (ks, vs) in zip(caches, scales)
+        ]
+
+    # -- running steps -----------------------------------------------------------------------
+    @abstractmethod
+    def metadata_builder(self, kv_caches: list[LayerKV], block_size: int) -> MetadataBuilder:
+        """A builder for the steps of one model runner over these caches."""
+
+    @abstractmethod
+    def attention(
+        self,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        layer: int,
+    ) -> torch.Tensor:
+        """Writes this step's K/V into the layer's cache and returns attention over each
+        sequence's context, [tokens, heads, head_dim]."""
