@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Write a haiku about fast inference.
 
-.PHONY: install test serve generate chat clean
+.PHONY: install test lint serve generate chat clean
 
 install: $(STAMP)
 
@@ -19,8 +19,19 @@ $(STAMP): pyproject.toml $(wildcard tachyllm/kernels/csrc/*)
 	$(PY) -m tachyllm.kernels || echo "C++ kernels not built: tachyllm falls back to PyTorch ops"
 	touch $(STAMP)
 
+# The lint runs after the tests, even when they fail, so that its findings never hide their results;
+# either failing fails the target.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q; tests=$$?; $(MAKE) --no-print-directory lint && exit $$tests
+
+# All three checks run even when one fails. The import layers: [tool.importlinter] in pyproject.toml
+# (no cache: it would be written into the checkout).
+lint: $(STAMP)
+	status=0; \
+	$(VENV)/bin/ruff check . || status=1; \
+	$(VENV)/bin/ruff format --check . || status=1; \
+	$(VENV)/bin/lint-imports --no-cache || status=1; \
+	exit $$status
 
 serve: $(STAMP)
 	$(VENV)/bin/tachy serve --host 127.0.0.1 --port 8000
