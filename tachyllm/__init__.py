@@ -3,6 +3,6 @@
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.outputs import CompletionOutput, RequestOutput
 from tachyllm.sampling_params import SamplingParams
+from tachyllm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

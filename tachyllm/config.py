@@ -14,7 +14,7 @@ import torch
 
 from tachyllm.argtypes import byte_size
 from tachyllm.errors import ConfigError
-from tachyllm.spec_decode.config import SpeculativeConfig
+from tachyllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("tachyllm")
 
@@ -127,7 +127,7 @@ class EngineConfig:
         choices=QUANT_ACTIVATION_BITS,
     )
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8")
-    # vLLM-style dict or JSON string; see spec_decode/config.py for the keys
+    # vLLM-style dict or JSON string; see speculative_config.py for the keys
     speculative_config: SpeculativeConfig | dict | str | None = option(
         None,
         'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} or'

@@ -41,7 +41,7 @@ def _seq(
     completes = start + num_real == len(prompt)
     sampling = SamplingInput(Params(), prompt, len(prompt)) if completes else None
     tokens = prompt[start : start + num_real] + drafts
-    return ScheduledSeq(seq_id, str(seq_id), start, tokens, len(drafts), table, len(prompt), sampling)
+    return ScheduledSeq(seq_id, str(seq_id), start, tokens, len(drafts), table, len(prompt), completes, sampling)
 
 
 @needs_kernels

@@ -15,7 +15,7 @@ from tachyllm.config import EngineConfig
 from tachyllm.entrypoints import engine_args
 from tachyllm.entrypoints.cli import build_parser, main
 from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
-from tachyllm.spec_decode.config import SpeculativeConfig
+from tachyllm.speculative_config import SpeculativeConfig
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -21,7 +21,7 @@ from tachyllm.step import SamplingInput, ScheduledSeq
 from tachyllm.sampling import verify as rejection
 from tachyllm.core.step_cost import CostBySize, StepShape
 from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, REFRESH_INTERVAL, AdaptiveController
-from tachyllm.spec_decode.config import SpeculativeConfig
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.spec_decode.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}

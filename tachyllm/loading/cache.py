@@ -330,7 +330,7 @@ def _loader_fingerprint() -> str:
         for name in _LOADER_SOURCES:
             digest.update((here / name).read_bytes())
     except OSError:  # sources not on disk (zip import): fall back to the package version
-        from tachyllm import __version__
+        from tachyllm.version import __version__
 
         digest.update(__version__.encode())
     return digest.hexdigest()[:16]

@@ -39,7 +39,8 @@ def sequence_batch(token_ids: list[int], block_size: int) -> StepBatch:
     n = len(token_ids)
     seq = ScheduledSeq(
         seq_id=0, request_id="teacher-forced", start=0, token_ids=token_ids, num_draft_tokens=0,
-        block_table=list(range(-(-n // block_size))), seq_len=n, sampling=SamplingInput(SamplingParams(), token_ids, n),
+        block_table=list(range(-(-n // block_size))), seq_len=n, completes=True,
+        sampling=SamplingInput(SamplingParams(), token_ids, n),
     )  # fmt: skip
     return StepBatch([seq])
 

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-import tachyllm
+from tachyllm.version import __version__
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
 from tachyllm.server.guard import RequestGuard, default_allowed_hosts
@@ -42,7 +42,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     # the OpenAPI document itself.
     app = FastAPI(
         title="tachyllm",
-        version=tachyllm.__version__,
+        version=__version__,
         lifespan=shut_down_engine,
         docs_url=None,
         redoc_url=None,

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-import tachyllm
+from tachyllm.version import __version__
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import APIError
 from tachyllm.server.openapi import ERROR_RESPONSES, openapi_document
@@ -30,7 +30,7 @@ async def health(state: ServerState = Depends(server_state)) -> Response:
 
 @router.get("/version", response_model=p.VersionResponse)
 async def version() -> Response:
-    return json_response(p.VersionResponse(version=tachyllm.__version__))
+    return json_response(p.VersionResponse(version=__version__))
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
