@@ -49,7 +49,9 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def single_stream(llm: LLM, prompt: list[int], new: int, repeats: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     llm.generate([prompt[:8]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    return statistics.median(1.0 / llm.generate([prompt], params, use_tqdm=False)[0].metrics.mean_tpot for _ in range(repeats))
+    return statistics.median(
+        1.0 / llm.generate([prompt], params, use_tqdm=False)[0].metrics.mean_tpot for _ in range(repeats)
+    )
 
 
 def batch(llm: LLM, batch_prompts: list[list[int]], new: int) -> float:
@@ -86,13 +88,19 @@ def main() -> None:
         gc.collect()
     gbs = measure_bandwidth_gbs(torch.device("cpu"))
 
-    print(f"default model, {torch.get_num_threads()} threads, torch {torch.__version__}, measured copy bandwidth {gbs:.1f} GB/s")
-    print("| weights | kernels | single-stream decode tok/s | weight bandwidth | offline 64 x (128 in / 128 out) output tok/s |")
+    print(
+        f"default model, {torch.get_num_threads()} threads, torch {torch.__version__}, measured copy bandwidth {gbs:.1f} GB/s"
+    )
+    print(
+        "| weights | kernels | single-stream decode tok/s | weight bandwidth | offline 64 x (128 in / 128 out) output tok/s |"
+    )
     print("|---|---|---|---|---|")
     for name, enabled, one, many, weight_bytes in rows:
         bw = weight_bytes * one / 1e9
         many_text = f"{many:.1f}" if many is not None else "skipped"
-        print(f"| {name} | {'C++' if enabled else 'PyTorch'} | {one:.1f} | {bw:.1f} GB/s ({100 * bw / gbs:.0f}%) | {many_text} |")
+        print(
+            f"| {name} | {'C++' if enabled else 'PyTorch'} | {one:.1f} | {bw:.1f} GB/s ({100 * bw / gbs:.0f}%) | {many_text} |"
+        )
     for name in ("bf16", "gguf"):
         fast, slow = (r for r in rows if r[0] == name)
         ratio_b = f", batch {fast[3] / slow[3]:.2f}x" if slow[3] else ""

@@ -96,13 +96,21 @@ def main() -> None:
     print(f"default model, dtype {args.dtype}, {threads} threads, torch {torch.__version__}")
     print("| workload | tachyllm | transformers | ratio |")
     print("|---|---|---|---|")
-    print(f"| single stream decode tok/s ({args.prompt_len} in / {args.new_tokens} out) | {ours_1:.1f} | {hf_1:.1f} | {ours_1 / hf_1:.2f}x |")
+    print(
+        f"| single stream decode tok/s ({args.prompt_len} in / {args.new_tokens} out) | {ours_1:.1f} | {hf_1:.1f} | {ours_1 / hf_1:.2f}x |"
+    )
     if hf_b is not None:
-        print(f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | {hf_b:.1f} | {ours_b / hf_b:.2f}x |")
+        print(
+            f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | {hf_b:.1f} | {ours_b / hf_b:.2f}x |"
+        )
     else:
-        print(f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | skipped | |")
-    print(f"single-stream weight bandwidth: {weight_bytes / 1e6:.0f} MB x {ours_1:.1f} steps/s = {gbs:.1f} GB/s "
-          f"({100 * gbs / args.bandwidth_gbs:.0f}% of {args.bandwidth_gbs:.0f} GB/s)")
+        print(
+            f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | skipped | |"
+        )
+    print(
+        f"single-stream weight bandwidth: {weight_bytes / 1e6:.0f} MB x {ours_1:.1f} steps/s = {gbs:.1f} GB/s "
+        f"({100 * gbs / args.bandwidth_gbs:.0f}% of {args.bandwidth_gbs:.0f} GB/s)"
+    )
 
 
 if __name__ == "__main__":

@@ -107,9 +107,17 @@ def bench_attention() -> None:
             k_cache, v_cache, tables = _paged([cached + length] * seqs)
             info = torch.tensor([[i * length, length, cached] for i in range(seqs)], dtype=torch.int32)
             out = torch.empty_like(q)
-            kernel = per_call_us(lambda: ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125), calls) / 1e3
+            kernel = (
+                per_call_us(lambda: ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125), calls) / 1e3
+            )
             caches = list(zip(_copies(k_cache, 64e6), _copies(v_cache, 64e6)))
-            from_dram = best_us([lambda c=c: ops.paged_attention(out, q, c[0], c[1], tables, info, 0.125) for c in caches], len(caches)) / 1e3
+            from_dram = (
+                best_us(
+                    [lambda c=c: ops.paged_attention(out, q, c[0], c[1], tables, info, 0.125) for c in caches],
+                    len(caches),
+                )
+                / 1e3
+            )
         name = f"{seqs} x {length} queries after {cached} tokens"
         print(f"| {name} | {ref:.2f} | {grouped:.2f} | {kernel:.2f} | {from_dram:.2f} | {grouped / kernel:.1f}x |")
 
@@ -162,11 +170,17 @@ def bench_quant() -> None:
         for rows in QUANT_ROWS:
             x = torch.randn(rows, in_f, dtype=torch.bfloat16)
             calls = 200 if rows <= 4 else 40
-            t16, t8 = (best_us([lambda b=b: ops.quant_gemv_q4_1(x, b, out_f, bits) for b in blocks], calls) for bits in (16, 8))
-            ta = best_us([lambda a=a: torch.ops.aten._weight_int4pack_mm_for_cpu(x, a[0], 32, a[1]) for a in aten], calls)
+            t16, t8 = (
+                best_us([lambda b=b: ops.quant_gemv_q4_1(x, b, out_f, bits) for b in blocks], calls) for bits in (16, 8)
+            )
+            ta = best_us(
+                [lambda a=a: torch.ops.aten._weight_int4pack_mm_for_cpu(x, a[0], 32, a[1]) for a in aten], calls
+            )
             tb = best_us([lambda p=p: p(x) for p in packed], calls)
             gbs = f" ({blocks[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
-            print(f"| {out_f}x{in_f} Q4_1 | {rows} | {t16:.1f}{gbs} | {t8:.1f} | {ta:.1f} | {tb:.1f} | {ta / t16:.1f}x | {tb / t16:.1f}x |")
+            print(
+                f"| {out_f}x{in_f} Q4_1 | {rows} | {t16:.1f}{gbs} | {t8:.1f} | {ta:.1f} | {tb:.1f} | {ta / t16:.1f}x | {tb / t16:.1f}x |"
+            )
     out_f, in_f = 49152, 576  # the tied LM head, Q8_0 in the default GGUF
     codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
     scales = torch.rand(out_f, in_f // 32).mul(0.01).half().float()
@@ -175,7 +189,9 @@ def bench_quant() -> None:
     for rows in QUANT_ROWS:
         x = torch.randn(rows, in_f, dtype=torch.bfloat16)
         calls = 20 if rows <= 4 else 5
-        t16, t8 = (best_us([lambda b=b: ops.quant_gemv_q8_0(x, b, out_f, bits) for b in blocks], calls) for bits in (16, 8))
+        t16, t8 = (
+            best_us([lambda b=b: ops.quant_gemv_q8_0(x, b, out_f, bits) for b in blocks], calls) for bits in (16, 8)
+        )
         tb = best_us([lambda p=p: p(x) for p in packed], calls)
         gbs = f" ({blocks[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
         print(f"| {out_f}x{in_f} Q8_0 head | {rows} | {t16:.0f}{gbs} | {t8:.0f} | - | {tb:.0f} | - | {tb / t16:.1f}x |")

@@ -31,7 +31,13 @@ CONFIGS = {
     "bf16+kv int8": dict(kv_cache_dtype="int8"),
     "int4+kv fp8": dict(quantization="int4", kv_cache_dtype="fp8"),
 }
-GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time", "The best way to learn"]
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at",
+    "Once upon a time",
+    "The best way to learn",
+]
 KV_MEMORY = 256 << 20  # fixed budget for the capacity comparison
 LONG_SEQ = 2048
 
@@ -70,7 +76,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="subset of configuration names")
     parser.add_argument("--json", default=None, help="write the rows to this file")
-    parser.add_argument("--speed-only", action="store_true", help="decode rates only (no quality, greedy or KV capacity)")
+    parser.add_argument(
+        "--speed-only", action="store_true", help="decode rates only (no quality, greedy or KV capacity)"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -78,7 +86,9 @@ def main() -> None:
         return LLMEngine(EngineConfig(threads=args.threads, enable_prefix_caching=False, **extra, **kw))
 
     if not args.speed_only:
-        ref_config = EngineConfig(dtype="float32", threads=args.threads, max_num_seqs=1, max_model_len=128, enable_prefix_caching=False)
+        ref_config = EngineConfig(
+            dtype="float32", threads=args.threads, max_num_seqs=1, max_model_len=128, enable_prefix_caching=False
+        )
         reference = LLMEngine(ref_config)
         windows = heldout_windows(reference, 128)
         greedy_ref = greedy_tokens(reference, GREEDY_PROMPTS, 32)
@@ -90,7 +100,12 @@ def main() -> None:
         b1 = decode_rate(engine, 1, 64)
         b32 = decode_rate(engine, 32, 32)
         if args.speed_only:
-            print(json.dumps({"name": name, "weight_mib": engine.weight_bytes / 2**20, "decode_b1": b1, "decode_b32": b32}), flush=True)
+            print(
+                json.dumps(
+                    {"name": name, "weight_mib": engine.weight_bytes / 2**20, "decode_b1": b1, "decode_b32": b32}
+                ),
+                flush=True,
+            )
             continue
         agree = agreement(greedy_tokens(engine, GREEDY_PROMPTS, 32), greedy_ref)
         # Quality last: the teacher-forced pass writes cache slots outside the block manager.
@@ -104,8 +119,12 @@ def main() -> None:
 
     if args.speed_only:
         return
-    print(f"\nreference fp32 perplexity {report.ppl_reference:.3f} on {report.num_sequences} x 128-token held-out sequences")
-    print("| config | weights MiB | decode tok/s b=1 | b=32 | ppl | top-1 | KL mean | KL p99 | KL max | greedy agree | KV blocks @256MiB | 2k-token seqs |")
+    print(
+        f"\nreference fp32 perplexity {report.ppl_reference:.3f} on {report.num_sequences} x 128-token held-out sequences"
+    )
+    print(
+        "| config | weights MiB | decode tok/s b=1 | b=32 | ppl | top-1 | KL mean | KL p99 | KL max | greedy agree | KV blocks @256MiB | 2k-token seqs |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -100,8 +100,18 @@ CONFIGS = {
     "self:int4 k=2": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 2},
     "self:int4 k=4": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 4},
     # Speculation forced on (no adaptive switch): what a draft would give if always used.
-    "self:int4 k=4 forced": {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 4, "adaptive": False},
-    "self:layers=16 k=3 forced": {"method": "draft_model", "model": "self:layers=16", "num_speculative_tokens": 3, "adaptive": False},
+    "self:int4 k=4 forced": {
+        "method": "draft_model",
+        "model": "self:int4",
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+    },
+    "self:layers=16 k=3 forced": {
+        "method": "draft_model",
+        "model": "self:layers=16",
+        "num_speculative_tokens": 3,
+        "adaptive": False,
+    },
 }
 
 
@@ -150,7 +160,11 @@ def ngram_ceiling(threads: int | None, max_tokens: int) -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     print("| task | prompts | mean answer tokens | lookup (min, max) | k | tokens per target forward |")
     print("|---|---|---|---|---|---|")
-    for task, prompts in {"grounded": grounded_prompts(), "proofread": proofread_prompts(), "chat": chat_prompts()}.items():
+    for task, prompts in {
+        "grounded": grounded_prompts(),
+        "proofread": proofread_prompts(),
+        "chat": chat_prompts(),
+    }.items():
         outs = llm.chat(prompts, params, use_tqdm=False)
         answers = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs]
         mean_len = sum(len(a) for _, a in answers) / len(answers)
@@ -161,7 +175,10 @@ def ngram_ceiling(threads: int | None, max_tokens: int) -> None:
                 done = 1  # the prefill produced the first token
                 while done < len(answer):
                     drafts = proposer.propose(_Context(list(prompt) + list(answer[:done])), k)
-                    accepted = next((i for i, d in enumerate(drafts) if done + i >= len(answer) or d != answer[done + i]), len(drafts))
+                    accepted = next(
+                        (i for i, d in enumerate(drafts) if done + i >= len(answer) or d != answer[done + i]),
+                        len(drafts),
+                    )
                     done += accepted + 1
                     forwards += 1
                     tokens += accepted + 1
@@ -217,7 +234,9 @@ def main() -> None:
     print("| config | task | batch | tok/s | speedup | acceptance rate | mean acceptance length |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.config} | {r.task} | {r.batch} | {r.tok_per_s} | {r.speedup}x | {r.acceptance_rate} | {r.mean_acceptance_length} |")
+        print(
+            f"| {r.config} | {r.task} | {r.batch} | {r.tok_per_s} | {r.speedup}x | {r.acceptance_rate} | {r.mean_acceptance_length} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)

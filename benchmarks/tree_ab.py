@@ -41,7 +41,9 @@ def worker(kind: str, weights: str, threads: int) -> dict:
     from tachyllm import LLM, SamplingParams
 
     quantization = "gguf" if weights == "gguf" else None
-    llm = LLM(dtype="bfloat16", quantization=quantization, threads=threads, max_num_seqs=64, max_num_batched_tokens=4096)
+    llm = LLM(
+        dtype="bfloat16", quantization=quantization, threads=threads, max_num_seqs=64, max_num_batched_tokens=4096
+    )
     vocab = llm.engine.model_config.vocab_size
     greedy = {"temperature": 0, "ignore_eos": True}
     if kind == "single":
@@ -82,7 +84,9 @@ def served(tree: Path, weights: str, threads: int) -> dict:
             client = [sys.executable, "-c", serve, "bench", "serve", "--base-url", base, "--num-prompts", "64",
                       "--input-len", "128", "--output-len", "128", "--ignore-eos", "--request-rate", "inf",
                       "--no-progress", "--result-json", str(result)]  # fmt: skip
-            subprocess.run(client, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+            subprocess.run(
+                client, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(Path.cwd())}
+            )
             return {"tok_s": json.loads(result.read_text())["output_throughput"]}
     finally:
         server.terminate()

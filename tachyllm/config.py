@@ -157,9 +157,13 @@ class EngineConfig:
         if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ConfigError(f"quant_activation_bits must be 8 or 16, got {self.quant_activation_bits!r}")
         if self.quant_activation_bits != 16 and self.quantization not in ("int4", "awq", "gguf"):
-            raise ConfigError(f"quant_activation_bits applies to quantization int4, awq or gguf, not {self.quantization!r}")
+            raise ConfigError(
+                f"quant_activation_bits applies to quantization int4, awq or gguf, not {self.quantization!r}"
+            )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1:

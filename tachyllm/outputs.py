@@ -79,7 +79,9 @@ class RequestOutput:
 
     def __repr__(self) -> str:
         texts = [o.text for o in self.outputs]
-        return f"RequestOutput(id={self.request_id!r}, finished={self.finished}, outputs={texts!r}, error={self.error!r})"
+        return (
+            f"RequestOutput(id={self.request_id!r}, finished={self.finished}, outputs={texts!r}, error={self.error!r})"
+        )
 
 
 class DeltaAccumulator:

@@ -43,7 +43,9 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}"
+            )
         if "method" not in options and options.get("model"):
             options = {**options, "method": "draft_model"}  # vLLM infers the method from a model
         if "method" not in options or "num_speculative_tokens" not in options:
@@ -59,8 +61,12 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ConfigError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError(f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
-        if self.disable_by_batch_size is not None and (not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1):
+            raise ConfigError(
+                f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+            )
+        if self.disable_by_batch_size is not None and (
+            not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1
+        ):
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
@@ -72,7 +78,9 @@ class SpeculativeConfig:
                 raise ConfigError(f"need integers 1 <= prompt_lookup_min <= prompt_lookup_max, got {lo!r}, {hi!r}")
         else:
             if not isinstance(self.model, str) or not self.model:
-                raise ConfigError("speculative_config: method 'draft_model' needs 'model' (a path, 'self:int4' or 'self:layers=N')")
+                raise ConfigError(
+                    "speculative_config: method 'draft_model' needs 'model' (a path, 'self:int4' or 'self:layers=N')"
+                )
             if self.model.startswith("self:") and self.model != "self:int4" and self.self_layers is None:
                 raise ConfigError(f"unknown self-draft {self.model!r}; accepted: 'self:int4', 'self:layers=N'")
 

@@ -72,7 +72,6 @@ class ScheduledSeq:
         return self.num_real_tokens == 1
 
 
-
 @dataclass
 class StepBatch:
     seqs: list[ScheduledSeq]  # batch row order: decodes first, then prefill chunks

@@ -22,7 +22,9 @@ def add_llama_shape(
     writer.add_head_count_kv(kv_heads)
 
 
-def add_layer_tensors(add: AddTensor, layer: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int) -> None:
+def add_layer_tensors(
+    add: AddTensor, layer: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int
+) -> None:
     add(f"blk.{layer}.attn_norm.weight", hidden, quantize=False)
     add(f"blk.{layer}.ffn_norm.weight", hidden, quantize=False)
     add(f"blk.{layer}.attn_q.weight", heads * head_dim, hidden)

@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
+from tachyllm import tracing
 from tachyllm.bench.datasets import random_token_ids
 from tachyllm.bench.profile import CATEGORIES, format_profile, instrumented, is_matmul, profile_decode
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import main
 from tachyllm.kernels.native import native_ops
-from tachyllm import tracing
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,14 @@ def test_matmul_names():
     for name in ("aten::linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "mkldnn::_linear_pointwise",
                  "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "native::bf16_gemv"):  # fmt: skip
         assert is_matmul(name), name
-    for name in ("aten::softmax", "aten::add", "aten::index_select", "aten::copy_", "aten::mul", "native::paged_attention"):
+    for name in (
+        "aten::softmax",
+        "aten::add",
+        "aten::index_select",
+        "aten::copy_",
+        "aten::mul",
+        "native::paged_attention",
+    ):
         assert not is_matmul(name), name
 
 

@@ -156,7 +156,9 @@ def test_against_our_server(tmp_path, model_path, capsys):
         # ITLs are gaps between streamed chunks. The server sends, per request, everything its event
         # loop has not sent yet in one chunk, so an engine faster than the loop (a tiny model, six
         # tokens) may stream a whole answer at once and leave no gap to measure (seen in CI).
-        assert m["itl_ms"] == {} or (set(m["itl_ms"]) == {"mean", "median", "p50", "p90", "p99"} and m["itl_ms"]["p99"] >= 0)
+        assert m["itl_ms"] == {} or (
+            set(m["itl_ms"]) == {"mean", "median", "p50", "p90", "p99"} and m["itl_ms"]["p99"] >= 0
+        )
         assert m["good_requests"] == 6 and m["cost"]["usd_per_million_output_tokens"] > 0
         assert run["max_concurrency"] == 3 and run["request_rate"] == "inf"
         assert run["server"]["prefix_cache_queries"] > 0 and run["server"]["prefix_cache_hit_rate"] is not None

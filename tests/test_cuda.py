@@ -19,14 +19,20 @@ def test_cuda_greedy_matches_transformers(tiny_model_factory, arch, tie):
 
     path = tiny_model_factory(arch, tie)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
-    llm = LLM(str(path), dtype="float32", device="cuda", block_size=4, kv_cache_memory=4 << 20, max_num_batched_tokens=64)
+    llm = LLM(
+        str(path), dtype="float32", device="cuda", block_size=4, kv_cache_memory=4 << 20, max_num_batched_tokens=64
+    )
     assert llm.engine.backend.name == "torch"  # auto: the C++ kernels are CPU-only
     prompts = mixed_prompts(hf.config.vocab_size)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False
+    )
     for prompt, out in zip(prompts, outputs):
         assert out.error is None
         with torch.device("cuda"):
-            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS), f"{arch}: prompt of {len(prompt)} tokens"
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS), (
+                f"{arch}: prompt of {len(prompt)} tokens"
+            )
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -57,7 +63,9 @@ def test_cuda_fp8_kv_cache_runs(tiny_model_factory):
     the padded batch shape; on the CPU too.)"""
     path = str(tiny_model_factory("llama"))
     prompts = mixed_prompts(300, lengths=(5, 40, 9, 23), seed=1)
-    llm = LLM(path, dtype="bfloat16", device="cuda", kv_cache_dtype="fp8", max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    llm = LLM(
+        path, dtype="bfloat16", device="cuda", kv_cache_dtype="fp8", max_num_batched_tokens=16, kv_cache_memory=4 << 20
+    )
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])

@@ -13,7 +13,9 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_factory):
-    return LLM(str(tiny_model_factory("llama")), dtype="float32", block_size=4, kv_cache_memory=4 << 20, max_model_len=256)
+    return LLM(
+        str(tiny_model_factory("llama")), dtype="float32", block_size=4, kv_cache_memory=4 << 20, max_model_len=256
+    )
 
 
 def all_blocks_free(llm: LLM) -> bool:
@@ -35,7 +37,11 @@ def test_stop_string_across_token_boundary(llm):
     tok = llm.get_tokenizer()
     pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
     # A stop string made of the end of one token's text and the start of the next one's.
-    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    i = next(
+        i
+        for i in range(3, len(pieces) - 1)
+        if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) - len(pieces[i]) >= 2
+    )
     stop = pieces[i][-2:] + pieces[i + 1][len(pieces[i]) : len(pieces[i]) + 2]
     start = full.text.find(stop)
     out = llm.generate(prompt, SamplingParams(max_tokens=24, stop=[stop], **GREEDY), use_tqdm=False)[0].outputs[0]
@@ -51,11 +57,15 @@ def test_stop_string_across_token_boundary(llm):
 def test_stop_token_ids_and_eos(llm):
     full = llm.generate("abc", SamplingParams(max_tokens=10, **GREEDY), use_tqdm=False)[0].outputs[0]
     stop_id = full.token_ids[4]
-    out = llm.generate("abc", SamplingParams(max_tokens=10, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[0].outputs[0]
+    out = llm.generate("abc", SamplingParams(max_tokens=10, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert out.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
     # min_tokens keeps the stop token from ending the sequence early.
-    out = llm.generate("abc", SamplingParams(max_tokens=10, min_tokens=10, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False)
+    out = llm.generate(
+        "abc", SamplingParams(max_tokens=10, min_tokens=10, stop_token_ids=[stop_id], **GREEDY), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 10
 
 
@@ -74,12 +84,16 @@ def test_seed_reproducible_whatever_the_batch(llm):
     noise = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     mixed = llm.generate(["x y z", "hello", "1 2 3 4"], [noise, params, noise], use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone
-    other_seed = llm.generate("hello", SamplingParams(temperature=1.0, seed=8, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    other_seed = llm.generate(
+        "hello", SamplingParams(temperature=1.0, seed=8, max_tokens=16, ignore_eos=True), use_tqdm=False
+    )
     assert other_seed[0].outputs[0].token_ids != alone
 
 
 def test_n_samples(llm):
-    out = llm.generate("hello", SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        "hello", SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [o.index for o in out.outputs] == [0, 1, 2, 3]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert all(len(o.token_ids) == 8 for o in out.outputs)
@@ -127,7 +141,9 @@ def test_too_long_prompt_fails_alone(llm):
 
 
 def test_request_larger_than_cache_is_rejected(tiny_model_factory):
-    small = LLM(str(tiny_model_factory("llama")), dtype="float32", block_size=4, kv_cache_memory=16 * 4096, max_model_len=256)
+    small = LLM(
+        str(tiny_model_factory("llama")), dtype="float32", block_size=4, kv_cache_memory=16 * 4096, max_model_len=256
+    )
     blocks = small.engine.block_manager.num_blocks
     out = small.generate([[5] * (blocks * 4)], SamplingParams(max_tokens=4), use_tqdm=False)[0]
     assert "KV blocks" in out.error

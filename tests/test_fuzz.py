@@ -14,7 +14,6 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode, checks
 from test_server import running_server
 
-
 # Small limits keep each generated request cheap on a 2-core machine (n x max_tokens x prompts).
 FLAGS = ["--max-model-len", "64", "--max-n", "2", "--max-prompts-per-request", "2", "--max-request-tokens", "256"]
 EXAMPLES = 50  # per operation and mode: ~15 s in all on 2 cores

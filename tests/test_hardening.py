@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -23,7 +22,7 @@ from tachyllm import LLM, SamplingParams, faults
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.engine_args import engine_config
-from tachyllm.entrypoints.serve import GracefulServer, make_server
+from tachyllm.entrypoints.serve import GracefulServer
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
@@ -454,7 +453,11 @@ def test_hung_step_makes_health_503_and_the_server_exit(model_path):
     assert error["code"] == "engine_unhealthy" and "has run for" in error["message"]
 
     release.clear()
-    with faults.injected(hang), graceful_server(model_path, *flags) as (base, srv), httpx.Client(base_url=base, timeout=10) as c:
+    with (
+        faults.injected(hang),
+        graceful_server(model_path, *flags) as (base, srv),
+        httpx.Client(base_url=base, timeout=10) as c,
+    ):
         with c.stream("POST", CMPL, json={"prompt": "hi", "max_tokens": 50, "stream": True}) as r:
             assert r.status_code == 200
             events = list(sse_events(r))  # ends: the watchdog ends the stream with an error

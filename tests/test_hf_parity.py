@@ -83,7 +83,8 @@ def test_default_model_matches_transformers(default_model_path):
         "Explain gravity in one sentence.",
     ]
     prompts = [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False) for q in questions
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in questions
     ]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)

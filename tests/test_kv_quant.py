@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_quantization import engine_for, teacher_forced_top1
 
+from tachyllm.backends.torch_backend import PrefillSpan, TorchBackend, TorchMetadata, paged_attention
 from tachyllm.eval.greedy import agreement
 from tachyllm.eval.greedy import greedy_tokens as greedy
 from tachyllm.kernels.kv_quant import KV_STORAGE, QuantizedKV, qmax
-from tachyllm.backends.torch_backend import PrefillSpan, TorchBackend, TorchMetadata, paged_attention
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys", "0123456789 numbers"]
 

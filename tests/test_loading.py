@@ -126,9 +126,18 @@ def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def write_tiny_gguf(path: Path, arch: str, *, head_dim: int, tied: bool, bias: bool, qk_norm: bool,
-                    quant: GGMLQuantizationType, rope_freqs: np.ndarray | None = None,
-                    extra: dict[str, np.ndarray] | None = None) -> None:
+def write_tiny_gguf(
+    path: Path,
+    arch: str,
+    *,
+    head_dim: int,
+    tied: bool,
+    bias: bool,
+    qk_norm: bool,
+    quant: GGMLQuantizationType,
+    rope_freqs: np.ndarray | None = None,
+    extra: dict[str, np.ndarray] | None = None,
+) -> None:
     tokens, merges, types = byte_level_vocab()
     rng = np.random.default_rng(0)
     writer = GGUFWriter(path, arch)
@@ -205,13 +214,23 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     head_dim = 64  # Llama 3.2's: 32 frequencies, a few of them in the interpolated band
-    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
     def inv_freq(rope: dict | None) -> torch.Tensor:
         params = {"rope_theta": 500000.0, "rope_type": "default", **(rope or {})}
-        hf = LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, head_dim=head_dim,
-                         max_position_embeddings=131072, rope_parameters=params)
+        hf = LlamaConfig(
+            hidden_size=HIDDEN,
+            num_attention_heads=HEADS,
+            head_dim=head_dim,
+            max_position_embeddings=131072,
+            rope_parameters=params,
+        )
         init = ROPE_INIT_FUNCTIONS[params["rope_type"]] if rope else None
         if init is None:
             return 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -220,8 +239,16 @@ def test_llama3_rope_scaling_recovered_from_rope_freqs(tmp_path: Path) -> None:
     # llama.cpp stores, per frequency, the divisor that turns the base frequency into the scaled one.
     divisors = (inv_freq(None) / inv_freq(scaling)).numpy()
     path = tmp_path / "llama31.gguf"
-    write_tiny_gguf(path, "llama", head_dim=head_dim, tied=True, bias=False, qk_norm=False,
-                    quant=GGMLQuantizationType.F32, rope_freqs=divisors)
+    write_tiny_gguf(
+        path,
+        "llama",
+        head_dim=head_dim,
+        tied=True,
+        bias=False,
+        qk_norm=False,
+        quant=GGMLQuantizationType.F32,
+        rope_freqs=divisors,
+    )
     checkpoint = load_checkpoint(str(path))
     recovered = checkpoint.config.rope_scaling
     assert recovered == scaling
@@ -251,15 +278,33 @@ def save_tokenizer(directory: Path) -> int:
 
 
 def small(config_class, vocab: int, **extra):
-    return config_class(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                        num_key_value_heads=KV_HEADS, intermediate_size=FFN, vocab_size=vocab, **extra)
+    return config_class(
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=FFN,
+        vocab_size=vocab,
+        **extra,
+    )
 
 
 HF_CASES = {
-    "llama": lambda v: small(LlamaConfig, v, tie_word_embeddings=False, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}, max_position_embeddings=1024,
-        eos_token_id=[v - 1, v - 2]),
+    "llama": lambda v: small(
+        LlamaConfig,
+        v,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        max_position_embeddings=1024,
+        eos_token_id=[v - 1, v - 2],
+    ),
     "mistral": lambda v: small(MistralConfig, v, tie_word_embeddings=False),
     "qwen2": lambda v: small(Qwen2Config, v, tie_word_embeddings=True),
     "qwen3": lambda v: small(Qwen3Config, v, head_dim=32, tie_word_embeddings=True),
@@ -291,8 +336,13 @@ def test_hf_directory(tmp_path: Path, arch: str) -> None:
     if arch == "llama":
         assert (tmp_path / "model.safetensors.index.json").is_file()
         assert config.rope_theta == 500000.0
-        assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+        assert config.rope_scaling == {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        }
         assert config.eos_token_ids == [vocab - 1, vocab - 2]
     else:
         assert config.rope_scaling is None
@@ -394,16 +444,25 @@ def test_gguf_with_truncated_tensor_data(tmp_path: Path) -> None:
 )
 def test_gguf_with_unknown_tensors(tmp_path: Path, extra: dict, words: tuple[str, ...]) -> None:
     path = tmp_path / "odd.gguf"
-    write_tiny_gguf(path, "llama", head_dim=16, tied=True, bias=False, qk_norm=False,
-                    quant=GGMLQuantizationType.F32, extra=extra)
+    write_tiny_gguf(
+        path, "llama", head_dim=16, tied=True, bias=False, qk_norm=False, quant=GGMLQuantizationType.F32, extra=extra
+    )
     assert_load_error(path, *words)
 
 
 def test_gguf_with_undequantizable_tensor_type(tmp_path: Path) -> None:
     path = tmp_path / "int.gguf"
     # Declared tied so the helper leaves output.weight to `extra`.
-    write_tiny_gguf(path, "llama", head_dim=16, tied=True, bias=False, qk_norm=False,
-                    quant=GGMLQuantizationType.F32, extra={"output.weight": np.zeros((261, 64), np.int32)})
+    write_tiny_gguf(
+        path,
+        "llama",
+        head_dim=16,
+        tied=True,
+        bias=False,
+        qk_norm=False,
+        quant=GGMLQuantizationType.F32,
+        extra={"output.weight": np.zeros((261, 64), np.int32)},
+    )
     assert_load_error(path, "output.weight", "I32")
 
 
@@ -417,4 +476,3 @@ def test_unknown_file_type(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\0" * 64)
     assert_load_error(path, "not a GGUF file")
-

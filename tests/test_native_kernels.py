@@ -114,9 +114,15 @@ def test_write_kv_quantizes_like_the_pytorch_path(name):
     slots = torch.tensor([5, 0, 17, 63, 2, 40, 33])
     scales = torch.tensor([[0.01], [0.02], [0.05]])
     dtype = KV_STORAGE[name]
-    ref_k, ref_v = (QuantizedKV(torch.zeros(blocks * block_size, kv_heads, head_dim, dtype=dtype), scales, block_size) for _ in range(2))
+    ref_k, ref_v = (
+        QuantizedKV(torch.zeros(blocks * block_size, kv_heads, head_dim, dtype=dtype), scales, block_size)
+        for _ in range(2)
+    )
     ref_k.write(slots, k), ref_v.write(slots, v)
-    kc, vc = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype), torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    kc, vc = (
+        torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype),
+        torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=dtype),
+    )
     ops.write_kv(k, v, kc, vc, slots, scales.view(-1), scales.view(-1))
     assert torch.equal(kc.view(torch.uint8), ref_k.paged().view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), ref_v.paged().view(torch.uint8))
@@ -201,7 +207,9 @@ def test_paged_attention_splits_long_contexts_across_threads():
     # Each sequence alone (a batch this small splits its work by KV head too): the same bits.
     for b, (first, count, _) in enumerate(info.tolist()):
         alone = torch.empty_like(q)
-        ops.paged_attention(alone, q, k_cache, v_cache, tables[b : b + 1].contiguous(), info[b : b + 1].contiguous(), 0.125)
+        ops.paged_attention(
+            alone, q, k_cache, v_cache, tables[b : b + 1].contiguous(), info[b : b + 1].contiguous(), 0.125
+        )
         assert torch.equal(alone[first : first + count].float(), results[0][first : first + count])
 
 
@@ -218,23 +226,41 @@ def test_write_kv_and_bad_inputs():
         ops.write_kv(k, v, k_cache, v_cache, torch.tensor([5, 0, 8]))
     q, out = torch.randn(1, 2, 8), torch.empty(1, 2, 8)
     with pytest.raises(RuntimeError, match="block id out of range"):
-        ops.paged_attention(out, q, k_cache, v_cache, torch.tensor([[4]], dtype=torch.int32),
-                             torch.tensor([[0, 1, 0]], dtype=torch.int32), 1.0)
+        ops.paged_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            torch.tensor([[4]], dtype=torch.int32),
+            torch.tensor([[0, 1, 0]], dtype=torch.int32),
+            1.0,
+        )
     with pytest.raises(RuntimeError, match="block table too short"):
-        ops.paged_attention(out, q, k_cache, v_cache, torch.tensor([[1]], dtype=torch.int32),
-                             torch.tensor([[0, 1, 2]], dtype=torch.int32), 1.0)
+        ops.paged_attention(
+            out,
+            q,
+            k_cache,
+            v_cache,
+            torch.tensor([[1]], dtype=torch.int32),
+            torch.tensor([[0, 1, 2]], dtype=torch.int32),
+            1.0,
+        )
 
 
 def _greedy(path, prompts, backend: str, **kwargs):
     from tachyllm import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=32, backend=backend, **kwargs)
+    llm = LLM(
+        model=str(path), dtype="float32", kv_cache_memory=1 << 22, max_num_batched_tokens=32, backend=backend, **kwargs
+    )
     assert llm.engine.backend.name == backend
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("arch, kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8"), ("llama", "fp8")])
+@pytest.mark.parametrize(
+    "arch, kv_cache_dtype", [("llama", "auto"), ("qwen3", "auto"), ("llama", "int8"), ("llama", "fp8")]
+)
 def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, kv_cache_dtype):
     """Mixed prefill chunks and decodes, n-gram speculation (several queries per decode); Qwen3's
     q/k norms run before the in-place rotary; int8 / fp8 caches read in place by the kernel."""
@@ -246,9 +272,12 @@ def test_engine_same_tokens_with_and_without_kernels(tiny_model_factory, arch, k
 
 
 @pytest.mark.parametrize(
-    "quantization, activation_bits, kv_cache_dtype", [(None, 16, "auto"), ("int4", 16, "auto"), ("int4", 8, "auto"), (None, 16, "fp8")]
+    "quantization, activation_bits, kv_cache_dtype",
+    [(None, 16, "auto"), ("int4", 16, "auto"), ("int4", 8, "auto"), (None, 16, "fp8")],
 )
-def test_fused_decode_layer_matches_the_module_path(tiny_model_factory, quantization, activation_bits, kv_cache_dtype, monkeypatch):
+def test_fused_decode_layer_matches_the_module_path(
+    tiny_model_factory, quantization, activation_bits, kv_cache_dtype, monkeypatch
+):
     """Decode-only steps run each layer as one C++ DecodeLayer call, chaining the kernels the
     modules call: in bf16 (and int4, with either activation rounding; and an fp8 cache) the tokens
     and their logprobs are identical."""

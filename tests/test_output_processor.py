@@ -33,12 +33,18 @@ def accumulated(outs: list[RequestOutput], kind: RequestOutputKind) -> list[Comp
     total = {}
     for out in outs:
         for c in out.outputs:
-            acc = total.setdefault(c.index, CompletionOutput(c.index, "", [], logprobs=[] if c.logprobs is not None else None))
+            acc = total.setdefault(
+                c.index, CompletionOutput(c.index, "", [], logprobs=[] if c.logprobs is not None else None)
+            )
             acc.text += c.text
             acc.token_ids += c.token_ids
             if c.logprobs is not None:
                 acc.logprobs += c.logprobs
-            acc.finish_reason, acc.stop_reason, acc.cumulative_logprob = c.finish_reason, c.stop_reason, c.cumulative_logprob
+            acc.finish_reason, acc.stop_reason, acc.cumulative_logprob = (
+                c.finish_reason,
+                c.stop_reason,
+                c.cumulative_logprob,
+            )
     return [total[i] for i in sorted(total)]
 
 
@@ -51,7 +57,9 @@ def test_every_output_kind_adds_up_to_the_same_completion(model_path):
     prompts = random_prompts(3, 3, shared=0, tail=(4, 9))
     results = {}
     for kind in KINDS:
-        params = SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=12, logprobs=2, ignore_eos=True, output_kind=kind)
+        params = SamplingParams(
+            n=2, temperature=0.8, seed=1, max_tokens=12, logprobs=2, ignore_eos=True, output_kind=kind
+        )
         seen = outputs_by_step(tiny_llm(model_path), prompts, params)
         results[kind] = {rid: accumulated(outs, kind) for rid, outs in seen.items()}
         if kind is RequestOutputKind.FINAL_ONLY:

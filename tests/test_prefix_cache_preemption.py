@@ -201,7 +201,9 @@ def test_long_chunked_prompts_use_a_contiguous_kv_copy(tiny_model_factory, monke
     path = tiny_model_factory("llama")
     prompts = random_prompts(6, 5, shared=24, tail=(30, 90))
     params = SamplingParams(max_tokens=12, **GREEDY)
-    expected = token_ids(run(tiny_llm(path, enable_chunked_prefill=False, enable_prefix_caching=False), prompts, params))
+    expected = token_ids(
+        run(tiny_llm(path, enable_chunked_prefill=False, enable_prefix_caching=False), prompts, params)
+    )
     chunked = tiny_llm(path, max_num_batched_tokens=16)
     created = []
     builder = chunked.engine.runner.builder
@@ -345,7 +347,8 @@ def test_stats_line_at_most_once_per_interval(tiny_model_factory, caplog):
     logger = StatsLogger(block_size=4, prefix_caching=True, interval_s=5.0)
     t0 = time.monotonic()
     logged = [
-        logger.maybe_log(StepStats(), eng.scheduler, eng.block_manager, StepBatch([]), [], now=t0 + t) for t in (1, 4, 6, 7, 10, 12)
+        logger.maybe_log(StepStats(), eng.scheduler, eng.block_manager, StepBatch([]), [], now=t0 + t)
+        for t in (1, 4, 6, 7, 10, 12)
     ]
     assert logged == [False, False, True, False, False, True]
 

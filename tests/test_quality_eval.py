@@ -47,8 +47,20 @@ def test_cli_eval_quality_json(tiny_model_factory, capsys):
     assert main([*argv, "--seq-len", "32", "--max-sequences", "3", "--threads", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["num_sequences"] == 3
-    assert report["config"] == "bfloat16, weights int8, kv fp8" and report["reference"] == "float32, weights unquantized, kv auto"
-    assert set(report) >= {"ppl_reference", "ppl_config", "top1_agreement", "kl_mean", "kl_p50", "kl_p99", "kl_max", "worst"}
+    assert (
+        report["config"] == "bfloat16, weights int8, kv fp8"
+        and report["reference"] == "float32, weights unquantized, kv auto"
+    )
+    assert set(report) >= {
+        "ppl_reference",
+        "ppl_config",
+        "top1_agreement",
+        "kl_mean",
+        "kl_p50",
+        "kl_p99",
+        "kl_max",
+        "worst",
+    }
 
 
 def test_cli_rejects_unknown_options(capsys):
@@ -79,6 +91,8 @@ def test_report_scores_what_the_engine_computes(tiny_model_factory):
     report_lp = sequence_logprobs(engine, ids)
     llm = LLM(model=path, dtype="bfloat16", threads=1, kv_cache_memory=1 << 22)
     for n in (7, 20):
-        out = llm.generate([ids[:n]], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)[0].outputs[0]
+        out = llm.generate([ids[:n]], SamplingParams(temperature=0, max_tokens=1, logprobs=3), use_tqdm=False)[
+            0
+        ].outputs[0]
         for token, lp in out.logprobs[0].items():
             assert lp.logprob == pytest.approx(report_lp[n - 1, token].item(), abs=1e-5), (n, token)

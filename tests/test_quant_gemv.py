@@ -28,7 +28,8 @@ ops = native.native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
 # Int4Linear and the Q8_0 head only use the kernels when they were built with AVX-512 VNNI.
 needs_simd = pytest.mark.skipif(
-    ops is not None and ops.quant_gemv_isa() == "scalar", reason="C++ kernels built without AVX-512 VNNI (scalar fallback)"
+    ops is not None and ops.quant_gemv_isa() == "scalar",
+    reason="C++ kernels built without AVX-512 VNNI (scalar fallback)",
 )
 
 
@@ -146,7 +147,10 @@ def test_int4_linear_native_matches_aten(group, tokens):
     assert y_fast.shape == y_slow.shape == (2, tokens, 80) and y_fast.dtype == torch.bfloat16
     # aten rounds activations, scales and zeros to bf16: ~1e-2 relative, like test_quantization.py.
     assert _rel_err(y_fast, y_slow) < 1e-2
-    reference = x.double() @ quantize_int4(linear.weight.detach(), group).dequantize().double().t() + linear.bias.detach().double()
+    reference = (
+        x.double() @ quantize_int4(linear.weight.detach(), group).dequantize().double().t()
+        + linear.bias.detach().double()
+    )
     assert _rel_err(y_fast, reference) < 5e-3  # native: 16-bit activations, fp16 (d, m): only the bf16 output
     assert fast.packed.numel() == 80 // 16 * 256 // 32 * 320  # 0.625 byte per weight whatever the group
     no_bias = Int4Linear(quantize_int4(linear.weight.detach(), group), None, kernels=ops)  # the one-call path
@@ -161,7 +165,9 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
     """A two-layer llama GGUF with Q4_1 layers and a tied token_embd of the given type."""
     # A byte-level BPE vocabulary: GPT-2's printable stand-ins for the 256 bytes, one merge, an EOS.
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    stand_ins = {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in keep)}
+    stand_ins = {b: chr(b) for b in keep} | {
+        b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in keep)
+    }
     tokens = [stand_ins[b] for b in range(256)] + ["he", "<|im_end|>"]
     rng = np.random.default_rng(1)
     writer = GGUFWriter(path, "llama")
@@ -182,6 +188,7 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
 
     tensor("token_embd.weight", len(tokens), HIDDEN, kind=embedding)
     tensor("output_norm.weight", HIDDEN, kind=None)
+
     def add(name: str, *shape: int, quantize: bool = True) -> None:
         tensor(name, *shape, kind=GGMLQuantizationType.Q4_1 if quantize else None)
 
@@ -192,7 +199,9 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
 
 
 def _engine(path: Path, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), quantization="gguf", max_num_seqs=2, max_model_len=64, threads=1, **kwargs))
+    return LLMEngine(
+        EngineConfig(model=str(path), quantization="gguf", max_num_seqs=2, max_model_len=64, threads=1, **kwargs)
+    )
 
 
 @needs_simd

@@ -131,7 +131,9 @@ def test_gguf_block_decoding_matches_the_gguf_package(kind):
 
 
 def test_default_model_q4_1_tensor_decodes_exactly(default_model_path):
-    name, tensor = next((n, t) for n, t in raw_tensors(open_gguf(default_model_path)) if n.endswith("mlp.down_proj.weight"))
+    name, tensor = next(
+        (n, t) for n, t in raw_tensors(open_gguf(default_model_path)) if n.endswith("mlp.down_proj.weight")
+    )
     rows = int(tensor.shape[1])
     ours = decode_q4_1(np.asarray(tensor.data), rows).dequantize()
     theirs = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type)).reshape(rows, -1)
@@ -157,7 +159,11 @@ class _Toy(nn.Module):
 
 def test_quant_skip_policy():
     toy = _Toy()
-    assert parse_skip(None) == ("lm_head",) and parse_skip("none") == () and parse_skip("lm_head, attn") == ("lm_head", "attn")
+    assert (
+        parse_skip(None) == ("lm_head",)
+        and parse_skip("none") == ()
+        and parse_skip("lm_head, attn") == ("lm_head", "attn")
+    )
     assert select_linears(toy, ("lm_head",)) == (["self_attn.qkv_proj", "mlp.down_proj"], ["lm_head"])
     assert select_linears(toy, ("lm_head", "attn"))[0] == ["mlp.down_proj"]
     assert select_linears(toy, ())[1] == []
@@ -184,14 +190,23 @@ def test_bad_options_raise_one_config_error(kwargs, message):
 
 def test_group_size_that_does_not_divide_a_layer(tiny_model_factory):
     # hidden_size 96: 96 % 64 == 0 but 96 % 128 != 0 ... use 80 so 64 does not divide the 80-wide inputs.
-    path = tiny_model_factory("llama", hidden_size=80, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
-    with pytest.raises(ConfigError, match=r"quant_group_size=64 does not divide layer layers\.0\.self_attn\.qkv_proj \(in_features=80\)"):
-        LLMEngine(EngineConfig(model=str(path), quantization="int4", quant_group_size=64, max_num_seqs=2, max_model_len=64))
+    path = tiny_model_factory(
+        "llama", hidden_size=80, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"quant_group_size=64 does not divide layer layers\.0\.self_attn\.qkv_proj \(in_features=80\)",
+    ):
+        LLMEngine(
+            EngineConfig(model=str(path), quantization="int4", quant_group_size=64, max_num_seqs=2, max_model_len=64)
+        )
 
 
 def test_gguf_quantization_needs_a_gguf_model(tiny_model_factory):
     with pytest.raises(ConfigError, match="quantization='gguf' needs a GGUF model file"):
-        LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), quantization="gguf", max_num_seqs=2, max_model_len=64))
+        LLMEngine(
+            EngineConfig(model=str(tiny_model_factory("llama")), quantization="gguf", max_num_seqs=2, max_model_len=64)
+        )
 
 
 # -- end to end ----------------------------------------------------------------------------------
@@ -234,7 +249,14 @@ def test_activation_bits_reach_the_kernels_and_keep_rows_independent(tiny_model_
     prompts = ["hello hello hello hello", "def add(a, b): return a + b " * 3, "x"]
 
     def run(bits: int, batch: list[str]):
-        llm = LLM(model=path, dtype="bfloat16", quantization="int4", quant_group_size=32, quant_activation_bits=bits, kv_cache_memory=1 << 22)
+        llm = LLM(
+            model=path,
+            dtype="bfloat16",
+            quantization="int4",
+            quant_group_size=32,
+            quant_activation_bits=bits,
+            kv_cache_memory=1 << 22,
+        )
         layers = [m for m in llm.engine.model.modules() if isinstance(m, Int4Linear)]
         assert layers and all(m.activation_bits == bits for m in layers)
         return [[sorted(d.items()) for d in o.outputs[0].logprobs] for o in llm.generate(batch, params, use_tqdm=False)]
@@ -277,7 +299,9 @@ def test_default_model_quantized_agrees(method):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(BLOCK_KERNELS is None, reason="8-bit activations are a mode of the C++ block kernels (AVX-512 VNNI)")
+@pytest.mark.skipif(
+    BLOCK_KERNELS is None, reason="8-bit activations are a mode of the C++ block kernels (AVX-512 VNNI)"
+)
 def test_default_model_8bit_activations_cost_little_top1():
     """The opt-in 8-bit activations (quant_activation_bits=8) against the bf16 engine, beside the
     default 16 bits on the same windows: measurably further from it (mean KL against fp32 measured
@@ -285,7 +309,12 @@ def test_default_model_8bit_activations_cost_little_top1():
     ref = eval_engine(EngineConfig(threads=2), 128)
     windows = heldout_windows(ref, 128, 6)
     fine, coarse = (
-        compare(eval_engine(EngineConfig(threads=2, quantization="gguf", quant_activation_bits=bits), 128), ref, windows, ("gguf", "bf16"))
+        compare(
+            eval_engine(EngineConfig(threads=2, quantization="gguf", quant_activation_bits=bits), 128),
+            ref,
+            windows,
+            ("gguf", "bf16"),
+        )
         for bits in (16, 8)
     )
     assert coarse.top1_agreement >= REAL_TOP1["gguf"] - 0.03

@@ -18,7 +18,9 @@ def row(params: SamplingParams, prompt=(1,), output=(), seed=None):
     if seed is not None:
         gen = torch.Generator().manual_seed(seed)
     ids = list(prompt) + list(output)
-    return SimpleNamespace(params=params, token_ids=ids, output_token_ids=list(output), num_output_tokens=len(output), generator=gen)
+    return SimpleNamespace(
+        params=params, token_ids=ids, output_token_ids=list(output), num_output_tokens=len(output), generator=gen
+    )
 
 
 def draw(logits: list[float], params: SamplingParams, n: int = 4000) -> torch.Tensor:
@@ -116,7 +118,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_logprobs_are_log_softmax_of_raw_logits():
     sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
     logits = torch.randn(2, VOCAB)
-    res = sampler(logits, [row(SamplingParams(temperature=0, logprobs=3)), row(SamplingParams(temperature=0, logprobs=0))])
+    res = sampler(
+        logits, [row(SamplingParams(temperature=0, logprobs=3)), row(SamplingParams(temperature=0, logprobs=0))]
+    )
     ref = torch.log_softmax(logits, dim=-1)
     chosen, rank, top_ids, top_lps = res.logprobs[0]
     assert rank == 1 and abs(chosen - ref[0].max().item()) < 1e-6

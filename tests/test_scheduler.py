@@ -9,6 +9,9 @@ reference computed straight from the prompt.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import SimpleNamespace
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -19,9 +22,6 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from dataclasses import dataclass
-from types import SimpleNamespace
-
 from test_block_manager import FakeKV, make_seq, prompts
 
 from tachyllm.core.block_manager import BlockManager
@@ -66,7 +66,9 @@ def schedule(sched: Scheduler) -> Scheduled:
     by_id = {s.seq_id: s for s in sched.in_flight()}
     everyone.update(by_id)
     scheduled = [SimpleNamespace(seq=by_id[s.seq_id], num_new_tokens=s.num_new_tokens, entry=s) for s in batch.seqs]
-    preempted = [everyone[i] for i in batch.finished_seq_ids if i in everyone and everyone[i].status is SequenceStatus.WAITING]
+    preempted = [
+        everyone[i] for i in batch.finished_seq_ids if i in everyone and everyone[i].status is SequenceStatus.WAITING
+    ]
     return Scheduled(batch, scheduled, preempted)
 
 

@@ -198,7 +198,11 @@ def test_async_engine_builds_its_engine_on_the_loop_thread(model_path):
     finally:
         engine.shutdown()
     with pytest.raises(ConfigError, match="block_size must be >= 1"):
-        AsyncEngine(lambda: LLMEngine(engine_config(build_parser().parse_args(["serve", "--model", model_path, "--block-size", "0"]))))
+        AsyncEngine(
+            lambda: LLMEngine(
+                engine_config(build_parser().parse_args(["serve", "--model", model_path, "--block-size", "0"]))
+            )
+        )
 
 
 # -- the openai client -------------------------------------------------------------------------

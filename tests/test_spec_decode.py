@@ -13,18 +13,24 @@ from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, 
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.core.sequence import Request, Sequence
+from tachyllm.core.step_cost import CostBySize, StepShape
 from tachyllm.errors import ConfigError, ModelLoadError
 from tachyllm.outputs import RequestMetrics, StepStats
 from tachyllm.runner import kv_cache
-from tachyllm.sampling.sampler import Sampler
-from tachyllm.step import SamplingInput, ScheduledSeq
 from tachyllm.sampling import verify as rejection
-from tachyllm.core.step_cost import CostBySize, StepShape
+from tachyllm.sampling.sampler import Sampler
 from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, REFRESH_INTERVAL, AdaptiveController
-from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.spec_decode.ngram import NgramProposer
+from tachyllm.speculative_config import SpeculativeConfig
+from tachyllm.step import SamplingInput, ScheduledSeq
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "adaptive": False,
+}
 
 
 def draft(model: str, k: int = 3) -> dict:
@@ -36,7 +42,13 @@ def draft(model: str, k: int = 3) -> dict:
 
 def test_config_accepts_vllm_shapes_and_json():
     c = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}')
-    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min, c.adaptive) == ("ngram", 5, 3, 2, True)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min, c.adaptive) == (
+        "ngram",
+        5,
+        3,
+        2,
+        True,
+    )
     c = SpeculativeConfig.from_dict({"model": "self:layers=4", "num_speculative_tokens": 2})
     assert c.method == "draft_model" and c.self_layers == 4
 
@@ -47,7 +59,10 @@ def test_config_accepts_vllm_shapes_and_json():
         ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "ngram"}, "needs 'method' and 'num_speculative_tokens'"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            "prompt_lookup_min",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no 'model'"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
         ({"method": "draft_model", "model": "self:int2", "num_speculative_tokens": 2}, "unknown self-draft"),
@@ -118,7 +133,9 @@ def with_oracle(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -
     return llm
 
 
-@pytest.mark.parametrize("spec", [NGRAM, draft("self:layers=1"), draft("self:int4", k=2)], ids=["ngram", "layers", "int4"])
+@pytest.mark.parametrize(
+    "spec", [NGRAM, draft("self:layers=1"), draft("self:int4", k=2)], ids=["ngram", "layers", "int4"]
+)
 def test_greedy_output_is_identical_with_speculation(tiny_model_factory, spec):
     # hidden 128 so that int4 groups divide every layer
     path = tiny_model_factory("llama", hidden_size=128, intermediate_size=256)
@@ -148,7 +165,12 @@ def test_greedy_identity_with_preemption_and_batch_one(tiny_model_factory):
     expected = token_ids(run(tiny_llm(path, max_model_len=max_len), prompts, params))
     block_bytes = kv_cache.bytes_per_block(tiny_llm(path).engine.model_config, block_size, torch.float32)
     for spec in (NGRAM, draft("self:layers=1")):
-        small = tiny_llm(path, max_model_len=max_len, kv_cache_memory=3 * (max_len // block_size) * block_bytes, speculative_config=spec)
+        small = tiny_llm(
+            path,
+            max_model_len=max_len,
+            kv_cache_memory=3 * (max_len // block_size) * block_bytes,
+            speculative_config=spec,
+        )
         alone = tiny_llm(path, max_model_len=max_len, speculative_config=spec)
         if spec is NGRAM:
             with_oracle(small, prompts, expected), with_oracle(alone, prompts, expected)
@@ -461,13 +483,20 @@ def test_cost_model_bounds_outside_the_measured_range():
     cost.record(10, 0.010)
     cost.record(40, 0.020)
     assert cost.estimate(25, high=True) == pytest.approx(0.015)  # interpolated
-    assert cost.estimate(80, high=True) == pytest.approx(0.040) and cost.estimate(80, high=False) == pytest.approx(0.020)
+    assert cost.estimate(80, high=True) == pytest.approx(0.040) and cost.estimate(80, high=False) == pytest.approx(
+        0.020
+    )
     assert cost.estimate(5, high=True) == pytest.approx(0.010) and cost.estimate(5, high=False) == pytest.approx(0.005)
 
 
 @pytest.mark.slow
 def test_real_model_greedy_identity(default_model_path):
-    prompt = [{"role": "user", "content": "Rewrite with a for loop, changing nothing else:\n\ndef total(xs):\n    s = 0\n    i = 0\n    while i < len(xs):\n        s += xs[i]\n        i += 1\n    return s\n"}]
+    prompt = [
+        {
+            "role": "user",
+            "content": "Rewrite with a for loop, changing nothing else:\n\ndef total(xs):\n    s = 0\n    i = 0\n    while i < len(xs):\n        s += xs[i]\n        i += 1\n    return s\n",
+        }
+    ]
     params = SamplingParams(temperature=0, max_tokens=64)
     base = LLM(dtype="float32").chat(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     for spec in (NGRAM, draft("self:int4", k=3)):

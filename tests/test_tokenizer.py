@@ -82,8 +82,16 @@ def test_default_chat_template(smollm: Tokenizer) -> None:
 # -- synthetic GGUF vocabularies -------------------------------------------------------------------
 
 
-def write_vocab_gguf(path: Path, model: str, tokens: list[str], types: list[int], *, pre: str | None = None,
-                     merges: list[str] | None = None, scores: list[float] | None = None) -> GGUFReader:
+def write_vocab_gguf(
+    path: Path,
+    model: str,
+    tokens: list[str],
+    types: list[int],
+    *,
+    pre: str | None = None,
+    merges: list[str] | None = None,
+    scores: list[float] | None = None,
+) -> GGUFReader:
     writer = GGUFWriter(path, "llama")
     writer.add_tokenizer_model(model)
     if pre is not None:
@@ -137,8 +145,31 @@ def test_unsupported_gguf_tokenizers(tmp_path: Path) -> None:
         byte_level(tmp_path, "mystery")
 
 
-SPM_PIECES = ["▁", "h", "e", "l", "o", "w", "r", "d", "i", "n", "▁h", "ll", "▁he", "llo", "▁hello",
-              "▁w", "or", "▁wor", "ld", "▁world", "▁i", "in", "▁in"]
+SPM_PIECES = [
+    "▁",
+    "h",
+    "e",
+    "l",
+    "o",
+    "w",
+    "r",
+    "d",
+    "i",
+    "n",
+    "▁h",
+    "ll",
+    "▁he",
+    "llo",
+    "▁hello",
+    "▁w",
+    "or",
+    "▁wor",
+    "ld",
+    "▁world",
+    "▁i",
+    "in",
+    "▁in",
+]
 
 
 @pytest.fixture
@@ -187,8 +218,10 @@ def save_hf_tokenizer(directory: Path, config: dict, *, bos_post_processor: bool
 
 def test_hf_tokenizer_config(tmp_path: Path) -> None:
     template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{{ eos_token }}{% endfor %}"
-    save_hf_tokenizer(tmp_path, {"bos_token": {"content": "<bos>"}, "eos_token": "<eos>", "add_bos_token": True,
-                                 "chat_template": template})
+    save_hf_tokenizer(
+        tmp_path,
+        {"bos_token": {"content": "<bos>"}, "eos_token": "<eos>", "add_bos_token": True, "chat_template": template},
+    )
     tokenizer = Tokenizer.from_hf_dir(tmp_path)
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.add_bos) == (256, 257, True)
     assert tokenizer.vocab_size == 258

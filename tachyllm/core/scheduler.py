@@ -184,7 +184,9 @@ class Scheduler:
             seq, start = s.seq, s.seq.num_computed_tokens
             sampling = None
             if s.completes:
-                sampling = SamplingInput(seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs)
+                sampling = SamplingInput(
+                    seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs
+                )
             new_tokens = seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
             seqs.append(
                 ScheduledSeq(

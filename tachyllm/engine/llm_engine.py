@@ -73,7 +73,9 @@ class LLMEngine:
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(self.device, wanted)
         num_blocks = cache_bytes // block_bytes
         if num_blocks < 1:
-            raise RequestError(f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)")
+            raise RequestError(
+                f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)"
+            )
         scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
         caches = self.backend.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, scales)
         logger.info(
@@ -95,11 +97,19 @@ class LLMEngine:
             mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
             config.enable_chunked_prefill,
         ))  # fmt: skip
-        eos = list(mc.eos_token_ids) or ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else [])
+        eos = list(mc.eos_token_ids) or (
+            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        )
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats,
-            config.max_decode_slowdown, eos, self.max_model_len,
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+            self.stats,
+            config.max_decode_slowdown,
+            eos,
+            self.max_model_len,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
@@ -117,7 +127,9 @@ class LLMEngine:
         self._step_failed: dict[str, RequestOutput] = {}
         self._failed_steps = 0
         self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
-        logger.info("engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype)
+        logger.info(
+            "engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype
+        )
 
     def _prefix_cache_key(self) -> bytes:
         """Cached KV blocks are only reusable by an engine that stores K/V the same way."""
@@ -154,7 +166,9 @@ class LLMEngine:
             if params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed + i)
-            seq = Sequence(request=req, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids), generator=generator)
+            seq = Sequence(
+                request=req, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids), generator=generator
+            )
             req.seqs.append(seq)
         self.output_processor.add_request(req)
         # Only now, with nothing left to fail, does the request enter the scheduler: all or nothing.
@@ -314,7 +328,9 @@ class LLMEngine:
             logger.exception("request %s: its text could not be recovered", req.request_id)
             self.output_processor.remove_request(req.request_id)
             completions = [CompletionOutput(seq.index, "", seq.output_token_ids, "error") for seq in req.seqs]
-            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, True, req.metrics, error=message)
+            return RequestOutput(
+                req.request_id, req.prompt, req.prompt_token_ids, completions, True, req.metrics, error=message
+            )
 
     def _check_consistent(self) -> None:
         """After a failed step: every KV block is either free or held by a live sequence."""

@@ -155,7 +155,9 @@ def limit_interop_threads() -> None:
 def main(argv: list[str] | None = None) -> int:
     limit_interop_threads()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
         return args.func(args)
     except (TachyError, ValueError) as e:

@@ -64,7 +64,9 @@ class LLM:
             prompt_arg = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
             try:
                 # Only the final output is kept: no copy of the completion so far at every step.
-                self.engine.add_request(request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+                self.engine.add_request(
+                    request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                )
             except RequestError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
                 token_ids = list(prompt_arg) if isinstance(prompt_arg, list) else []

@@ -7,7 +7,9 @@ from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def greedy_tokens(engine: LLMEngine, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     for i, prompt in enumerate(prompts):
         engine.add_request(f"greedy-{i}", prompt, params)
     done: dict[str, list[int]] = {}

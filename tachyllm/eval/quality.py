@@ -56,7 +56,11 @@ def describe(config: EngineConfig) -> str:
 
 def eval_engine(config: EngineConfig, seq_len: int) -> LLMEngine:
     """An engine whose cache holds exactly one window (the eval never schedules requests)."""
-    return LLMEngine(replace(config, max_num_seqs=1, max_model_len=max(seq_len, 2), kv_cache_memory=None, enable_prefix_caching=False))
+    return LLMEngine(
+        replace(
+            config, max_num_seqs=1, max_model_len=max(seq_len, 2), kv_cache_memory=None, enable_prefix_caching=False
+        )
+    )
 
 
 def sequence_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
@@ -137,12 +141,18 @@ def cmd_quality(args: argparse.Namespace) -> int:
 def add_eval_parser(sub) -> None:
     ev = sub.add_parser("eval", help="evaluation tools")
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
-    q = ev_sub.add_parser("quality", help="compare a (quantized) configuration with the unquantized reference on held-out text")
+    q = ev_sub.add_parser(
+        "quality", help="compare a (quantized) configuration with the unquantized reference on held-out text"
+    )
     add_engine_args(q)
-    q.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype of the unquantized reference")
+    q.add_argument(
+        "--reference-dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the unquantized reference",
+    )
     q.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per held-out sequence")
     q.add_argument("--max-sequences", type=int, default=None, help="score only the first N sequences")
     q.add_argument("--worst", type=int, default=3, help="how many of the worst sequences to print")
     q.add_argument("--json", action="store_true", help="print the report as JSON")
     q.set_defaults(func=cmd_quality)
-

@@ -26,7 +26,11 @@ NATIVE_MAX_ROWS = 48
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 class PackedLinear(nn.Module):

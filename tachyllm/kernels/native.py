@@ -116,4 +116,3 @@ def native_ops() -> ModuleType | None:
         message = str(exc).strip().splitlines()
         logger.warning("C++ kernels unavailable, using PyTorch ops (slower): %s", message[-1] if message else exc)
         return None
-

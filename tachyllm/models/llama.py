@@ -8,8 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tachyllm.backends.base import PORTABLE_OPS, AttentionMetadata, Backend, FusedLayer, LayerKV, LayerOps
 from tachyllm import tracing
+from tachyllm.backends.base import PORTABLE_OPS, AttentionMetadata, Backend, FusedLayer, LayerKV, LayerOps
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -70,7 +70,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops  # the backend's elementwise ops, which every layer is built with
         # An explicit (uninitialised) weight skips the random init: the checkpoint overwrites it, and
         # the init alone costs ~1 s at start-up (it imports torch._dynamo on the meta device).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -145,9 +147,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
             target = param.data if shard_offset is None else param.data[shard_offset : shard_offset + tensor.shape[0]]
             if target.shape != tensor.shape:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
             target.copy_(tensor)
             filled[name] += tensor.numel()
         missing = [n for n, p in params.items() if filled[n] != p.numel()]
         if missing:
-            raise ModelLoadError(f"checkpoint lacks weights for: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+            raise ModelLoadError(
+                f"checkpoint lacks weights for: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+            )

@@ -110,12 +110,18 @@ def quantize_model(
 def _set_activation_bits(model: nn.Module, bits: int) -> None:
     """Activation rounding of every layer on the C++ block kernels (int4/awq/gguf layers, a Q8_0
     head); the other kernels take the activations as they are, so other bits are only logged."""
-    block_layers = [m for m in model.modules() if isinstance(m, Q8_0Linear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")]
+    block_layers = [
+        m for m in model.modules() if isinstance(m, Q8_0Linear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")
+    ]
     for m in block_layers:
         m.activation_bits = bits
     if bits != ACTIVATION_BITS:
         if block_layers:
-            logger.info("quant_activation_bits %d: %d layers round activations to int8 per 32 inputs (llama.cpp's Q8_1)", bits, len(block_layers))
+            logger.info(
+                "quant_activation_bits %d: %d layers round activations to int8 per 32 inputs (llama.cpp's Q8_1)",
+                bits,
+                len(block_layers),
+            )
         else:
             logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
@@ -220,6 +226,3 @@ def quantized_weight_bytes(model: nn.Module) -> int:
         # blocks and the table is only gathered from (one row per token).
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total
-
-
-

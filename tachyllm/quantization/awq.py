@@ -30,7 +30,9 @@ def collect_inputs(model: nn.Module, names: list[str], windows: list[list[int]])
     stride = max(1, sum(map(len, windows)) // MAX_ROWS)
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     hooks = [
-        model.get_submodule(n).register_forward_pre_hook(lambda _m, args, n=n: seen[n].append(args[0][::stride].float()))
+        model.get_submodule(n).register_forward_pre_hook(
+            lambda _m, args, n=n: seen[n].append(args[0][::stride].float())
+        )
         for n in names
     ]
     try:

@@ -116,7 +116,9 @@ class Q8_0Linear(nn.Module):
         self.activation_bits = int4.ACTIVATION_BITS  # quantize_model sets it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gemv(x if x.dtype in KERNEL_DTYPES else x.float(), self.packed, self.out_features, self.activation_bits)
+        y = self._gemv(
+            x if x.dtype in KERNEL_DTYPES else x.float(), self.packed, self.out_features, self.activation_bits
+        )
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)

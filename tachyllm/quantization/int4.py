@@ -111,7 +111,9 @@ class Int4Linear(nn.Module):
         elif self.kernel == "aten":
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
             zeros = weight.mins + 8 * weight.scales
-            self.register_buffer("scales_zeros", torch.stack([weight.scales, zeros], -1).transpose(0, 1).contiguous().to(torch.bfloat16))
+            self.register_buffer(
+                "scales_zeros", torch.stack([weight.scales, zeros], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            )
         else:
             self.register_buffer("packed", pack_nibbles(weight.codes))
             self.register_buffer("scales", weight.scales.to(torch.bfloat16))
@@ -140,9 +142,13 @@ class Int4Linear(nn.Module):
         if self.input_scale is not None:
             x2 = x2.to(torch.bfloat16) * self.input_scale.to(x2.device)
         if self.kernel == "blocks":
-            y = self._gemv(x2 if x2.dtype in KERNEL_DTYPES else x2.float(), self.packed, self.out_features, self.activation_bits)
+            y = self._gemv(
+                x2 if x2.dtype in KERNEL_DTYPES else x2.float(), self.packed, self.out_features, self.activation_bits
+            )
         elif self.kernel == "aten":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros
+            )
         else:
             g = self.group_size
             codes = unpack_nibbles(self.packed).to(torch.bfloat16).view(self.out_features, -1, g)

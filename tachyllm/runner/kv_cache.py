@@ -39,4 +39,3 @@ def default_kv_cache_memory(device: torch.device, wanted: int) -> int:
     else:
         budget = min(int(free * CPU_FREE_MEMORY_FRACTION), CPU_DEFAULT_CAP)
     return min(budget, wanted)
-

@@ -63,7 +63,8 @@ class ModelRunner:
         if plain:
             sampled = self.sampler(logits[:num_plain], [s.sampling for s in plain])
             results += [
-                SeqResult(s.seq_id, [token], [logprob]) for s, token, logprob in zip(plain, sampled.token_ids, sampled.logprobs)
+                SeqResult(s.seq_id, [token], [logprob])
+                for s, token, logprob in zip(plain, sampled.token_ids, sampled.logprobs)
             ]
         if spec:
             for s, (tokens, logprobs) in zip(spec, verify(self.sampler, logits[num_plain:], spec)):

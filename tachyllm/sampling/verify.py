@@ -60,7 +60,9 @@ def draft_rows(seq: SamplingInput, drafts: list[int]) -> list[DraftRow]:
     return [DraftRow(seq, drafts[:j]) for j in range(len(drafts) + 1)]
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> list[tuple[list[int], list[LogprobInfo | None]]]:
+def verify(
+    sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]
+) -> list[tuple[list[int], list[LogprobInfo | None]]]:
     """logits: [sum(k_i + 1), vocab], the rows of each speculating sequence in order. Returns, per
     sequence, the emitted tokens (accepted drafts + one target token) and their logprob entries."""
     rows = [row for s in spec for row in draft_rows(s.sampling, s.draft_token_ids)]
@@ -73,7 +75,9 @@ def verify(sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]) -> 
     processed = sampler.process(logits, rows)
     greedy_tokens = processed.argmax(dim=-1).tolist()
     # Target distributions, only for the rows of sampling requests: row index -> row of `probs`.
-    sampled = [r for i, s in enumerate(spec) if not s.sampling.params.greedy for r in range(first_rows[i], first_rows[i + 1])]
+    sampled = [
+        r for i, s in enumerate(spec) if not s.sampling.params.greedy for r in range(first_rows[i], first_rows[i + 1])
+    ]
     probs = None
     if sampled:
         probs = sampler.probs(processed[torch.tensor(sampled, device=logits.device)], [rows[r] for r in sampled])

@@ -19,7 +19,6 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from tachyllm.version import __version__
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
 from tachyllm.server.guard import RequestGuard, default_allowed_hosts
@@ -28,6 +27,7 @@ from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
 from tachyllm.server.routes import chat, completions, models, service, tokenize
 from tachyllm.server.state import RequestLimits, ServerState, authorize
+from tachyllm.version import __version__
 
 
 def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:

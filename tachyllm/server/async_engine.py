@@ -372,7 +372,6 @@ class AsyncEngine:
                     aborted.append(out)
         return aborted
 
-
     def _deliver(self, outputs: list[RequestOutput], outbox: _Outbox) -> None:
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tachyllm.outputs import RequestOutput, StepStats
 from tachyllm.engine.llm_engine import EngineSnapshot
+from tachyllm.outputs import RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
 

@@ -22,7 +22,6 @@ that speculation does not pay.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from tachyllm.core.step_cost import CostBySize, StepCostModel
@@ -104,7 +103,9 @@ class AdaptiveController:
         (`base` seconds) by MIN_GAIN."""
         best_k, best_rate = 0, 0.0
         for k in range(1, self.max_k + 1):
-            cost = self.step_costs.by_size.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(num_spec, k)
+            cost = self.step_costs.by_size.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(
+                num_spec, k
+            )
             rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate

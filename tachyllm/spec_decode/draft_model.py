@@ -59,7 +59,9 @@ def build_draft_model(
 def _truncated(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
     total = target.config.num_layers
     if not 1 <= num_layers < total:
-        raise ConfigError(f"speculative_config 'self:layers=N' needs 1 <= N < {total} (the target's layers), got {num_layers}")
+        raise ConfigError(
+            f"speculative_config 'self:layers=N' needs 1 <= N < {total} (the target's layers), got {num_layers}"
+        )
     draft = copy.copy(target)  # a new module object whose submodules are the target's own
     draft._modules = dict(target._modules)
     draft._modules["layers"] = nn.ModuleList(list(target.layers)[:num_layers])
@@ -159,7 +161,9 @@ class DraftModelProposer(Proposer):
                 if dists is not None and not seq.params.greedy:
                     probs[seq.seq_id].append(dists[i])
             self._forward_costs.append((size, time.perf_counter() - t0))
-        return [Draft(drafts[seq.seq_id], torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None) for seq in seqs]
+        return [
+            Draft(drafts[seq.seq_id], torch.stack(probs[seq.seq_id]) if probs[seq.seq_id] else None) for seq in seqs
+        ]
 
     def _last_token_logits(self, shadows: list[Sequence]) -> torch.Tensor:
         """The draft's logits after each shadow's last token, computing all its uncomputed tokens."""

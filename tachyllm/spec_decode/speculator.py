@@ -15,10 +15,10 @@ from tachyllm.loading import Checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.spec_decode.adaptive import AdaptiveController
-from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.spec_decode.proposer import Proposer
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")

@@ -8,12 +8,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tachyllm.version import __version__
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import APIError
 from tachyllm.server.openapi import ERROR_RESPONSES, openapi_document
 from tachyllm.server.responses import json_response
 from tachyllm.server.state import ServerState, server_state
+from tachyllm.version import __version__
 
 router = APIRouter()
 
