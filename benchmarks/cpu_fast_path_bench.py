@@ -72,8 +72,8 @@ def main() -> None:
 
     rows = []
     # (label, quantization, activation bits, kernels on); 8-bit activations exist only in the kernels.
-    configs = [("bf16", None, 16, True), ("bf16", None, 16, False), ("gguf", "gguf", 16, True), ("gguf", "gguf", 16, False),
-               ("gguf, 8-bit activations", "gguf", 8, True)]  # fmt: skip
+    configs = [("bf16", None, 16, True), ("bf16", None, 16, False), ("gguf", "gguf", 16, True),
+               ("gguf", "gguf", 16, False), ("gguf, 8-bit activations", "gguf", 8, True)]  # fmt: skip
     for name, quantization, bits, enabled in configs:
         with kernels(enabled):
             llm = LLM(dtype="bfloat16", quantization=quantization, quant_activation_bits=bits, threads=args.threads,
@@ -89,17 +89,20 @@ def main() -> None:
     gbs = measure_bandwidth_gbs(torch.device("cpu"))
 
     print(
-        f"default model, {torch.get_num_threads()} threads, torch {torch.__version__}, measured copy bandwidth {gbs:.1f} GB/s"
+        f"default model, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"measured copy bandwidth {gbs:.1f} GB/s"
     )
     print(
-        "| weights | kernels | single-stream decode tok/s | weight bandwidth | offline 64 x (128 in / 128 out) output tok/s |"
+        "| weights | kernels | single-stream decode tok/s | weight bandwidth | "
+        "offline 64 x (128 in / 128 out) output tok/s |"
     )
     print("|---|---|---|---|---|")
     for name, enabled, one, many, weight_bytes in rows:
         bw = weight_bytes * one / 1e9
         many_text = f"{many:.1f}" if many is not None else "skipped"
         print(
-            f"| {name} | {'C++' if enabled else 'PyTorch'} | {one:.1f} | {bw:.1f} GB/s ({100 * bw / gbs:.0f}%) | {many_text} |"
+            f"| {name} | {'C++' if enabled else 'PyTorch'} | {one:.1f} | "
+            f"{bw:.1f} GB/s ({100 * bw / gbs:.0f}%) | {many_text} |"
         )
     for name in ("bf16", "gguf"):
         fast, slow = (r for r in rows if r[0] == name)
@@ -108,8 +111,8 @@ def main() -> None:
     # vLLM is not installed here; its figures are issue #8's measurements on this machine type.
     for name, enabled, one, many, _ in rows:
         if enabled and many is not None:
-            print(f"{name}: offline {many / VLLM_OFFLINE_TOK_S:.2f}x vLLM CPU bf16's {VLLM_OFFLINE_TOK_S} tok/s, single stream "
-                  f"{one / VLLM_SINGLE_TOK_S:.2f}x its {VLLM_SINGLE_TOK_S} tok/s")  # fmt: skip
+            print(f"{name}: offline {many / VLLM_OFFLINE_TOK_S:.2f}x vLLM CPU bf16's {VLLM_OFFLINE_TOK_S} tok/s, "
+                  f"single stream {one / VLLM_SINGLE_TOK_S:.2f}x its {VLLM_SINGLE_TOK_S} tok/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -97,15 +97,18 @@ def main() -> None:
     print("| workload | tachyllm | transformers | ratio |")
     print("|---|---|---|---|")
     print(
-        f"| single stream decode tok/s ({args.prompt_len} in / {args.new_tokens} out) | {ours_1:.1f} | {hf_1:.1f} | {ours_1 / hf_1:.2f}x |"
+        f"| single stream decode tok/s ({args.prompt_len} in / {args.new_tokens} out) | "
+        f"{ours_1:.1f} | {hf_1:.1f} | {ours_1 / hf_1:.2f}x |"
     )
     if hf_b is not None:
         print(
-            f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | {hf_b:.1f} | {ours_b / hf_b:.2f}x |"
+            f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | "
+            f"{ours_b:.1f} | {hf_b:.1f} | {ours_b / hf_b:.2f}x |"
         )
     else:
         print(
-            f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | {ours_b:.1f} | skipped | |"
+            f"| offline batch {args.batch} x ({args.batch_prompt_len} in / {args.new_tokens} out), output tok/s | "
+            f"{ours_b:.1f} | skipped | |"
         )
     print(
         f"single-stream weight bandwidth: {weight_bytes / 1e6:.0f} MB x {ours_1:.1f} steps/s = {gbs:.1f} GB/s "

@@ -502,7 +502,8 @@ def print_summary(report: dict[str, Any], args: argparse.Namespace) -> None:
     env = report["env"]
     log("")
     log(f"## tachyllm vs transformers: {env.get('gpu', args.device)}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, {args.dtype}, random-weight SmolLM2-135M shape ({args.num_layers} layers)")  # fmt: skip
+        f"transformers {env['transformers']}, {args.dtype}, "
+        f"random-weight SmolLM2-135M shape ({args.num_layers} layers)")  # fmt: skip
     log("")
     log("| workload | tachyllm | transformers | tachyllm / transformers |")
     log("|---|---|---|---|")
@@ -514,7 +515,8 @@ def print_summary(report: dict[str, Any], args: argparse.Namespace) -> None:
     if settings:
         c = settings["config"]
         log(f"tachyllm: max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens {c['max_num_batched_tokens']}, "
-            f"block_size {c['block_size']}, KV cache {settings['kv_cache_blocks']} blocks = {settings['kv_cache_tokens']} "
+            f"block_size {c['block_size']}, KV cache {settings['kv_cache_blocks']} blocks = "
+            f"{settings['kv_cache_tokens']} "
             f"tokens ({settings['kv_cache_bytes'] / 2**30:.2f} GiB, {settings['kv_cache_dtype']}), "
             f"prefix caching {c['enable_prefix_caching']}, chunked prefill {c['enable_chunked_prefill']}")  # fmt: skip
     log(f"first-token agreement (batch {args.num_prompts}): {report.get('first_token_agreement')}")

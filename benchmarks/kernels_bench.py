@@ -156,7 +156,8 @@ def bench_quant() -> None:
         return
     print(f"\nC++ block kernels: {ops.quant_gemv_isa()}")
     print(
-        "| weight (out x in) | rows | native 16-bit µs | native 8-bit µs | aten int4 µs | bf16 PackedLinear µs | native vs aten | native vs bf16 |\n"
+        "| weight (out x in) | rows | native 16-bit µs | native 8-bit µs | aten int4 µs | bf16 PackedLinear µs | "
+        "native vs aten | native vs bf16 |\n"
         "|---|---|---|---|---|---|---|---|"
     )  # fmt: skip
     torch.manual_seed(0)
@@ -179,7 +180,8 @@ def bench_quant() -> None:
             tb = best_us([lambda p=p: p(x) for p in packed], calls)
             gbs = f" ({blocks[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
             print(
-                f"| {out_f}x{in_f} Q4_1 | {rows} | {t16:.1f}{gbs} | {t8:.1f} | {ta:.1f} | {tb:.1f} | {ta / t16:.1f}x | {tb / t16:.1f}x |"
+                f"| {out_f}x{in_f} Q4_1 | {rows} | {t16:.1f}{gbs} | {t8:.1f} | {ta:.1f} | {tb:.1f} | "
+                f"{ta / t16:.1f}x | {tb / t16:.1f}x |"
             )
     out_f, in_f = 49152, 576  # the tied LM head, Q8_0 in the default GGUF
     codes = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8)
@@ -207,7 +209,8 @@ def bench_bf16() -> None:
         return
     print(f"\nbf16 kernel: AVX512-BF16 {ops.bf16_linear_vectorized}; PackedLinear uses it up to {NATIVE_MAX_ROWS} rows")
     print(
-        "| weight (out x in) | rows | native µs | oneDNN packed µs | F.linear µs | packed / native | F.linear / native |\n"
+        "| weight (out x in) | rows | native µs | oneDNN packed µs | F.linear µs | "
+        "packed / native | F.linear / native |\n"
         "|---|---|---|---|---|---|---|"
     )  # fmt: skip
     torch.manual_seed(0)

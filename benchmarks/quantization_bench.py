@@ -112,24 +112,28 @@ def main() -> None:
         report = compare(engine, reference, windows, (name, "fp32"))
         blocks = build(extra, kv_cache_memory=KV_MEMORY, max_num_seqs=1, max_model_len=256).block_manager.num_blocks
         rows.append(Row(
-            name, describe(engine.config), engine.weight_bytes / 2**20, b1, b32, report.ppl_config, report.top1_agreement,
-            report.kl_mean, report.kl_p99, report.kl_max, agree, blocks, blocks * engine.config.block_size // LONG_SEQ,
+            name, describe(engine.config), engine.weight_bytes / 2**20, b1, b32, report.ppl_config,
+            report.top1_agreement, report.kl_mean, report.kl_p99, report.kl_max, agree, blocks,
+            blocks * engine.config.block_size // LONG_SEQ,
         ))  # fmt: skip
         print(json.dumps(asdict(rows[-1])), flush=True)
 
     if args.speed_only:
         return
     print(
-        f"\nreference fp32 perplexity {report.ppl_reference:.3f} on {report.num_sequences} x 128-token held-out sequences"
+        f"\nreference fp32 perplexity {report.ppl_reference:.3f} on {report.num_sequences} "
+        "x 128-token held-out sequences"
     )
     print(
-        "| config | weights MiB | decode tok/s b=1 | b=32 | ppl | top-1 | KL mean | KL p99 | KL max | greedy agree | KV blocks @256MiB | 2k-token seqs |"
+        "| config | weights MiB | decode tok/s b=1 | b=32 | ppl | top-1 | KL mean | KL p99 | KL max | greedy agree | "
+        "KV blocks @256MiB | 2k-token seqs |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.name} | {r.weight_mib:.0f} | {r.decode_b1:.1f} | {r.decode_b32:.1f} | {r.ppl:.3f} | {r.top1:.1%} | "
-            f"{r.kl_mean:.4f} | {r.kl_p99:.4f} | {r.kl_max:.4f} | {r.greedy_agreement:.0%} | {r.kv_blocks} | {r.max_2k_seqs} |"
+            f"{r.kl_mean:.4f} | {r.kl_p99:.4f} | {r.kl_max:.4f} | {r.greedy_agreement:.0%} | "
+            f"{r.kv_blocks} | {r.max_2k_seqs} |"
         )
     if args.json:
         with open(args.json, "w") as f:

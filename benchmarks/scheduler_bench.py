@@ -105,7 +105,8 @@ def bench_prefix(args) -> list[str]:
         "|---|---|---|---|",
         f"| TTFT request 1 (ms) | {1e3 * results[True][0][0]:.1f} | {1e3 * results[False][0][0]:.1f} | |",
         f"| mean TTFT requests 2..{args.questions} (ms) | {1e3 * on:.1f} | {1e3 * off:.1f} | **{off / on:.1f}x** |",
-        f"| prefix-cache hit rate (tokens) | {100 * stats.prefix_cache_hits / stats.prefix_cache_queries:.1f}% | 0% | |",
+        f"| prefix-cache hit rate (tokens) | "
+        f"{100 * stats.prefix_cache_hits / stats.prefix_cache_queries:.1f}% | 0% | |",
     ]
 
 
@@ -261,8 +262,10 @@ def bench_kv(args) -> list[str]:
         peak = max(samples, key=lambda s: s.usage)
         stats = eng.stats
         lines.append(
-            f"| {block_size} | {eng.block_manager.num_blocks * block_size} | {100 * statistics.mean(s.usage for s in samples):.1f}% | {100 * peak.usage:.1f}% | "
-            f"{statistics.mean(s.sharing for s in samples):.3f} | {100 * statistics.mean(s.filled for s in samples):.1f}% | "
+            f"| {block_size} | {eng.block_manager.num_blocks * block_size} | "
+            f"{100 * statistics.mean(s.usage for s in samples):.1f}% | {100 * peak.usage:.1f}% | "
+            f"{statistics.mean(s.sharing for s in samples):.3f} | "
+            f"{100 * statistics.mean(s.filled for s in samples):.1f}% | "
             f"{100 * peak.filled:.1f}% | {stats.num_preemptions} | "
             f"{100 * stats.prefix_cache_hits / stats.prefix_cache_queries:.1f}% |"
         )
@@ -305,7 +308,8 @@ def main() -> None:
         ap.error(f"unknown section(s) {', '.join(sorted(unknown))}; choose from {', '.join(SECTIONS)}")
 
     print(
-        f"default model, dtype {args.dtype}, {args.threads or torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"default model, dtype {args.dtype}, {args.threads or torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}"
     )
     for name in args.sections or list(SECTIONS):
         start = time.perf_counter()

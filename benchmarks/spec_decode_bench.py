@@ -7,10 +7,11 @@ rate and mean acceptance length, per task, proposer and k; batch 1 and batch 32.
 Tasks: "grounded" asks to rewrite a code snippet with one change (the answer should quote its
 input, where n-gram lookup shines; this model often rewrites more than asked); "proofread" asks to
 return a short passage with its spelling mistake corrected (the answer is the input, nearly word
-for word); "chat" asks open questions (nothing to look up; a draft model has to guess). Greedy, ignore_eos off (answers end where the model ends them; tokens/s counts what was
-generated). Every configuration is loaded in the same process and they take turns on each
-workload for --rounds rounds (median reported), so ratios are comparable on a shared machine. The
-adaptive switch is on (the default) everywhere.
+for word); "chat" asks open questions (nothing to look up; a draft model has to guess). Greedy,
+ignore_eos off (answers end where the model ends them; tokens/s counts what was generated). Every
+configuration is loaded in the same process and they take turns on each workload for --rounds
+rounds (median reported), so ratios are comparable on a shared machine. The adaptive switch is on
+(the default) everywhere.
 """
 
 from __future__ import annotations
@@ -25,14 +26,22 @@ from tachyllm import LLM, SamplingParams
 from tachyllm.spec_decode.ngram import NgramProposer
 
 SNIPPETS = [
-    "def count_down(n):\n    result = []\n    i = n\n    while i > 0:\n        result.append(i)\n        i -= 1\n    return result\n",
-    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    if len(values) == 0:\n        return 0\n    return total / len(values)\n",
-    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n        self.count += 1\n\n    def reset(self):\n        self.count = 0\n",
-    "def read_lines(path):\n    lines = []\n    with open(path) as f:\n        for line in f:\n            lines.append(line.strip())\n    return lines\n",
-    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, n):\n        if n % d == 0:\n            return False\n    return True\n",
+    "def count_down(n):\n    result = []\n    i = n\n    while i > 0:\n        result.append(i)\n        i -= 1\n"
+    "    return result\n",
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    if len(values) == 0:\n"
+    "        return 0\n    return total / len(values)\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
+    "        self.count += 1\n\n    def reset(self):\n        self.count = 0\n",
+    "def read_lines(path):\n    lines = []\n    with open(path) as f:\n        for line in f:\n"
+    "            lines.append(line.strip())\n    return lines\n",
+    "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, n):\n        if n % d == 0:\n"
+    "            return False\n    return True\n",
     "def merge(a, b):\n    out = dict(a)\n    for key, value in b.items():\n        out[key] = value\n    return out\n",
-    "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n        else:\n            print(i)\n",
-    "def flatten(nested):\n    flat = []\n    for item in nested:\n        if isinstance(item, list):\n            flat.extend(flatten(item))\n        else:\n            flat.append(item)\n    return flat\n",
+    "def fizzbuzz(n):\n    for i in range(1, n + 1):\n        if i % 15 == 0:\n            print('FizzBuzz')\n"
+    "        elif i % 3 == 0:\n            print('Fizz')\n        elif i % 5 == 0:\n            print('Buzz')\n"
+    "        else:\n            print(i)\n",
+    "def flatten(nested):\n    flat = []\n    for item in nested:\n        if isinstance(item, list):\n"
+    "            flat.extend(flatten(item))\n        else:\n            flat.append(item)\n    return flat\n",
 ]
 CHANGES = [
     "Rename the function to a better name and change nothing else",
@@ -55,14 +64,22 @@ TOPICS = [
 
 
 PASSAGES = [
-    "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five books at a time, and the loan period is three weeks. Late returns are charged a small fee per day.",
-    "Our team meets every Monday to plan the week. Each member shares what they finished, what they are working on, and anything that is blocking them. The meeting should never last more then thirty minutes.",
-    "To make the bread, mix the flour, water, salt and yeast in a large bowl. Knead the dough for ten minutes until it is smooth, then let it rise for an hour in a warm place before baking.",
-    "The train to the coast leaves from platform four at half past eight. Passengers should arrive ten minutes early, keep their tickets ready, and store large bags in the racks at the end of each carriage.",
-    "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure is lower, so water boils at a lower temperture, which is why cooking takes longer in the mountains.",
-    "Please remember to turn off the lights when you leave the office. The last person to leave should also check that the windows are closed and that the alarm is set before locking the front door.",
-    "The park has a small lake where children can feed the ducks. There is a cafe near the entrance that sells sandwiches and hot drinks, and public toilets are located behind the playground.",
-    "Our new phone has a larger screen, a faster processor and a battery that lasts two full days. It comes in three colours and will be available in stores from the first of next month.",
+    "The library opens at nine in the morning and closes at six in the evening. Visitors can borrow up to five "
+    "books at a time, and the loan period is three weeks. Late returns are charged a small fee per day.",
+    "Our team meets every Monday to plan the week. Each member shares what they finished, what they are working "
+    "on, and anything that is blocking them. The meeting should never last more then thirty minutes.",
+    "To make the bread, mix the flour, water, salt and yeast in a large bowl. Knead the dough for ten minutes "
+    "until it is smooth, then let it rise for an hour in a warm place before baking.",
+    "The train to the coast leaves from platform four at half past eight. Passengers should arrive ten minutes "
+    "early, keep their tickets ready, and store large bags in the racks at the end of each carriage.",
+    "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure is lower, so "
+    "water boils at a lower temperture, which is why cooking takes longer in the mountains.",
+    "Please remember to turn off the lights when you leave the office. The last person to leave should also check "
+    "that the windows are closed and that the alarm is set before locking the front door.",
+    "The park has a small lake where children can feed the ducks. There is a cafe near the entrance that sells "
+    "sandwiches and hot drinks, and public toilets are located behind the playground.",
+    "Our new phone has a larger screen, a faster processor and a battery that lasts two full days. It comes in "
+    "three colours and will be available in stores from the first of next month.",
 ]
 PROOFREADING = [
     "Copy the following text exactly, correcting any spelling mistake",
@@ -235,7 +252,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.config} | {r.task} | {r.batch} | {r.tok_per_s} | {r.speedup}x | {r.acceptance_rate} | {r.mean_acceptance_length} |"
+            f"| {r.config} | {r.task} | {r.batch} | {r.tok_per_s} | {r.speedup}x | "
+            f"{r.acceptance_rate} | {r.mean_acceptance_length} |"
         )
     if args.json:
         with open(args.json, "w") as f:

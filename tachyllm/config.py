@@ -119,7 +119,7 @@ class EngineConfig:
         None, "layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)"
     )
     # Activation rounding of the C++ int4/Q8_0 kernels, per 32 inputs: 16 (default) or 8 (llama.cpp's
-    # Q8_1: ~1.4x batched throughput on the default model, mean KL vs fp32 0.0044 instead of 0.0012).
+    # Q8_1: higher batched throughput, lower fidelity; measurements: docs/design_measurements.md#activation-bits).
     quant_activation_bits: int = option(
         16,
         "activation rounding of the int4/gguf C++ kernels: 16, or 8 (llama.cpp's Q8_1: faster batches, lower fidelity)"
@@ -150,7 +150,8 @@ class EngineConfig:
             )
         if self.quant_group_size is not None and self.quant_group_size not in QUANT_GROUP_SIZES:
             raise ConfigError(
-                f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, got {self.quant_group_size!r}"
+                f"quant_group_size must be one of {', '.join(map(str, QUANT_GROUP_SIZES))}, "
+                f"got {self.quant_group_size!r}"
             )
         if self.quant_group_size is not None and self.quantization not in ("int4", "awq"):
             raise ConfigError(f"quant_group_size applies to quantization int4 or awq, not {self.quantization!r}")
@@ -277,10 +278,10 @@ def default_threads() -> int:
     return threads
 
 
-# libgomp's idle threads spin up to GOMP_SPINCOUNT iterations (default 300,000, ~3 ms) before they
+# libgomp's idle threads spin up to GOMP_SPINCOUNT iterations (default 300,000) before they
 # sleep; on cores shared with another busy process that spinning collapses decoding (issue #16,
-# docs/cpu_fast_path.md#threads). 300 avoids the collapse but cost a quiet machine ~20% of its
-# single-stream speed, so it is advice, not a default.
+# docs/cpu_fast_path.md#threads). 300 avoids the collapse but slows a quiet machine's single
+# stream, so it is advice, not a default (measurements: docs/design_measurements.md#openmp-spin-count).
 LOW_SPINCOUNT = 300
 OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 

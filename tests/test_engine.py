@@ -171,7 +171,8 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert "Traceback" not in r.stderr
     assert str(missing) in r.stderr.strip().splitlines()[-1]
     r = subprocess.run(
-        [sys.executable, "-m", "tachyllm.entrypoints.cli", "generate", "hi", "--temperature", "-1", "--model", str(missing)],
+        [sys.executable, "-m", "tachyllm.entrypoints.cli", "generate", "hi", "--temperature", "-1",
+         "--model", str(missing)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -77,7 +77,8 @@ def raw(text: str) -> dict:
 # (path, request arguments for httpx, status, param or None, code or None)
 BAD_INPUTS = [
     # Token ids anywhere are checked against the vocabulary (the engine-stopping request).
-    (CMPL, {"json": {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [999999]}}, 400, "stop_token_ids", None),
+    (CMPL, {"json": {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [999999]}}, 400,
+     "stop_token_ids", None),
     (CHAT, {"json": {"messages": MSGS, "stop_token_ids": [10**9]}}, 400, "stop_token_ids", None),
     (CMPL, {"json": {"prompt": "hi", "logit_bias": {"999999": 5}}}, 400, "logit_bias", None),
     (CMPL, {"json": {"prompt": "hi", "logit_bias": {"abc": 5}}}, 400, "logit_bias", None),
@@ -96,7 +97,8 @@ BAD_INPUTS = [
     (CMPL, raw('{"prompt": "hi", "temperature": NaN}'), 400, "temperature", None),
     (CMPL, raw('{"prompt": "hi", "top_p": -Infinity}'), 400, "top_p", None),
     (CMPL, raw('{"prompt": "hi", "presence_penalty": 1e400}'), 400, "presence_penalty", None),
-    (CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -1e999}'), 400, "frequency_penalty", None),
+    (CHAT, raw('{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": -1e999}'), 400,
+     "frequency_penalty", None),
     (CMPL, raw('{"prompt": "hi", "repetition_penalty": 1e309}'), 400, "repetition_penalty", None),
     (CMPL, raw('{"prompt": "hi", "min_p": 1e400}'), 400, "min_p", None),
     (CMPL, raw('{"prompt": "hi", "max_tokens": 1e400}'), 400, "max_tokens", None),
@@ -113,7 +115,8 @@ BAD_INPUTS = [
     (CMPL, {"json": {"prompt": BIG}}, 413, None, "request_too_large"),
     (CMPL, {"json": {"prompt": "hi", "junk": "x" * 70_000}}, 413, None, "request_too_large"),
     # No Content-Length: a body sent in chunks is cut off once it passes the limit.
-    (CMPL, {"content": chunks(b'{"prompt": "hi", "x": "', b"y" * 70_000, b'"}'), "headers": {"content-type": "application/json"}},
+    (CMPL, {"content": chunks(b'{"prompt": "hi", "x": "', b"y" * 70_000, b'"}'),
+            "headers": {"content-type": "application/json"}},
      413, None, "request_too_large"),  # fmt: skip
     # Lists the engine walks for every token of a request: bounded.
     (CMPL, {"json": {"prompt": "hi", "stop": ["x"] * 65}}, 400, "stop", None),
@@ -121,14 +124,19 @@ BAD_INPUTS = [
     (CHAT, {"json": {"messages": MSGS, "logit_bias": {str(i): 1 for i in range(1025)}}}, 400, "logit_bias", None),
     # Longer than any tokenization of it could fit: refused by its length alone.
     (CMPL, {"json": {"prompt": "x" * 60_000}}, 400, "prompt", "context_length_exceeded"),
-    (CHAT, {"json": {"messages": [{"role": "user", "content": "x" * 60_000}]}}, 400, "messages", "context_length_exceeded"),
+    (CHAT, {"json": {"messages": [{"role": "user", "content": "x" * 60_000}]}}, 400, "messages",
+     "context_length_exceeded"),
     # Content types: JSON only (CSRF), and a precise message for a text part without text.
-    (CMPL, {"content": b'{"prompt": "hi"}', "headers": {"content-type": "text/plain"}}, 415, None, "unsupported_media_type"),
+    (CMPL, {"content": b'{"prompt": "hi"}', "headers": {"content-type": "text/plain"}}, 415, None,
+     "unsupported_media_type"),
     (CMPL, {"content": b'{"prompt": "hi"}'}, 415, None, "unsupported_media_type"),
     (CMPL, {"data": {"prompt": "hi"}}, 415, None, "unsupported_media_type"),
-    (CHAT, {"content": b'{"messages": []}', "headers": {"content-type": "multipart/form-data; boundary=x"}}, 415, None, "unsupported_media_type"),  # fmt: skip
-    (CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "text"}]}]}}, 400, "messages[0].content[0].text", None),
-    (CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}}, 400, "messages[0].content[0]", None),
+    (CHAT, {"content": b'{"messages": []}', "headers": {"content-type": "multipart/form-data; boundary=x"}}, 415, None,
+     "unsupported_media_type"),  # fmt: skip
+    (CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "text"}]}]}}, 400,
+     "messages[0].content[0].text", None),
+    (CHAT, {"json": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}}, 400,
+     "messages[0].content[0]", None),
     # Hosts: a rebound name is refused (the server is bound to loopback).
     ("/v1/models", {"headers": {"host": "evil.example:8000"}}, 421, None, "host_not_allowed"),
     ("/health", {"headers": {"host": "attacker.test"}}, 421, None, "host_not_allowed"),

@@ -165,7 +165,8 @@ def test_paged_attention_reads_quantized_caches(storage, q_dtype):
     one.view(torch.uint8)[:2, 0] = all_codes[:, 0]
     single = torch.tensor([[0, 1, 0], [1, 1, 0]], dtype=torch.int32)
     rows = torch.empty(2, heads, head_dim)
-    ops.paged_attention(rows, torch.zeros(2, heads, head_dim), k_cache, one, torch.tensor([[0], [1]], dtype=torch.int32), single, 0.125, k_scale, v_scale)  # fmt: skip
+    ops.paged_attention(rows, torch.zeros(2, heads, head_dim), k_cache, one,
+                        torch.tensor([[0], [1]], dtype=torch.int32), single, 0.125, k_scale, v_scale)  # fmt: skip
     exact = one[:2, 0].float() * v_scale.view(1, -1, 1)
     finite = exact.isfinite()  # NaN / infinity codes aside: writes saturate, never store them
     assert torch.equal(rows.view(2, kv_heads, heads // kv_heads, head_dim)[:, :, 0][finite], exact[finite])
@@ -298,9 +299,9 @@ def test_fused_decode_layer_matches_the_module_path(
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(CpuBackend, "fused_decoder_layer", lambda self, layer, rotary: None)
-        llm = LLM(model=path, dtype="bfloat16", quantization=quantization, quant_group_size=32 if quantization else None,
-                  quant_activation_bits=activation_bits, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22,
-                  speculative_config=spec)  # fmt: skip
+        llm = LLM(model=path, dtype="bfloat16", quantization=quantization,
+                  quant_group_size=32 if quantization else None, quant_activation_bits=activation_bits,
+                  kv_cache_dtype=kv_cache_dtype, kv_cache_memory=1 << 22, speculative_config=spec)  # fmt: skip
         outs = llm.generate(prompts, params)
         runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
         if fused:

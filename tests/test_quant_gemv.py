@@ -173,8 +173,9 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
     writer = GGUFWriter(path, "llama")
     add_llama_shape(writer, layers=2, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
     for add, value in [
-        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_tokenizer_model, "gpt2"),
-        (writer.add_token_list, tokens), (writer.add_token_types, [1] * (len(tokens) - 1) + [3]),
+        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-5),
+        (writer.add_tokenizer_model, "gpt2"), (writer.add_token_list, tokens),
+        (writer.add_token_types, [1] * (len(tokens) - 1) + [3]),
         (writer.add_token_merges, ["h e"]), (writer.add_eos_token_id, len(tokens) - 1),
     ]:  # fmt: skip
         add(value)

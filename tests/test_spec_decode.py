@@ -494,7 +494,8 @@ def test_real_model_greedy_identity(default_model_path):
     prompt = [
         {
             "role": "user",
-            "content": "Rewrite with a for loop, changing nothing else:\n\ndef total(xs):\n    s = 0\n    i = 0\n    while i < len(xs):\n        s += xs[i]\n        i += 1\n    return s\n",
+            "content": "Rewrite with a for loop, changing nothing else:\n\ndef total(xs):\n    s = 0\n    i = 0\n"
+            "    while i < len(xs):\n        s += xs[i]\n        i += 1\n    return s\n",
         }
     ]
     params = SamplingParams(temperature=0, max_tokens=64)

@@ -162,10 +162,10 @@ class Backend(ABC):
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
             # A fresh anonymous mapping: the OS hands out zero pages on first touch, so a multi-GiB
-            # cache costs nothing until it is used (torch.zeros writes every byte, ~1 s). Not numpy's
+            # cache costs nothing until it is used (torch.zeros writes every byte). Not numpy's
             # zeros (calloc), which asks for transparent huge pages on large arrays: on this VM first
-            # writes to that memory cost ~3x more (offline 64 x 128/128, Q4_1: the KV writes of the
-            # whole run took 0.95 s vs 0.32 s; writing 512 MiB at once: 0.55 s vs 0.15 s).
+            # writes to that memory cost several times more (measurements:
+            # docs/design_measurements.md#kv-cache-allocation).
             raw = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
             storage = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
         else:

@@ -126,7 +126,8 @@ class CpuBackend(Backend):
         return self.kernels if self.kernels.quant_gemv_isa() != "scalar" else None
 
     def bf16_linear_kernels(self) -> ModuleType | None:
-        # Without AVX512-BF16 the kernel is a scalar loop, ~8x slower than oneDNN: not worth it.
+        # Without AVX512-BF16 the kernel is a scalar loop, far slower than oneDNN: not worth it
+        # (measurements: docs/design_measurements.md#bf16-linears).
         return self.kernels if self.kernels.bf16_linear_vectorized else None
 
     def fused_decoder_layer(self, layer, rotary) -> FusedLayer | None:

@@ -5,8 +5,8 @@ possibly followed by draft tokens to verify (speculative decoding): a few querie
 its context. Decodes are computed together as a grouped matmul + softmax over their gathered,
 padded contexts, with their queries padded to the longest decode's; each prefill chunk is a
 causal grouped matmul + softmax over query tiles. Both beat SDPA's CPU paths for these shapes
-(SDPA with a mask and grouped KV heads was ~5x slower per layer for a chunk with cached context,
-see docs/scheduler.md).
+(SDPA with a mask and grouped KV heads was several times slower per layer for a chunk with cached
+context; measurements: docs/design_measurements.md#attention-paths and docs/scheduler.md).
 """
 
 from __future__ import annotations
@@ -236,7 +236,8 @@ def _decode_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     batch, queries = meta.decode_slots.shape[0], meta.decode_queries
-    # Head-major copies ([B, kvh, T, hd]) make both matmuls run on contiguous matrices (~2x faster).
+    # Head-major copies ([B, kvh, T, hd]) make both matmuls run on contiguous matrices, which is
+    # faster (measurements: docs/design_measurements.md#attention-paths).
     kc = kv_read(k_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
     vc = kv_read(v_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
     qd = q[: meta.num_decode_tokens] if meta.decode_query_rows is None else q.index_select(0, meta.decode_query_rows)

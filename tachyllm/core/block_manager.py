@@ -141,9 +141,8 @@ class BlockManager:
         """Drops seq's references. Tail blocks are released first so that they are also evicted
         first: a prefix's head is shared more often than its tail. Blocks that hold nothing
         reusable (no hash) go to the front, to be handed out before any cached block and before
-        never-used ones: on a VM, the first write to never-touched cache memory cost ~50 µs per
-        token of KV (the default model; measured in a 2,048-token prefill step: write_kv 105 ms
-        on fresh blocks, 3 ms on touched ones)."""
+        never-used ones: on a VM, the first write to never-touched cache memory is far slower than
+        a write to touched memory (measurements: docs/design_measurements.md#block-reuse-order)."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed twice"

@@ -117,7 +117,8 @@ def format_report(r: QualityReport) -> str:
         f"{'':24}{'reference':>12}{'config':>12}",
         f"{'perplexity':24}{r.ppl_reference:>12.3f}{r.ppl_config:>12.3f}",
         f"{'top-1 agreement':24}{'':>12}{r.top1_agreement:>12.2%}",
-        f"{'KL per sequence (nats)':24}mean {r.kl_mean:.4f}  p50 {r.kl_p50:.4f}  p99 {r.kl_p99:.4f}  max {r.kl_max:.4f}",
+        f"{'KL per sequence (nats)':24}mean {r.kl_mean:.4f}  p50 {r.kl_p50:.4f}  "
+        f"p99 {r.kl_p99:.4f}  max {r.kl_max:.4f}",
         "worst sequences:",
     ]
     lines += [f"  #{s.index:<3} KL {s.kl:.4f}  top-1 {s.top1_agreement:.0%}  {s.preview!r}" for s in r.worst]

@@ -2,13 +2,14 @@
 PyTorch for the rest.
 
 A one-token matmul is a single pass over the weight, so its speed is memory bandwidth. Of the
-machine's read bandwidth, PyTorch's plain bf16 F.linear reaches under half, a oneDNN-prepacked
-weight 35-75%, and kernels/csrc/bf16_gemv.cpp 70-95%, reading PyTorch's own row-major weight. That
+machine's read bandwidth, PyTorch's plain bf16 F.linear reaches the least, a oneDNN-prepacked
+weight more, and kernels/csrc/bf16_gemv.cpp the most, reading PyTorch's own row-major weight. That
 kernel needs no packed copy, so each weight is kept once, as it is (a tied LM head keeps sharing
 the embedding table). Above NATIVE_MAX_ROWS rows F.linear on that plain weight takes over; a
-oneDNN-prepacked copy would be 1-7% faster at 512 rows and 12-28% at 64: the price of keeping one
-copy (numbers: `benchmarks/kernels_bench.py bf16`). Without the C++ kernels, or without
-AVX512-BF16 (where the kernel is a scalar loop), the weight is prepacked for oneDNN instead.
+oneDNN-prepacked copy would be somewhat faster there: the price of keeping one copy
+(measurements: docs/design_measurements.md#bf16-linears; `benchmarks/kernels_bench.py bf16`).
+Without the C++ kernels, or without AVX512-BF16 (where the kernel is a scalar loop), the weight is
+prepacked for oneDNN instead.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # Largest row count (tokens) sent to the C++ kernel. Against F.linear on the same weight, at the
-# default model's shapes: 1.3-3x faster up to 16 rows; at 64 rows 0-7% slower with 1 thread and
-# 0-25% faster with 2; 48 splits the difference.
+# default model's shapes, it is faster up to 16 rows and about even at 64 (slower with 1 thread,
+# faster with 2); 48 splits the difference (measurements: docs/design_measurements.md#bf16-linears).
 NATIVE_MAX_ROWS = 48
 
 

@@ -20,7 +20,9 @@ from tokenizers import Tokenizer as Backend
 from tachyllm.errors import ConfigError, ModelLoadError, RequestError
 from tachyllm.loading.gguf import gguf_value
 
-if TYPE_CHECKING:  # jinja2 (~80 ms to import) loads with the first chat template
+# jinja2 is slow to import, so it loads with the first chat template
+# (measurements: docs/design_measurements.md#jinja-import).
+if TYPE_CHECKING:
     import jinja2
 
 # llama.cpp token types (tokenizer.ggml.token_type).
@@ -154,8 +156,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) stay whole."""
         # The post-processor is bypassed so BOS handling is uniform across GGUF and HF sources.
-        # The batch call lets go of the GIL while it works (encode holds it throughout: ~3 s for a
-        # 4 MiB prompt, during which no other thread ran) and skips the offsets nobody reads.
+        # The batch call lets go of the GIL while it works (encode holds it throughout: no other
+        # thread runs while a large prompt is encoded) and skips the offsets nobody reads
+        # (measurements: docs/design_measurements.md#tokenizer-gil).
         ids = self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos:
             return [self.bos_token_id, *ids]

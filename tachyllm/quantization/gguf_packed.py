@@ -103,9 +103,9 @@ class Q8_0Linear(nn.Module):
     """A linear layer on Q8_0 blocks with the C++ kernel (16-row tiles, codes stored as q + 128 for
     VNNI's unsigned operand; quant_gemv.cpp). Built only with the backend's block kernels: the
     bf16 alternative is the dequantized table, so there is no slower fallback worth keeping here.
-    Measured at the default model's head (49152 x 576, 2 threads, benchmarks/kernels_bench.py):
-    0.57 ms per one-token step against 1.5 ms for the bf16 linear on the dequantized table (30 vs
-    57 MB read); 0.9-1.2x its speed from 16 to 64 rows, where the dot products dominate."""
+    At the default model's head a one-token step is faster than the bf16 linear on the dequantized
+    table (it reads fewer bytes), and about as fast from 16 to 64 rows, where the dot products
+    dominate (measurements: docs/design_measurements.md#q8_0-head)."""
 
     def __init__(self, weight: Q8_0Weight, kernels: ModuleType, bias: torch.Tensor | None = None):
         super().__init__()

@@ -20,11 +20,10 @@ GROUP_SIZES = (32, 64, 128)
 BLOCK = 32
 # Activation rounding of those kernels, per 32-block (EngineConfig.quant_activation_bits): 16 = two
 # int8 parts (x ≈ s/256 * (256 q + q2)), the default, or 8 = llama.cpp's Q8_1. One decode token
-# costs the same either way (the weights' bytes set the time); batched steps cost ~1.6x more dot
-# products at 16. Measured on the default model against the fp32 engine (6 held-out windows of 128
-# tokens): mean KL 0.0012 at 16 bits vs 0.0044 at 8 (aten's bf16 path: 0.0015), and at 8 bits the
-# greedy-text agreement with the bf16 engine falls to 75% (16 bits: 93%); 8 bits is therefore opt-in,
-# for throughput (offline 64 x 128/128: ~1.4x). One setting for every row count keeps a row's
+# costs the same either way (the weights' bytes set the time); batched steps cost more dot products
+# at 16. 8 bits strays further from the fp32 engine's distributions and agrees less often with the
+# bf16 engine's greedy text, so it is opt-in, for throughput (measurements:
+# docs/design_measurements.md#activation-bits). One setting for every row count keeps a row's
 # result independent of the batch it runs in (prefill, decode, speculative verification).
 ACTIVATION_BITS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernels take (and return)
@@ -76,14 +75,13 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """Holds int4 weights in the layout of the device's fastest path.
 
-    With the backend's block kernels (Backend.block_kernels, `kernel == "blocks"`): 16-row tiles of Q4_1 blocks with fp16 (d, m)
-    (quant_gemv.cpp); activations are rounded per 32 inputs (ACTIVATION_BITS) and each block is an
-    integer dot product. Groups of 64/128 are stored as 32-blocks sharing (d, m): 0.625 byte per
-    weight instead of aten's 0.5625. No row threshold: this kernel beat aten's at every row count
-    measured (1, 4, 16, 64 and 512, 2048 rows; default model's shapes, 1 thread: 1.6-2.2x at 16-bit
-    activations, e.g. 3072x576: 57 vs 104 µs at 1 row, 1.3 vs 2.7 ms at 64), so prefill and decode
-    both use it and aten's layout is not kept (no second copy of the weights). At one row it
-    streams at the machine's read bandwidth (~20 GB/s on one core).
+    With the backend's block kernels (Backend.block_kernels, `kernel == "blocks"`): 16-row tiles of
+    Q4_1 blocks with fp16 (d, m) (quant_gemv.cpp); activations are rounded per 32 inputs
+    (ACTIVATION_BITS) and each block is an integer dot product. Groups of 64/128 are stored as
+    32-blocks sharing (d, m): 0.625 byte per weight instead of aten's 0.5625. No row threshold: this
+    kernel beat aten's at every row count measured, so prefill and decode both use it and aten's
+    layout is not kept (no second copy of the weights). At one row it streams at the machine's read
+    bandwidth (measurements: docs/design_measurements.md#int4-kernels).
     CPU without them (`"aten"`): aten's packed int4 layout with bf16 (scale, zero) pairs; the
     kernel computes (code - 8) * scale + zero, so zero = min + 8 * scale. Other devices
     (`"dequantize"`): nibble-packed codes, dequantized for each matmul. An optional
@@ -135,7 +133,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "blocks" and self.input_scale is None and self.bias is None and x.dtype in KERNEL_DTYPES:
-            # The decode path: one call (each extra torch op costs ~1 µs, against ~5-50 µs of kernel).
+            # The decode path: one call (each extra torch op costs a sizeable share of the kernel's own
+            # time; measurements: docs/design_measurements.md#int4-kernels).
             return self._gemv(x, self.packed, self.out_features, self.activation_bits)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)

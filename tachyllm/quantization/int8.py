@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 INT8_MAX = 127
-# Above this many rows the packed int8 kernel loses to dequantize + bf16 GEMM (2-3x slower at 32
-# tokens, benchmarks/torchao_compare.py); at decode sizes it is the faster of the two by far.
+# Above this many rows the packed int8 kernel loses to dequantize + bf16 GEMM; at decode sizes it
+# is the faster of the two by far (measurements: docs/design_measurements.md#int8-kernel-threshold).
 PACKED_MAX_ROWS = 16
 
 

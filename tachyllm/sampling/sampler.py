@@ -75,9 +75,9 @@ class Sampler:
     def draw(self, probs: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """One token per row from (unnormalised) probs: the row's CDF inverted at one uniform from
         the row's own noise stream (the engine's for unseeded rows). One random number per row: a
-        [rows, vocab] tensor of exponential noise cost ~65 ms for 64 rows of a 49k vocabulary, more
-        than the rest of a decode step's sampling. The CDF is summed in float64 so that rounding
-        cannot shift even the rarest token's share noticeably."""
+        [rows, vocab] tensor of exponential noise cost more than the rest of a decode step's
+        sampling (measurements: docs/design_measurements.md#sampling-noise). The CDF is summed in
+        float64 so that rounding cannot shift even the rarest token's share noticeably."""
         u = torch.empty(len(seqs), dtype=torch.float64, device=probs.device)
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         if unseeded:

@@ -113,8 +113,9 @@ class AdaptiveController:
 
     def can_skip_proposals(self, num_candidates: int, num_decodes: int, base_tokens: int) -> bool:
         """Whether this step will not speculate even if all num_candidates sequences had drafts
-        and no probe is due, so that proposing (n-gram lookups: ~20 µs a sequence, a few percent
-        of a batch-32 step) can be skipped; the step then counts as one without speculation."""
+        and no probe is due, so that proposing (n-gram lookups: a small but real share of a large
+        batch's step; measurements: docs/design_measurements.md#n-gram-lookup-cost) can be
+        skipped; the step then counts as one without speculation."""
         if not self.adaptive or self.has_draft_model or self.steps_without_spec + 1 >= self.probe_interval:
             return False
         base = self.step_costs.by_size.estimate(base_tokens, high=False)
