@@ -41,7 +41,13 @@ def route_doc(request: type[BaseModel], response: type[BaseModel], generates: bo
     if generates:
         ok["content"] = {
             "text/event-stream": {
-                "schema": {"type": "string"},
+                # One server-sent event, as SSE clients (and schemathesis) parse the stream: its `data`
+                # field holds a JSON chunk or [DONE].
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"],
+                },
                 "description": f"with `stream: true`: `data: <{response.__name__} chunk>` events, then `data: [DONE]`",
             }
         }
