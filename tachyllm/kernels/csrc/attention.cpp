@@ -469,39 +469,6 @@ struct Tile {
   }
 };
 
-// Queries [first_query, first_query + queries) of a sequence, all KV heads, over positions
-// [pos_begin, pos_end) of its context. A long context is split into several such segments
-// (flash-decoding) so that threads can share it; each then leaves its running max, sum and
-// weighted values for the merge, at `partial` (-1: unsplit, writes the output).
-struct WorkItem {
-  int64_t seq, first_query, queries, pos_begin, pos_end, partial;
-  int64_t head_begin, head_end;  // KV heads: all of them, unless the batch is too small to share
-};
-
-// A span of queries whose context was split: its segments' partial results, to merge.
-struct SplitSpan {
-  int64_t seq, first_query, queries, first_partial, segments;
-};
-
-// Positions per segment of a long context (contexts of at least twice this many are split).
-constexpr int64_t SEGMENT = 512;
-// How far ahead (positions) a work item asks for K/V rows: one tile.
-constexpr int64_t PREFETCH_DISTANCE = KEY_TILE;
-
-// A software prefetch of a K/V line towards L2 (prefetcht2). Contexts come from DRAM. Asking for
-// the next tile one KV head at a time, just before computing the same head of this tile, into L2
-// rather than L1 (where lines evicted the tile being computed), made a 64-decode step's attention
-// ~2.5x faster than T0 hints for the whole tile at once (which overflowed the outstanding-miss
-// queue: most were dropped). Inline assembly because GCC 12 deleted a loop of __builtin_prefetch /
-// _mm_prefetch calls here (it counts prefetches as having no effect).
-inline void prefetch_to_l2(const char* p) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht2 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p, 0, 1);
-#endif
-}
-
 void check_heads(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
               " must be a CPU [tokens, heads, head_dim] tensor with contiguous heads");
@@ -588,15 +555,77 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
   });
 }
 
-template <typename T>
-struct CacheType {
-  using type = T;
+// paged_attention in three stages. plan: checks the inputs and cuts the batch into work items
+// from the shapes alone, before any arithmetic, so that how a row's result is computed never
+// depends on the rest of the batch or on the thread count. run: the threads compute the items,
+// in any order and independently (an item owns its rows); an item that covers its rows' whole
+// context normalises straight into the output, one segment of a split context leaves its running
+// max, sum and weighted values as a partial result. merge: the one place items meet, after all
+// of them ran: each split context's partial results combined into its output rows.
+namespace {
+
+// Queries [first_query, first_query + queries) of a sequence, over positions [pos_begin, pos_end)
+// of its context, for KV heads [head_begin, head_end). Its partial results (one per head and row)
+// start at `partial`; -1: the item covers the whole context and writes the output.
+struct WorkItem {
+  int64_t seq, first_query, queries, pos_begin, pos_end, partial;
+  int64_t head_begin, head_end;  // all KV heads, unless the batch is too small to share otherwise
 };
 
-void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                     const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                     double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
-  RECORD_FUNCTION("native::paged_attention", c10::ArrayRef<const c10::IValue>{});
+// A span of queries whose context was split: its segments' partial results, to merge.
+struct SplitSpan {
+  int64_t seq, first_query, queries, first_partial, segments;
+};
+
+// Positions per segment of a long context (contexts of at least twice this many are split).
+constexpr int64_t SEGMENT = 512;
+// How far ahead (positions) a work item asks for K/V rows: one tile.
+constexpr int64_t PREFETCH_DISTANCE = KEY_TILE;
+
+// A software prefetch of a K/V line towards L2 (prefetcht2). Contexts come from DRAM. Asking for
+// the next tile one KV head at a time, just before computing the same head of this tile, into L2
+// rather than L1 (where lines evicted the tile being computed), made a 64-decode step's attention
+// ~2.5x faster than T0 hints for the whole tile at once (which overflowed the outstanding-miss
+// queue: most were dropped). Inline assembly because GCC 12 deleted a loop of __builtin_prefetch /
+// _mm_prefetch calls here (it counts prefetches as having no effect).
+inline void prefetch_to_l2(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht2 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
+struct AttentionPlan {
+  int64_t num_heads = 0, head_dim = 0, group = 1, kv_heads = 0, block_size = 0, table_width = 0;
+  std::vector<float> k_scales, v_scales;  // per KV head (1 for an unquantized cache)
+  std::vector<WorkItem> items;
+  std::vector<int64_t> order;  // item indices, heaviest first: the order threads take them in
+  int64_t workers = 0;         // threads that take part
+  std::vector<SplitSpan> splits;
+  int64_t partial_rows = 0;  // one per (split segment, query head, query)
+
+  // Offset in q or out (rows `token_stride` apart) of row r of KV head h for the queries that
+  // start at batch row `first`: row r = (query j, group member g) with r = j * group + g, query
+  // head h * group + g.
+  int64_t head_row(int64_t token_stride, int64_t first, int64_t h, int64_t r) const {
+    return (first + r / group) * token_stride + (h * group + r % group) * head_dim;
+  }
+};
+
+// The split segments' results, one per (segment, query head, query): running max, sum, then
+// head_dim weighted values (the value scale applied).
+struct Partials {
+  int64_t head_dim;
+  std::vector<float> data;
+  Partials(int64_t rows, int64_t d) : head_dim(d), data(rows * (d + 2)) {}
+  float* row(int64_t index) { return data.data() + index * (head_dim + 2); }
+  const float* row(int64_t index) const { return data.data() + index * (head_dim + 2); }
+};
+
+AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                             const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
   // q, out: [tokens, heads, head_dim]. seq_info: int32 [seqs, 3] = (first query row, number of
   // queries, position of the first query); query j of a sequence sits at position start + j and
   // sees positions 0 .. start + j. block_tables: int32 [seqs, max_blocks].
@@ -612,18 +641,19 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt && block_tables.dim() == 2);
   TORCH_CHECK(seq_info.is_contiguous() && seq_info.scalar_type() == at::kInt && seq_info.dim() == 2 &&
               seq_info.size(1) == 3 && seq_info.size(0) == block_tables.size(0));
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % kv_heads == 0, "head shapes of q and the cache disagree");
-  const int64_t group = num_heads / kv_heads, seqs = seq_info.size(0), width = block_tables.size(1);
+  AttentionPlan plan;
+  plan.num_heads = q.size(1), plan.head_dim = q.size(2);
+  plan.block_size = k_cache.size(1), plan.kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == plan.head_dim && plan.num_heads % plan.kv_heads == 0, "head shapes of q and the cache disagree");
+  plan.group = plan.num_heads / plan.kv_heads, plan.table_width = block_tables.size(1);
+  plan.k_scales = head_scales(k_scale, quantized, plan.kv_heads, "k_scale");
+  plan.v_scales = head_scales(v_scale, quantized, plan.kv_heads, "v_scale");
+  const int64_t seqs = seq_info.size(0), width = plan.table_width, block_size = plan.block_size;
   const int64_t num_blocks = k_cache.size(0);
-  const std::vector<float> k_scales = head_scales(k_scale, quantized, kv_heads, "k_scale");
-  const std::vector<float> v_scales = head_scales(v_scale, quantized, kv_heads, "v_scale");
   const int32_t* info = seq_info.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   // A tile of queries shares every key and value it reads; its rows are bounded by MAX_ROWS.
-  const int64_t tile_queries = std::max<int64_t>(1, MAX_ROWS / group);
-  const int64_t threads = at::get_num_threads();
+  const int64_t tile_queries = std::max<int64_t>(1, MAX_ROWS / plan.group);
   struct Span { int64_t seq, first_query, queries, context; };
   std::vector<Span> spans;
   for (int64_t b = 0; b < seqs; ++b) {
@@ -637,153 +667,181 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
       spans.push_back({b, j, n, start + j + n});
     }
   }
-  // Work items: a long context is cut into segments of SEGMENT positions whatever else is in the
-  // batch and however many threads run, so that a row's result never depends on either. A batch
-  // of fewer than two such pieces per thread (a single decode) gives each KV head its own item:
-  // heads are independent, so that changes no result either.
+  // A long context is cut into segments of SEGMENT positions whatever else is in the batch and
+  // however many threads run, so that a row's result never depends on either. A batch of fewer
+  // than two such pieces per thread (a single decode) gives each KV head its own item: heads are
+  // independent, so that changes no result either.
   struct Segment { int64_t span, pos_begin, pos_end, partial; };
   std::vector<Segment> segments;
-  std::vector<SplitSpan> splits;
-  int64_t partial_rows = 0;
   for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
     const Span& sp = spans[i];
     const int64_t count = sp.context >= 2 * SEGMENT ? (sp.context + SEGMENT - 1) / SEGMENT : 1;
     const int64_t length = sp.context / count + 1;
-    if (count > 1) splits.push_back({sp.seq, sp.first_query, sp.queries, partial_rows, (sp.context + length - 1) / length});
+    if (count > 1)
+      plan.splits.push_back({sp.seq, sp.first_query, sp.queries, plan.partial_rows, (sp.context + length - 1) / length});
     for (int64_t p = 0; p < sp.context; p += length) {
-      segments.push_back({i, p, std::min(sp.context, p + length), count > 1 ? partial_rows : -1});
-      if (count > 1) partial_rows += sp.queries * num_heads;
+      segments.push_back({i, p, std::min(sp.context, p + length), count > 1 ? plan.partial_rows : -1});
+      if (count > 1) plan.partial_rows += sp.queries * plan.num_heads;
     }
   }
-  const int64_t heads_per_item = static_cast<int64_t>(segments.size()) >= 2 * threads ? kv_heads : 1;
-  std::vector<WorkItem> items;
+  const int64_t threads = at::get_num_threads();
+  const int64_t heads_per_item = static_cast<int64_t>(segments.size()) >= 2 * threads ? plan.kv_heads : 1;
   std::vector<int64_t> costs;
   for (const Segment& seg : segments) {
     const Span& sp = spans[seg.span];
-    for (int64_t h = 0; h < kv_heads; h += heads_per_item) {
-      items.push_back({sp.seq, sp.first_query, sp.queries, seg.pos_begin, seg.pos_end, seg.partial, h, h + heads_per_item});
+    for (int64_t h = 0; h < plan.kv_heads; h += heads_per_item) {
+      plan.items.push_back({sp.seq, sp.first_query, sp.queries, seg.pos_begin, seg.pos_end, seg.partial, h, h + heads_per_item});
       costs.push_back(sp.queries * (seg.pos_end - seg.pos_begin) * heads_per_item);
     }
   }
-  std::vector<int64_t> order(items.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
-  // Per split row: running max, sum, then head_dim weighted values.
-  std::vector<float> partials(partial_rows * (head_dim + 2));
+  // Items differ a lot in cost: taken heaviest first, the last ones to finish are short.
+  plan.order.resize(plan.items.size());
+  std::iota(plan.order.begin(), plan.order.end(), 0);
+  std::stable_sort(plan.order.begin(), plan.order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  plan.workers = std::min<int64_t>(threads, static_cast<int64_t>(plan.items.size()));
+  return plan;
+}
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    const auto run = [&](auto cache_tag) {
-      using cache_t = typename decltype(cache_tag)::type;
-      const cache_t* kc = static_cast<const cache_t*>(k_cache.data_ptr());
-      const cache_t* vc = static_cast<const cache_t*>(v_cache.data_ptr());
-      const scalar_t* qp = q.data_ptr<scalar_t>();
-      scalar_t* op = out.data_ptr<scalar_t>();
-      const int64_t slot_stride = kv_heads * head_dim;
-      // Output row of row r of KV head h for queries starting at batch row `first`.
-      const auto out_row = [&](int64_t first, int64_t h, int64_t r) {
-        return op + (first + r / group) * out.stride(0) + (h * group + r % group) * head_dim;
-      };
-      std::atomic<int64_t> next{0};
-      const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
-      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-        std::vector<Tile> heads(kv_heads);
-        std::vector<int64_t> row_last;
-        // Position `pos` of sequence `seq`: the offset of its K/V row (all heads) in the caches.
-        const auto row_of = [&](int64_t seq, int64_t pos) {
-          return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) * slot_stride;
-        };
-        // Asks for the K/V rows of positions [pos, pos + n) of an item, KV heads [head_begin,
-        // head_end), ahead of their use.
-        const auto prefetch = [&](const WorkItem& it, int64_t pos, int64_t n, int64_t head_begin, int64_t head_end) {
-          const int64_t first_byte = head_begin * head_dim * sizeof(cache_t);
-          const int64_t last_byte = head_end * head_dim * sizeof(cache_t);
-          const int64_t end = std::min(pos + n, it.pos_end);
-          for (int64_t p = pos; p < end; ++p) {
-            const int64_t row = row_of(it.seq, p);
-            const char* k_row = reinterpret_cast<const char*>(kc + row);
-            const char* v_row = reinterpret_cast<const char*>(vc + row);
-            for (int64_t byte = first_byte; byte < last_byte; byte += 64) {
-              prefetch_to_l2(k_row + byte);
-              prefetch_to_l2(v_row + byte);
-            }
-          }
-        };
-        const int64_t num_items = static_cast<int64_t>(items.size());
-        for (int64_t index = next.fetch_add(1); index < num_items;) {
-          const WorkItem& it = items[order[index]];
-          // The thread's next item is taken now, so that its first tiles load while this one computes.
-          index = next.fetch_add(1);
-          if (index < num_items) {
-            const WorkItem& upcoming = items[order[index]];
-            prefetch(upcoming, upcoming.pos_begin, PREFETCH_DISTANCE, upcoming.head_begin, upcoming.head_end);
-          }
-          const int64_t first = info[3 * it.seq] + it.first_query, start = info[3 * it.seq + 2] + it.first_query;
-          const int64_t rows = it.queries * group;
-          // Row r of KV head h = (query j, group member g) with r = j * group + g; query head h * group + g.
-          row_last.resize(rows);
-          for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
-          for (int64_t h = it.head_begin; h < it.head_end; ++h) {
-            Tile& tile = heads[h];
-            tile.reset<cache_t>(head_dim, rows, static_cast<float>(scale) * k_scales[h]);
-            for (int64_t r = 0; r < rows; ++r)
-              tile.load_query(r, qp + (first + r / group) * q.stride(0) + (h * group + r % group) * head_dim);
-          }
-          for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
-            const int64_t n = std::min({KEY_TILE, block_size - pos % block_size, it.pos_end - pos});
-            const int64_t at = row_of(it.seq, pos);
-            for (int64_t h = it.head_begin; h < it.head_end; ++h) {
-              prefetch(it, pos + PREFETCH_DISTANCE, n, h, h + 1);
-              heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
-            }
-            pos += n;
-          }
-          for (int64_t h = it.head_begin; h < it.head_end; ++h) {
-            Tile& tile = heads[h];
-            for (int64_t r = 0; r < rows; ++r) {
-              const float* acc = tile.finish_row(r);
-              if (it.partial >= 0) {
-                float* dst = partials.data() + (it.partial + h * rows + r) * (head_dim + 2);
-                dst[0] = tile.max[r], dst[1] = tile.sum[r];
-                for (int64_t d = 0; d < head_dim; ++d) dst[2 + d] = acc[d] * v_scales[h];
-                continue;
-              }
-              scalar_t* dst = out_row(first, h, r);
-              const float inv = v_scales[h] / tile.sum[r];
-              for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
-            }
-          }
-        }
-      });
-
-      // Merge the segments of each split span: rescale each to the overall max, sum, normalise.
-      std::vector<float> merged(head_dim);
-      for (const SplitSpan& sp : splits) {
-        const int64_t rows = sp.queries * group, first = info[3 * sp.seq] + sp.first_query;
-        const auto part_at = [&](int64_t segment, int64_t row) {
-          return partials.data() + (sp.first_partial + segment * sp.queries * num_heads + row) * (head_dim + 2);
-        };
-        for (int64_t hr = 0; hr < kv_heads * rows; ++hr) {
-          float peak = NEG_INF;
-          for (int64_t s = 0; s < sp.segments; ++s) peak = std::max(peak, part_at(s, hr)[0]);
-          float total = 0;
-          std::fill(merged.begin(), merged.end(), 0.0f);
-          for (int64_t s = 0; s < sp.segments; ++s) {
-            const float* part = part_at(s, hr);
-            if (part[0] == NEG_INF) continue;  // no position of this segment is visible to the row
-            const float w = std::exp(part[0] - peak);
-            total += part[1] * w;
-            for (int64_t d = 0; d < head_dim; ++d) merged[d] += part[2 + d] * w;
-          }
-          scalar_t* dst = out_row(first, hr / rows, hr % rows);
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
+// Computes every item of the plan, the threads taking them in plan order from a shared counter.
+template <typename scalar_t, typename cache_t>
+void run_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                   const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                   double scale, Partials& partials) {
+  const int64_t head_dim = plan.head_dim, group = plan.group, kv_heads = plan.kv_heads;
+  const int64_t block_size = plan.block_size, width = plan.table_width;
+  const int32_t* info = seq_info.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const cache_t* kc = static_cast<const cache_t*>(k_cache.data_ptr());
+  const cache_t* vc = static_cast<const cache_t*>(v_cache.data_ptr());
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t slot_stride = kv_heads * head_dim;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, plan.workers, 1, [&](int64_t, int64_t) {
+    std::vector<Tile> heads(kv_heads);
+    std::vector<int64_t> row_last;
+    // Position `pos` of sequence `seq`: the offset of its K/V row (all heads) in the caches.
+    const auto row_of = [&](int64_t seq, int64_t pos) {
+      return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) * slot_stride;
+    };
+    // Asks for the K/V rows of positions [pos, pos + n) of an item, KV heads [head_begin,
+    // head_end), ahead of their use.
+    const auto prefetch = [&](const WorkItem& it, int64_t pos, int64_t n, int64_t head_begin, int64_t head_end) {
+      const int64_t first_byte = head_begin * head_dim * sizeof(cache_t);
+      const int64_t last_byte = head_end * head_dim * sizeof(cache_t);
+      const int64_t end = std::min(pos + n, it.pos_end);
+      for (int64_t p = pos; p < end; ++p) {
+        const int64_t row = row_of(it.seq, p);
+        const char* k_row = reinterpret_cast<const char*>(kc + row);
+        const char* v_row = reinterpret_cast<const char*>(vc + row);
+        for (int64_t byte = first_byte; byte < last_byte; byte += 64) {
+          prefetch_to_l2(k_row + byte);
+          prefetch_to_l2(v_row + byte);
         }
       }
     };
-    switch (cache_type) {
-      case at::kChar: return run(CacheType<KvInt8>{});
-      case at::kFloat8_e4m3fn: return run(CacheType<KvE4M3>{});
-      case at::kFloat8_e5m2: return run(CacheType<KvE5M2>{});
-      default: return run(CacheType<scalar_t>{});
+    const int64_t num_items = static_cast<int64_t>(plan.items.size());
+    for (int64_t index = next.fetch_add(1); index < num_items;) {
+      const WorkItem& it = plan.items[plan.order[index]];
+      // The thread's next item is taken now, so that its first tiles load while this one computes.
+      index = next.fetch_add(1);
+      if (index < num_items) {
+        const WorkItem& upcoming = plan.items[plan.order[index]];
+        prefetch(upcoming, upcoming.pos_begin, PREFETCH_DISTANCE, upcoming.head_begin, upcoming.head_end);
+      }
+      const int64_t first = info[3 * it.seq] + it.first_query, start = info[3 * it.seq + 2] + it.first_query;
+      const int64_t rows = it.queries * group;
+      row_last.resize(rows);
+      for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
+      for (int64_t h = it.head_begin; h < it.head_end; ++h) {
+        Tile& tile = heads[h];
+        tile.reset<cache_t>(head_dim, rows, static_cast<float>(scale) * plan.k_scales[h]);
+        for (int64_t r = 0; r < rows; ++r) tile.load_query(r, qp + plan.head_row(q.stride(0), first, h, r));
+      }
+      for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
+        const int64_t n = std::min({KEY_TILE, block_size - pos % block_size, it.pos_end - pos});
+        const int64_t at = row_of(it.seq, pos);
+        for (int64_t h = it.head_begin; h < it.head_end; ++h) {
+          prefetch(it, pos + PREFETCH_DISTANCE, n, h, h + 1);
+          heads[h].step(kc + at + h * head_dim, vc + at + h * head_dim, slot_stride, pos, n, row_last.data());
+        }
+        pos += n;
+      }
+      for (int64_t h = it.head_begin; h < it.head_end; ++h) {
+        Tile& tile = heads[h];
+        const float v_scale = plan.v_scales[h];
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* acc = tile.finish_row(r);
+          if (it.partial >= 0) {
+            float* dst = partials.row(it.partial + h * rows + r);
+            dst[0] = tile.max[r], dst[1] = tile.sum[r];
+            for (int64_t d = 0; d < head_dim; ++d) dst[2 + d] = acc[d] * v_scale;
+            continue;
+          }
+          scalar_t* dst = op + plan.head_row(out.stride(0), first, h, r);
+          const float inv = v_scale / tile.sum[r];
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+        }
+      }
+    }
+  });
+}
+
+// Each split span's rows: its segments' partial results rescaled to their overall max, summed
+// and normalised into the output.
+template <typename scalar_t>
+void merge_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::Tensor& seq_info, const Partials& partials) {
+  const int64_t head_dim = plan.head_dim;
+  const int32_t* info = seq_info.data_ptr<int32_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  std::vector<float> merged(head_dim);
+  for (const SplitSpan& sp : plan.splits) {
+    const int64_t rows = sp.queries * plan.group, first = info[3 * sp.seq] + sp.first_query;
+    const auto part_at = [&](int64_t segment, int64_t row) {
+      return partials.row(sp.first_partial + segment * sp.queries * plan.num_heads + row);
+    };
+    for (int64_t hr = 0; hr < plan.kv_heads * rows; ++hr) {
+      float peak = NEG_INF;
+      for (int64_t s = 0; s < sp.segments; ++s) peak = std::max(peak, part_at(s, hr)[0]);
+      float total = 0;
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      for (int64_t s = 0; s < sp.segments; ++s) {
+        const float* part = part_at(s, hr);
+        if (part[0] == NEG_INF) continue;  // no position of this segment is visible to the row
+        const float w = std::exp(part[0] - peak);
+        total += part[1] * w;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += part[2 + d] * w;
+      }
+      scalar_t* dst = op + plan.head_row(out.stride(0), first, hr / rows, hr % rows);
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(merged[d] / total);
+    }
+  }
+}
+
+template <typename T>
+struct CacheType {
+  using type = T;
+};
+
+}  // namespace
+
+void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                     const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                     double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+  RECORD_FUNCTION("native::paged_attention", c10::ArrayRef<const c10::IValue>{});
+  const AttentionPlan plan = plan_attention(out, q, k_cache, v_cache, block_tables, seq_info, k_scale, v_scale);
+  Partials partials(plan.partial_rows, plan.head_dim);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    const auto run_and_merge = [&](auto cache_tag) {
+      using cache_t = typename decltype(cache_tag)::type;
+      run_attention<scalar_t, cache_t>(plan, out, q, k_cache, v_cache, block_tables, seq_info, scale, partials);
+      merge_attention<scalar_t>(plan, out, seq_info, partials);
+    };
+    switch (k_cache.scalar_type()) {
+      case at::kChar: return run_and_merge(CacheType<KvInt8>{});
+      case at::kFloat8_e4m3fn: return run_and_merge(CacheType<KvE4M3>{});
+      case at::kFloat8_e5m2: return run_and_merge(CacheType<KvE5M2>{});
+      default: return run_and_merge(CacheType<scalar_t>{});
     }
   });
 }
