@@ -1,15 +1,15 @@
 """`tachy bench latency --profile`: where the time of a decode step goes.
 
 One batch is prefilled and run through a few untimed decode steps, then a few more decode steps run
-under torch.profiler (CPU activity). The engine is not changed for this: for the duration of the
-profile, its phases are wrapped in `record_function` ranges, and put back afterwards:
+under torch.profiler (CPU activity), with the engine's stage spans (tachyllm/tracing.py) recorded as
+`record_function` ranges; nothing in the engine is patched:
 
     tachy::step            each engine.step() (the driver loop here)
-    tachy::schedule        engine.scheduler.schedule
-    tachy::prepare_inputs  engine.runner.prepare (the step's input tensors and attention metadata)
+    tachy::schedule        the scheduler deciding the step
+    tachy::prepare_inputs  the step's input tensors and attention metadata (the backend's builder)
     tachy::forward         the model's forward (embedding, layers, final norm; not the LM head)
-    tachy::attention       paged_attention as the model calls it (tachyllm.models.llama.paged_attention)
-    tachy::sample          sampling
+    tachy::attention       each layer's backend attention (inside a fused C++ layer: its attention kernels)
+    tachy::sample          sampling, and verification of draft tokens
 
 The step's wall time is then split into categories that add up to it exactly:
 
@@ -177,10 +177,9 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup
                 with record_function(STEP):
                     engine.step()
                     _synchronize(device)
-        if len(engine.requests) != len(ids):
-            logger.warning(
-                "profile: %d of %d requests ended early; the batch shrank", len(ids) - len(engine.requests), len(ids)
-            )
+        snapshot = engine.snapshot()
+        if (left := snapshot.num_running + snapshot.num_waiting) != len(ids):
+            logger.warning("profile: %d of %d requests ended early; the batch shrank", len(ids) - left, len(ids))
     finally:
         for rid in ids:
             engine.abort_request(rid)

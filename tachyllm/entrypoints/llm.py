@@ -103,8 +103,7 @@ class LLM:
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:
             # Leave the engine clean (all blocks free) if generation is interrupted.
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
+            self.engine.abort_all()
             raise
         finally:
             bar.close()
