@@ -87,7 +87,7 @@ def served(tree: Path, weights: str, threads: int) -> dict:
             subprocess.run(
                 client, check=True, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(Path.cwd())}
             )
-            return {"tok_s": json.loads(result.read_text())["output_throughput"]}
+            return {"tok_s": json.loads(result.read_text())["runs"][0]["metrics"]["output_throughput"]}
     finally:
         server.terminate()
         server.wait(timeout=60)
