@@ -9,6 +9,9 @@ Measurements (default model, greedy, EOS ignored, --threads threads):
   offline  64 prompts x 128 tokens, 128 new each, output tok/s, prefill included (as cpu_fast_path_bench.py)
   served   `tachy serve` in the tree under test, `tachy bench serve` (this tree's client, for both) with
            64 x 128/128 requests at once: output tok/s
+  attention the C++ paged attention kernel alone, one layer's call for a 64-sequence decode step after
+           200 cached positions (9 query heads, 3 KV heads, head_dim 64, bf16 cache): query tokens per
+           second, best of 5 repeats of 30 calls (weights do not apply)
 for bf16 weights and the GGUF's own Q4_1 weights (--quantization gguf). Prints every round and, per
 measurement, B / A as the range over rounds.
 """
@@ -36,8 +39,36 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def attention_worker(threads: int) -> dict:
+    """kernels.native's paged_attention, whose signature every tree since the C++ kernels has kept."""
+    import torch
+
+    from tachyllm.kernels.native import native_ops
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    seqs, cached, block_size = 64, 200, 16
+    width = -(-(cached + 1) // block_size)
+    k_cache, v_cache = (torch.randn(seqs * width, block_size, 3, 64, dtype=torch.bfloat16) for _ in range(2))
+    tables = torch.randperm(seqs * width).to(torch.int32).reshape(seqs, width)
+    info = torch.tensor([[i, 1, cached] for i in range(seqs)], dtype=torch.int32)
+    q = torch.randn(seqs, 9, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    ops = native_ops()
+    ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(30):
+            ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125)
+        best = min(best, (time.perf_counter() - start) / 30)
+    return {"tok_s": seqs / best}
+
+
 def worker(kind: str, weights: str, threads: int) -> dict:
     """Runs in the tree under test (PYTHONPATH): only LLM and SamplingParams, which every tree has."""
+    if kind == "attention":
+        return attention_worker(threads)
     from tachyllm import LLM, SamplingParams
 
     quantization = "gguf" if weights == "gguf" else None
@@ -116,7 +147,8 @@ def main() -> None:
         print(json.dumps(worker(*args.worker, args.threads)))
         return
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
-    cases = [(k, w) for k in args.only.split(",") for w in args.weights.split(",")]
+    weights = args.weights.split(",")
+    cases = [(k, w) for k in args.only.split(",") for w in (["-"] if k == "attention" else weights)]
     results: dict[tuple[str, str], dict[str, list[float]]] = {c: {"A": [], "B": []} for c in cases}
     for r in range(args.rounds):
         for kind, weights in cases:

@@ -30,6 +30,15 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def extend(self, delta: CompletionOutput) -> None:
+        """Appends what a later DELTA output of this choice added (its text is the caller's to join)
+        and takes its end state."""
+        self.token_ids += delta.token_ids
+        if self.logprobs is not None and delta.logprobs is not None:
+            self.logprobs += delta.logprobs
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.cumulative_logprob = delta.cumulative_logprob
+
 
 @dataclass
 class RequestMetrics:
@@ -99,13 +108,8 @@ class DeltaAccumulator:
             return
         out = self._out
         for c in delta.outputs:
-            total = out.outputs[c.index]
+            out.outputs[c.index].extend(c)
             self._texts[c.index].append(c.text)
-            total.token_ids += c.token_ids
-            if total.logprobs is not None and c.logprobs is not None:
-                total.logprobs += c.logprobs
-            total.finish_reason, total.stop_reason = c.finish_reason, c.stop_reason
-            total.cumulative_logprob = c.cumulative_logprob
         out.finished, out.error, out.metrics = delta.finished, delta.error, delta.metrics
 
     def result(self) -> RequestOutput:

@@ -71,20 +71,24 @@ class RequestStream:
         if self._done:
             raise StopAsyncIteration
         item = await self._queue.get()
-        if not self._queue.empty() and not isinstance(item, BaseException):
-            waiting = DeltaAccumulator()
-            waiting.add(item)
-            while not self._queue.empty() and not isinstance(item, BaseException):
-                item = self._queue.get_nowait()
-                if not isinstance(item, BaseException):
-                    waiting.add(item)
-            if not isinstance(item, BaseException):
-                item = waiting.result()
+        if not isinstance(item, BaseException) and not self._queue.empty():
+            item = self._add_up_waiting(item)
         if isinstance(item, BaseException):
             self._done = True
             raise item
         self._done = item.finished
         return item
+
+    def _add_up_waiting(self, first: RequestOutput) -> RequestOutput | BaseException:
+        """`first` and the outputs queued behind it as one; an error among them wins (it ends the request)."""
+        total = DeltaAccumulator()
+        total.add(first)
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                return item
+            total.add(item)
+        return total.result()
 
     def close(self) -> None:
         """Aborts the request unless it already finished; safe to call any number of times."""

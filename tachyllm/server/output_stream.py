@@ -112,10 +112,9 @@ def choice_updates(out: RequestOutput, progress: list[ChoiceProgress], first_ind
         reason = finish_reason(out, c)
         if pg.pending is not None:
             held, pg.pending = pg.pending, None
-            c = CompletionOutput(
-                c.index, held.text + c.text, held.token_ids + c.token_ids, c.finish_reason, c.stop_reason,
-                None if c.logprobs is None else held.logprobs + c.logprobs, c.cumulative_logprob,
-            )  # fmt: skip
+            held.extend(c)
+            held.text += c.text
+            c = held
         if not c.text and reason is None:
             if c.token_ids:
                 pg.pending = c

@@ -372,12 +372,30 @@ struct Tile {
 #if defined(__AVX512F__)
     scores_all(scores.data(), q.data(), keys_t.data(), head_dim, rows);
 #else
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t t = 0; t < KEY_TILE; ++t) {
-        float s = 0;
-        for (int64_t d = 0; d < head_dim; ++d) s += q[r * head_dim + d] * keys_t[d * KEY_TILE + t];
-        scores[r * KEY_TILE + t] = s;
+    // The tile's 16 positions are the vector lanes: with d innermost the loop is one chain of
+    // dependent scalar adds, whose speed then hangs on where the loop happens to be aligned.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q.data() + r * head_dim;
+#if defined(__AVX2__)
+      // Multiply, then add (no FMA): the same roundings as the scalar loop below.
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const __m256 qd = _mm256_set1_ps(qr[d]);
+        const float* k = keys_t.data() + d * KEY_TILE;
+        lo = _mm256_add_ps(lo, _mm256_mul_ps(qd, _mm256_loadu_ps(k)));
+        hi = _mm256_add_ps(hi, _mm256_mul_ps(qd, _mm256_loadu_ps(k + 8)));
       }
+      _mm256_storeu_ps(scores.data() + r * KEY_TILE, lo);
+      _mm256_storeu_ps(scores.data() + r * KEY_TILE + 8, hi);
+#else
+      float s[KEY_TILE] = {};
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float* k = keys_t.data() + d * KEY_TILE;
+        for (int64_t t = 0; t < KEY_TILE; ++t) s[t] += qr[d] * k[t];
+      }
+      std::copy(s, s + KEY_TILE, scores.data() + r * KEY_TILE);
+#endif
+    }
 #endif
     softmax_update(first, n, row_last);
     accumulate(vals, stride, n);
