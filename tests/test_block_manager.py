@@ -80,6 +80,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks, block_size, caching)
         self.kv = FakeKV(num_blocks, block_size)
         self.live: list[Sequence] = []
+        self.mirror = set(self.bm.track_cache_events())  # what a router learns from the events
 
     @rule(tokens=prompts)
     def add(self, tokens: list[int]) -> None:
@@ -133,6 +134,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = self.live.pop(index % len(self.live))
         self.bm.free_seq(seq)
         assert seq.block_table == []
+
+    @invariant()
+    def cache_events_mirror_the_cache(self) -> None:
+        stored, evicted = self.bm.drain_cache_events()
+        assert not set(stored) & set(evicted)
+        self.mirror = (self.mirror | set(stored)) - set(evicted)
+        assert self.mirror == set(self.bm.cached)
 
     @invariant()
     def blocks_accounted_for(self) -> None:
@@ -210,6 +218,21 @@ def test_eviction_is_lru_and_tail_first():
     assert taker.block_table == [1]  # block 1 held [3, 4]
     assert bm.match_prefix(make_seq([1, 2, 3, 4, 0])) == [0]
     assert len(bm.match_prefix(make_seq([5, 6, 7, 8, 0]))) == 2
+
+
+def test_cache_events_report_stored_and_evicted_blocks():
+    bm = BlockManager(4, 2)
+    assert bm.drain_cache_events() == ([], [])  # not tracking: nothing recorded
+    old = computed(bm, [1, 2, 3, 4])
+    assert bm.track_cache_events() == list(bm.cached) and len(bm.cached) == 2
+    bm.free_seq(old)
+    new = computed(bm, [5, 6, 7, 8])
+    stored, evicted = bm.drain_cache_events()
+    assert stored == new.block_hashes and evicted == []
+    bm.free_seq(new)
+    assert bm.allocate(make_seq([9, 9]), 2)  # evicts the tail of [1, 2, 3, 4]
+    assert bm.drain_cache_events() == ([], [old.block_hashes[1]])
+    assert bm.drain_cache_events() == ([], [])
 
 
 def test_allocation_is_all_or_nothing():

@@ -58,6 +58,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        # With track_cache_events(): hash -> True (entered the cache) / False (left it) since the last
+        # drain, the latest change only, so the batch stays bounded however fast blocks churn.
+        self._cache_events: dict[bytes, bool] | None = None
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -129,6 +132,8 @@ class BlockManager:
             if block.hash is not None:  # evict: this block's old content is about to be overwritten
                 if self.cached.get(block.hash) == block_id:
                     del self.cached[block.hash]
+                    if self._cache_events is not None:
+                        self._cache_events[block.hash] = False
                 block.hash = None
                 block.token_ids = None
                 block.parent = None
@@ -190,7 +195,22 @@ class BlockManager:
                 # Otherwise the entry is stale (its parent was evicted) or a true collision: ours wins.
             block.hash, block.token_ids, block.parent = hashes[i], tokens, parent
             self.cached[hashes[i]] = block.block_id
+            if self._cache_events is not None:
+                self._cache_events[hashes[i]] = True
         seq.num_cached_blocks = num_full
+
+    def track_cache_events(self) -> list[bytes]:
+        """Starts recording which block hashes enter and leave the prefix cache (for a router that
+        sends requests where their prefix is cached); returns the hashes cached now."""
+        self._cache_events = {}
+        return list(self.cached)
+
+    def drain_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, evicted) block hashes since the last drain: each hash in one list at most, as it is now."""
+        if self._cache_events is None:
+            return [], []
+        events, self._cache_events = self._cache_events, {}
+        return [h for h, stored in events.items() if stored], [h for h, stored in events.items() if not stored]
 
     def _replace_block(self, seq: Sequence, index: int, twin: Block) -> None:
         """Points seq.block_table[index] at twin, which holds identical KV, and releases seq's own copy."""

@@ -1,0 +1,100 @@
+"""Which engine replica holds which KV blocks, and where a request should go because of it.
+
+Replicas report the chained block hashes their prefix cache stores and evicts (the hashes of
+core/block_manager.py, the same ones a replica looks its cache up by), so the index knows exactly,
+not by approximating prompts' characters, how long a prefix of a request's blocks each replica
+holds. A chained hash names its whole prefix, so "holds block i" means "holds KV for the first
+i + 1 blocks' tokens" as long as the replica still holds the earlier ones; the walk below stops
+at the first block a replica lacks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PREFIX_HIT = "prefix_hit"  # the replica holding the longest prefix, within the load margin
+LOAD_FALLBACK = "load_fallback"  # that replica was too busy: the less loaded of two
+NO_MATCH = "no_match"  # no replica holds the first block: the less loaded of two
+DECISIONS = (PREFIX_HIT, LOAD_FALLBACK, NO_MATCH)
+
+
+class PrefixIndex:
+    """Block hash -> the replicas holding it, and replica -> its blocks (to forget a replica at once)."""
+
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[str]] = {}
+        self._blocks: dict[str, set[bytes]] = {}
+
+    def __len__(self) -> int:
+        """Entries in the index: one per (replica, block) pair."""
+        return sum(len(blocks) for blocks in self._blocks.values())
+
+    def apply(self, replica: str, stored: Iterable[bytes] = (), evicted: Iterable[bytes] = ()) -> None:
+        """One batch of a replica's cache events, in order: stored, then evicted."""
+        blocks = self._blocks.setdefault(replica, set())
+        for h in stored:
+            blocks.add(h)
+            self._holders.setdefault(h, set()).add(replica)
+        for h in evicted:
+            blocks.discard(h)
+            self._drop_holder(h, replica)
+
+    def reset(self, replica: str, blocks: Iterable[bytes]) -> None:
+        """Replaces what the index knows of a replica with a full list of its cached blocks."""
+        self.forget(replica)
+        self.apply(replica, stored=blocks)
+
+    def forget(self, replica: str) -> None:
+        """A replica died or left: none of its blocks can be used any more."""
+        for h in self._blocks.pop(replica, ()):
+            self._drop_holder(h, replica)
+
+    def _drop_holder(self, h: bytes, replica: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[h]
+
+    def replicas(self) -> list[str]:
+        return list(self._blocks)
+
+    def matched_blocks(self, hashes: list[bytes], replicas: Iterable[str]) -> dict[str, int]:
+        """For each of `replicas`, how many of `hashes` (a prompt's blocks, in order) it holds from the start."""
+        matched = dict.fromkeys(replicas, 0)
+        alive = set(matched)
+        for i, h in enumerate(hashes):
+            alive &= self._holders.get(h, set())
+            if not alive:
+                break
+            for replica in alive:
+                matched[replica] = i + 1
+        return matched
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    replica: str
+    reason: str  # one of DECISIONS
+    matched_blocks: int  # of the chosen replica
+
+
+def choose_replica(
+    matched: dict[str, int], queue_lengths: dict[str, int], load_margin: int, rng: random.Random | None = None
+) -> RoutingDecision:
+    """The replica with the longest matched prefix (ties: the shorter queue), unless its queue is longer
+    than the shortest by more than `load_margin` requests; otherwise, and when nothing matches, the less
+    loaded of two replicas drawn at random (power of two choices), so that a hot prefix spreads out.
+
+    `matched` and `queue_lengths` have the same keys: the replicas that can take the request."""
+    if not matched:
+        raise ValueError("no replica to choose from")
+    rng = rng or random
+    best = max(matched, key=lambda r: (matched[r], -queue_lengths[r]))
+    if matched[best] > 0 and queue_lengths[best] <= min(queue_lengths.values()) + load_margin:
+        return RoutingDecision(best, PREFIX_HIT, matched[best])
+    pair = rng.sample(sorted(matched), min(2, len(matched)))
+    chosen = min(pair, key=lambda r: queue_lengths[r])
+    return RoutingDecision(chosen, LOAD_FALLBACK if matched[best] > 0 else NO_MATCH, matched[chosen])
