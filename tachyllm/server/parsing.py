@@ -3,13 +3,16 @@ and the refusal of fields this server does not support."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from tachyllm.server.state import ServerState
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -27,6 +30,16 @@ async def parse_body(request: Request, model: type[T]) -> T:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
         raise invalid_body(e) from None
+
+
+async def parse_generation_request(request: Request, model: type[T], state: ServerState) -> T:
+    """A completions or chat request's body, refused (400/404) for what no generation route serves:
+    another model, a field this server does not support, too many choices; checked in that order."""
+    body = await parse_body(request, model)
+    state.check_model(body.model)
+    reject_unsupported(body)
+    state.check_n(body.n)
+    return body
 
 
 def invalid_body(e: ValidationError) -> APIError:

@@ -16,7 +16,7 @@ from tachyllm.server.admission import start_requests
 from tachyllm.server.async_engine import RequestStream
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
-from tachyllm.server.parsing import parse_body, reject_unsupported
+from tachyllm.server.parsing import parse_generation_request
 from tachyllm.server.prompts import completion_prompts
 from tachyllm.server.responses import (
     SSE_DONE,
@@ -36,10 +36,7 @@ router = APIRouter()
 
 @router.post("/v1/completions", **route_doc(p.CompletionRequest, p.CompletionResponse, generates=True))
 async def completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
-    body = await parse_body(request, p.CompletionRequest)
-    state.check_model(body.model)
-    reject_unsupported(body)
-    state.check_n(body.n)
+    body = await parse_generation_request(request, p.CompletionRequest, state)
     bias = logit_bias(body.logit_bias)
     prompts = await completion_prompts(state, body.prompt)
     params = [
