@@ -12,6 +12,7 @@ Measurements (default model, greedy, EOS ignored, --threads threads):
   attention the C++ paged attention kernel alone, one layer's call for a 64-sequence decode step after
            200 cached positions (9 query heads, 3 KV heads, head_dim 64, bf16 cache): query tokens per
            second, best of 5 repeats of 30 calls (weights do not apply)
+  attention_prefill  the same kernel for a prefill step of 32 sequences x 128 new tokens, no cache
 for bf16 weights and the GGUF's own Q4_1 weights (--quantization gguf). Prints every round and, per
 measurement, B / A as the range over rounds.
 """
@@ -39,7 +40,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def attention_worker(threads: int) -> dict:
+def attention_worker(threads: int, seqs: int, queries: int, cached: int, calls: int) -> dict:
     """kernels.native's paged_attention, whose signature every tree since the C++ kernels has kept."""
     import torch
 
@@ -47,28 +48,30 @@ def attention_worker(threads: int) -> dict:
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    seqs, cached, block_size = 64, 200, 16
-    width = -(-(cached + 1) // block_size)
+    block_size = 16
+    width = -(-(cached + queries) // block_size)
     k_cache, v_cache = (torch.randn(seqs * width, block_size, 3, 64, dtype=torch.bfloat16) for _ in range(2))
     tables = torch.randperm(seqs * width).to(torch.int32).reshape(seqs, width)
-    info = torch.tensor([[i, 1, cached] for i in range(seqs)], dtype=torch.int32)
-    q = torch.randn(seqs, 9, 64, dtype=torch.bfloat16)
+    info = torch.tensor([[i * queries, queries, cached] for i in range(seqs)], dtype=torch.int32)
+    q = torch.randn(seqs * queries, 9, 64, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     ops = native_ops()
     ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
-        for _ in range(30):
+        for _ in range(calls):
             ops.paged_attention(out, q, k_cache, v_cache, tables, info, 0.125)
-        best = min(best, (time.perf_counter() - start) / 30)
-    return {"tok_s": seqs / best}
+        best = min(best, (time.perf_counter() - start) / calls)
+    return {"tok_s": seqs * queries / best}
 
 
 def worker(kind: str, weights: str, threads: int) -> dict:
     """Runs in the tree under test (PYTHONPATH): only LLM and SamplingParams, which every tree has."""
     if kind == "attention":
-        return attention_worker(threads)
+        return attention_worker(threads, seqs=64, queries=1, cached=200, calls=30)
+    if kind == "attention_prefill":
+        return attention_worker(threads, seqs=32, queries=128, cached=0, calls=3)
     from tachyllm import LLM, SamplingParams
 
     quantization = "gguf" if weights == "gguf" else None
@@ -148,7 +151,7 @@ def main() -> None:
         return
     trees = {"A": args.a.resolve(), "B": args.b.resolve()}
     weights = args.weights.split(",")
-    cases = [(k, w) for k in args.only.split(",") for w in (["-"] if k == "attention" else weights)]
+    cases = [(k, w) for k in args.only.split(",") for w in (["-"] if k.startswith("attention") else weights)]
     results: dict[tuple[str, str], dict[str, list[float]]] = {c: {"A": [], "B": []} for c in cases}
     for r in range(args.rounds):
         for kind, weights in cases:
