@@ -32,7 +32,7 @@ BACKENDS = ("auto", "torch", "cpu")
 
 
 def option(default: Any, help: str, *, choices: Sequence | None = None, parse: Callable[[str], Any] | None = None):
-    """An EngineConfig field that is also a command-line flag (tachyllm/entrypoints/engine_args.py builds it
+    """An EngineConfig field that is also a command-line flag (tachyllm/engine_args.py builds it
     from this metadata). `choices`: the values the flag accepts; `parse`: turns the flag's text into the value
     when the field's type does not say how (byte sizes, a JSON string)."""
     metadata: dict[str, Any] = {"help": help}
@@ -80,7 +80,7 @@ class ModelConfig:
 @dataclass
 class EngineConfig:
     """Engine options, named as in vLLM where such a name exists. Each field is also a command-line flag,
-    --field-name-with-dashes, generated from its `option` metadata (tachyllm/entrypoints/engine_args.py)."""
+    --field-name-with-dashes, generated from its `option` metadata (tachyllm/engine_args.py)."""
 
     model: str | None = option(
         None, "GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"

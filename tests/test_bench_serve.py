@@ -14,8 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser, main
-from tachyllm.entrypoints.engine_args import engine_config
 from tachyllm.entrypoints.serve import make_server
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine

@@ -1,4 +1,4 @@
-"""The engine flags are generated from the EngineConfig fields (entrypoints/engine_args.py): one flag per
+"""The engine flags are generated from the EngineConfig fields (engine_args.py): one flag per
 field, its default, its parser, and no import cycle between the CLI modules."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tachyllm import engine_args
 from tachyllm.config import EngineConfig
-from tachyllm.entrypoints import engine_args
+from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.entrypoints.cli import build_parser, main
-from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
 from tachyllm.speculative_config import SpeculativeConfig
 
 

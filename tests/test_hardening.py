@@ -20,8 +20,8 @@ from test_server import ENGINE_FLAGS, GREEDY, error_of, graceful_server, server_
 
 from tachyllm import LLM, SamplingParams, faults
 from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
-from tachyllm.entrypoints.engine_args import engine_config
 from tachyllm.entrypoints.serve import GracefulServer
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
@@ -386,7 +386,7 @@ def test_faults_under_speculation_and_chunked_prefill(model_path, spec):
 def test_server_answers_a_failed_request_and_goes_on(served, http, offline):
     victim_prompt = offline.engine.tokenizer.encode("Paged attention stores keys")
     expected = offline.generate("The quick", SamplingParams(max_tokens=40, **GREEDY), use_tqdm=False)[0].outputs[0].text
-    engine = served.config.app.state.server.engine
+    engine = served.config.app.state.server.engines[0]
     victims: set[str] = set()
     add_requests = engine.add_requests
 
@@ -423,7 +423,7 @@ def test_server_answers_a_failed_request_and_goes_on(served, http, offline):
 def test_dead_engine_loop_makes_the_server_exit_nonzero(model_path):
     with graceful_server(model_path) as (base, srv), httpx.Client(base_url=base, timeout=10) as c:
         assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-        engine = srv.config.app.state.server.engine
+        engine = srv.config.app.state.server.engines[0]
 
         def broken(*args):  # outside the step's barrier: the loop itself fails
             raise RuntimeError("bookkeeping bug")

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
-from tachyllm.entrypoints.engine_args import engine_config
 from tachyllm.entrypoints.serve import GracefulServer, make_server
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.server.app import build_app

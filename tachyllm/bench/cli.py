@@ -11,7 +11,7 @@ from tachyllm.bench.datasets import DATASETS
 from tachyllm.bench.offline import cmd_bench_latency, cmd_bench_throughput
 from tachyllm.bench.plot import cmd_bench_plot
 from tachyllm.bench.serve import cmd_bench_serve
-from tachyllm.entrypoints.engine_args import add_engine_args
+from tachyllm.engine_args import add_engine_args
 
 
 def parse_rates(text: str) -> list[float]:

@@ -24,7 +24,7 @@ import torch
 from tachyllm import LLM, SamplingParams
 from tachyllm.bench.datasets import random_token_ids, read_prompt_file, sample_lengths
 from tachyllm.bench.profile import format_profile, profile_decode
-from tachyllm.entrypoints.engine_args import engine_config
+from tachyllm.engine_args import engine_config
 from tachyllm.sampling_params import RequestOutputKind
 
 

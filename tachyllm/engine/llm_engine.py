@@ -21,6 +21,7 @@ from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import EngineCorruptedError, RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import load_checkpoint
+from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import kv_cache
@@ -57,7 +58,7 @@ class LLMEngine:
         ckpt = load_checkpoint(config.model)
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
-        self.model_name = config.model or "SmolLM2-135M-Instruct"
+        self.model_name = config.model or DEFAULT_MODEL_NAME
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)
 

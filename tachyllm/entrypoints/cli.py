@@ -14,7 +14,7 @@ import torch
 from tachyllm.argtypes import none_or
 from tachyllm.bench.cli import add_bench_parser
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
+from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.entrypoints.serve import add_serve_parser
 from tachyllm.errors import TachyError
 from tachyllm.eval.quality import add_eval_parser

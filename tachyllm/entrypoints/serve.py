@@ -6,16 +6,18 @@ import argparse
 import asyncio
 import logging
 import math
-import os
 import socket
 from types import FrameType
 from typing import TYPE_CHECKING
 
 import uvicorn
 
-from tachyllm.argtypes import byte_size, non_negative_float, positive_int
+from tachyllm.argtypes import non_negative_int, positive_int
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
+from tachyllm.engine_args import add_engine_args, engine_config
+from tachyllm.errors import ConfigError
+from tachyllm.ray_serve.config import ROUTER_POLICIES, parse_autoscale
+from tachyllm.server.options import add_server_args
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -27,61 +29,47 @@ if TYPE_CHECKING:
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    g = serve.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000)
+    add_server_args(serve)
+    add_scale_out_args(serve)
+    add_engine_args(serve, repeatable={"model": "several --model NAME=PATH serve several models (on Ray Serve)"})
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scale-out (Ray Serve; docs/scale_out.md)")
     g.add_argument(
-        "--served-model-name", nargs="+", default=None,
-        help="model name(s) clients may ask for; the first is reported in responses "
-        "(default: --model, or the embedded model's name)",
+        "--replicas", type=positive_int, default=None, metavar="N",
+        help="serve N engine replicas of each model on Ray Serve (a local Ray instance unless --ray-address)",
     )  # fmt: skip
     g.add_argument(
-        "--api-key", default=os.environ.get("TACHY_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on the API (default: $TACHY_API_KEY; unset = open)",
+        "--autoscale", type=parse_autoscale, default=None, metavar="MIN:MAX",
+        help="let Ray Serve scale each model between MIN and MAX replicas with its load",
     )  # fmt: skip
     g.add_argument(
-        "--max-queue-len", type=positive_int, default=None,
-        help="answer 503 while this many requests wait to run (default: unlimited)",
+        "--threads-per-replica", type=positive_int, default=None, metavar="T",
+        help="compute threads of each replica (default: the cores divided among the replicas)",
     )  # fmt: skip
     g.add_argument(
-        "--max-request-body-bytes", type=byte_size, default=4 << 20,
-        help="refuse request bodies larger than this with 413, e.g. 4M (default: 4 MiB)",
-    )  # fmt: skip
-    g.add_argument(
-        "--max-n", type=positive_int, default=128, help="largest n (choices per prompt) a request may ask for"
+        "--ray-address", default=None, metavar="ADDR", help="join this Ray cluster (e.g. auto, or ray://head:10001)"
     )
     g.add_argument(
-        "--max-prompts-per-request", type=positive_int, default=256,
-        help="most prompts one /v1/completions request may carry",
+        "--config", default=None, metavar="MODELS_YAML",
+        help="serve the models of this YAML file, each with its engine options, replicas and autoscaling",
     )  # fmt: skip
     g.add_argument(
-        "--max-request-tokens", type=positive_int, default=1 << 20,
-        help="most tokens one HTTP request may claim: its prompts plus n x max_tokens for each (default: 1048576)",
+        "--router", choices=ROUTER_POLICIES, default="prefix",
+        help="how requests pick a replica: prefix (the replica holding the longest cached prefix), power_of_two "
+        "(Ray Serve's default), round_robin",
     )  # fmt: skip
     g.add_argument(
-        "--allowed-hosts", nargs="+", default=None,
-        help="Host header values the server answers to ('*' = any); others get 421 (default: the loopback names "
-        "when bound to loopback, else any)",
+        "--router-load-margin", type=non_negative_int, default=8, metavar="K",
+        help="a prefix hit is taken while its replica's queue is at most this much longer than the shortest",
     )  # fmt: skip
-    g.add_argument(
-        "--allowed-origins", nargs="+", default=None,
-        help="web origins allowed to call the API from a browser (CORS), e.g. https://app.example.com (default: none)",
-    )  # fmt: skip
-    g.add_argument(
-        "--engine-iteration-timeout", type=non_negative_float, default=60.0,
-        help="seconds one engine step may run before the engine counts as hung: /health turns 503 and the server "
-        "exits with status 1 for its supervisor to restart it; 0 = no limit",
-    )  # fmt: skip
-    g.add_argument(
-        "--shutdown-timeout", type=non_negative_float, default=30.0,
-        help="on SIGTERM/SIGINT, seconds to let admitted requests finish before aborting them",
-    )  # fmt: skip
-    g.add_argument(
-        "--log-stats-interval", type=non_negative_float, default=10.0,
-        help="seconds between engine stats log lines; 0 = never",
-    )  # fmt: skip
-    add_engine_args(serve)
-    serve.set_defaults(func=cmd_serve)
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    named = any("=" in m for m in args.model_all)
+    return bool(args.replicas or args.autoscale or args.config or args.ray_address or named)
 
 
 class GracefulServer(uvicorn.Server):
@@ -134,7 +122,8 @@ class GracefulServer(uvicorn.Server):
 
     def _end_now(self) -> None:
         logger.warning("second signal: ending every open request now")
-        self._state.engine.abandon("the server is shutting down", failed=False)
+        for engine in self._state.engines:
+            engine.abandon("the server is shutting down", failed=False)
         self._start_drain()  # the drain now finds nothing left and ends at once
 
     async def _drain(self, timeout: float) -> None:
@@ -142,14 +131,14 @@ class GracefulServer(uvicorn.Server):
         self.should_exit = True
 
     async def _watch_engine(self) -> None:
-        engine = self._state.engine
         while not self.should_exit:
             await asyncio.sleep(self.WATCHDOG_INTERVAL_S)
             if self._signals >= 2 or (problem := self._state.health_problem()) is None:
                 continue  # after a second signal the engine is stopped on purpose
             logger.error("%s; shutting down with exit status 1 so that a supervisor restarts the server", problem)
             self.exit_code = 1
-            engine.abandon(problem, failed=True)  # open streams end with that error
+            for engine in self._state.engines:
+                engine.abandon(problem, failed=True)  # open streams end with that error
             self._start_drain(min(self._shutdown_timeout, 5.0))
             return
 
@@ -166,6 +155,13 @@ def make_server(app: FastAPI, args: argparse.Namespace) -> GracefulServer:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if uses_ray(args):
+        # Ray loads here, so that a single-engine server never imports it.
+        from tachyllm.ray_serve.launch import serve_on_ray
+
+        return serve_on_ray(args)
+    if len(args.model_all) > 1:
+        raise ConfigError("several --model flags serve several models: give each as NAME=PATH (uses Ray Serve)")
     # FastAPI loads here, so the other subcommands start without it.
     from tachyllm.server.app import build_app
     from tachyllm.server.async_engine import AsyncEngine

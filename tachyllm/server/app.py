@@ -26,18 +26,29 @@ from tachyllm.server.metrics import ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
 from tachyllm.server.routes import chat, completions, models, service, tokenize
-from tachyllm.server.state import RequestLimits, ServerState, authorize
+from tachyllm.server.state import MetricsSource, RequestLimits, ServedModel, ServerState, authorize
 from tachyllm.version import __version__
 
 
 def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
-    served_names = list(args.served_model_name or [engine.model_name])
-    metrics = ServerMetrics(served_names[0])
+    """The server of one engine in this process."""
+    served = ServedModel(list(args.served_model_name or [engine.model_name]), engine)
+    metrics = ServerMetrics(served.name)
     engine.add_output_listener(metrics.observe)
+
+    async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
+        return [({}, metrics.render(engine.snapshot))]
+
+    return assemble_app(server_state([served], args, [local_metrics]), args)
+
+
+def server_state(models: list[ServedModel], args: argparse.Namespace, metrics: list[MetricsSource]) -> ServerState:
     limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_tokens)
-    state = ServerState(
-        engine, served_names, args.api_key, args.max_queue_len, metrics, limits, args.engine_iteration_timeout
-    )
+    return ServerState(models, args.api_key, args.max_queue_len, metrics, limits, args.engine_iteration_timeout)
+
+
+def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
+    """The API's routes over `state`'s engines, with the error handlers and the HTTP policy of `args`."""
     # No interactive docs pages, which would load scripts from elsewhere; routes/service.py serves
     # the OpenAPI document itself.
     app = FastAPI(
@@ -81,7 +92,8 @@ async def shut_down_engine(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         # A hung step never returns: give up on it after a while (its thread is a daemon).
-        await asyncio.to_thread(app.state.server.engine.shutdown, 10.0)
+        for engine in app.state.server.engines:
+            await asyncio.to_thread(engine.shutdown, 10.0)
 
 
 async def on_api_error(request: Request, e: APIError) -> Response:
@@ -89,7 +101,7 @@ async def on_api_error(request: Request, e: APIError) -> Response:
 
 
 async def on_engine_dead(request: Request, e: EngineDeadError) -> Response:
-    error = engine_dead(request.app.state.server.engine, e)
+    error = engine_dead(e, any(engine.error is not None for engine in request.app.state.server.engines))
     return json_response(error.body, error.status)
 
 

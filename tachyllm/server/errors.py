@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tachyllm.outputs import RequestOutput
 from tachyllm.server import protocol as p
-from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
+from tachyllm.server.async_engine import EngineDeadError
 
 
 class APIError(Exception):
@@ -27,9 +27,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def engine_dead(engine: AsyncEngine, e: EngineDeadError) -> APIError:
+def engine_dead(e: EngineDeadError, failed: bool) -> APIError:
+    """`failed`: the engine failed, as opposed to being shut down."""
     # 503 either way: a failed engine makes the server exit, so a supervisor restarts it.
-    code = "engine_failed" if engine.error is not None else "shutting_down"
+    code = "engine_failed" if failed else "shutting_down"
     return APIError(503, str(e), "service_unavailable_error", code=code)
 
 

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm.engine.llm_engine import EngineSnapshot
 from tachyllm.outputs import RequestOutput, StepStats
@@ -164,3 +166,29 @@ class ServerMetrics:
     def render(self, snapshot: EngineSnapshot) -> bytes:
         self.sync(snapshot)
         return generate_latest(self.registry)
+
+
+def merge_expositions(parts: list[tuple[dict[str, str], bytes]]) -> bytes:
+    """Several Prometheus text expositions as one, each sample given its part's extra labels (say, which
+    replica it came from): one HELP/TYPE per metric family, as a scraper requires."""
+    if len(parts) == 1 and not parts[0][0]:
+        return parts[0][1]
+    families: dict[str, Metric] = {}
+    for labels, text in parts:
+        for family in text_string_to_metric_families(text.decode()):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                merged.samples.append(sample._replace(labels={**sample.labels, **labels}))
+    registry = CollectorRegistry()
+    registry.register(_Fixed(list(families.values())))
+    return generate_latest(registry)
+
+
+class _Fixed:
+    """A collector of metric families that were already gathered."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families

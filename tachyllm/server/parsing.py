@@ -12,7 +12,7 @@ from tachyllm.server import protocol as p
 from tachyllm.server.errors import APIError, bad_request
 
 if TYPE_CHECKING:
-    from tachyllm.server.state import ServerState
+    from tachyllm.server.state import ServedModel, ServerState
 
 T = TypeVar("T", bound=BaseModel)
 
@@ -32,14 +32,15 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise invalid_body(e) from None
 
 
-async def parse_generation_request(request: Request, model: type[T], state: ServerState) -> T:
-    """A completions or chat request's body, refused (400/404) for what no generation route serves:
-    another model, a field this server does not support, too many choices; checked in that order."""
+async def parse_generation_request(request: Request, model: type[T], state: ServerState) -> tuple[T, ServedModel]:
+    """A completions or chat request's body and the model it names, refused (400/404) for what no
+    generation route serves: a model not served, a field this server does not support, too many
+    choices; checked in that order."""
     body = await parse_body(request, model)
-    state.check_model(body.model)
+    served = state.model(body.model)
     reject_unsupported(body)
     state.check_n(body.n)
-    return body
+    return body, served
 
 
 def invalid_body(e: ValidationError) -> APIError:

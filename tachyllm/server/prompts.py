@@ -12,14 +12,14 @@ from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
-from tachyllm.server.state import ServerState
+from tachyllm.server.state import ServedModel, ServerState
 
 R = TypeVar("R")
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-async def completion_prompts(state: ServerState, prompt: str | list) -> list[Prompt]:
+async def completion_prompts(state: ServerState, model: ServedModel, prompt: str | list) -> list[Prompt]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items = [prompt]
     else:
@@ -34,8 +34,8 @@ async def completion_prompts(state: ServerState, prompt: str | list) -> list[Pro
         )
     for item in items:
         if isinstance(item, str):
-            state.check_prompt_chars(len(item), "prompt")
-    processor = state.processor
+            model.check_prompt_chars(len(item), "prompt")
+    processor = model.processor
     try:
         return await asyncio.to_thread(lambda: [processor.process_prompt(item) for item in items])
     except RequestError as e:
@@ -70,18 +70,18 @@ def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
     return conversation
 
 
-async def chat_prompt(state: ServerState, messages: list[p.ChatMessage]) -> Prompt:
+async def chat_prompt(model: ServedModel, messages: list[p.ChatMessage]) -> Prompt:
     """The prompt of a chat completion: the conversation rendered, tokenized and checked."""
     conversation = chat_conversation(messages)
-    state.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
-    processor = state.processor
+    model.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+    processor = model.processor
     return await in_thread_for_messages(lambda: processor.process_prompt(processor.chat_prompt_ids(conversation)))
 
 
-async def chat_token_ids(state: ServerState, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+async def chat_token_ids(model: ServedModel, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
     """The conversation's token ids, as /tokenize shows them (no prompt checks: nothing will run)."""
     conversation = chat_conversation(messages)
-    return await in_thread_for_messages(lambda: state.processor.chat_prompt_ids(conversation, add_generation_prompt))
+    return await in_thread_for_messages(lambda: model.processor.chat_prompt_ids(conversation, add_generation_prompt))
 
 
 async def in_thread_for_messages(render: Callable[[], R]) -> R:

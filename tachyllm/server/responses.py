@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
@@ -11,8 +12,11 @@ from pydantic import BaseModel
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tachyllm.server import protocol as p
-from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
+from tachyllm.server.async_engine import EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead, request_aborted, request_failed
+
+if TYPE_CHECKING:
+    from tachyllm.server.state import EngineClient
 
 
 def finish_reason(out: RequestOutput, c: CompletionOutput) -> str | None:
@@ -93,12 +97,12 @@ def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-async def stream_errors(engine: AsyncEngine, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def stream_errors(engine: EngineClient, events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Ends a stream that fails midway with an error event, the way OpenAI's clients expect."""
     try:
         async for event in events:
             yield event
     except (APIError, EngineDeadError) as e:
-        error = e if isinstance(e, APIError) else engine_dead(engine, e)
+        error = e if isinstance(e, APIError) else engine_dead(e, engine.error is not None)
         yield sse(error.body)
         yield SSE_DONE

@@ -7,7 +7,7 @@ import re
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
-from tachyllm.server.state import ServerState
+from tachyllm.server.state import ServedModel
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -24,10 +24,10 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def resolve_max_tokens(
-    state: ServerState, requested: int | None, prompt_len: int, prompt_param: str, max_param: str
+    model: ServedModel, requested: int | None, prompt_len: int, prompt_param: str, max_param: str
 ) -> int:
     """The request's max_tokens; by default whatever room the context leaves, as vLLM does."""
-    limit = state.context_limit
+    limit = model.context_limit
     if prompt_len >= limit:
         raise bad_request(
             f"the prompt has {prompt_len} tokens but this server's context limit is {limit} tokens "

@@ -1,20 +1,23 @@
-"""ServerState: what every route shares (the engine, the served names, the API key, the limits of one
-request) and the server's own checks (HTTP policy; the engine's InputProcessor checks the rest)."""
+"""ServerState: what every route shares (the served models and their engines, the API key, the limits
+of one request) and the server's own checks (HTTP policy; the engine's InputProcessor checks the rest)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from fastapi import Request
 
 from tachyllm.engine.input_processor import InputProcessor, Prompt
+from tachyllm.loading import Tokenizer
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import AsyncEngine
+from tachyllm.server.async_engine import RequestStream
 from tachyllm.server.errors import APIError, bad_request
-from tachyllm.server.metrics import ServerMetrics
+from tachyllm.server.metrics import merge_expositions
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -29,69 +32,56 @@ class RequestLimits:
     max_request_tokens: int = 1 << 20
 
 
-@dataclass
-class ServerState:
-    engine: AsyncEngine
-    served_names: list[str]
-    api_key: str | None
-    max_queue_len: int | None
-    metrics: ServerMetrics
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    # Seconds a step may run before the engine counts as hung (0: never).
-    iteration_timeout: float = 0.0
-    draining: bool = False
+class EngineClient(Protocol):
+    """What the routes use of an engine: an AsyncEngine in this process, or ray_serve's RemoteEngine
+    over a deployment's replicas. Its add_requests returns streams that iterate like RequestStream
+    (outputs, then the end or an exception) and close() like it."""
+
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    input_processor: InputProcessor
+    error: BaseException | None
+
+    async def add_requests(
+        self, requests: list[tuple[str, str | list[int], SamplingParams]], max_queued: int | None = None
+    ) -> list[RequestStream]: ...
 
     @property
-    def model_name(self) -> str:
-        return self.served_names[0]
+    def is_running(self) -> bool: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
+
+    def busy_seconds(self) -> float: ...
+
+    def abort_all(self) -> None: ...
+
+    def abandon(self, reason: str, failed: bool) -> None: ...
+
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
+# Prometheus expositions to serve on /metrics, each with the labels to add to its samples.
+MetricsSource = Callable[[], Awaitable[list[tuple[dict[str, str], bytes]]]]
+
+
+@dataclass
+class ServedModel:
+    """One model the server serves: the names clients may ask for (the first is reported in responses)
+    and the engine that runs it."""
+
+    names: list[str]
+    engine: EngineClient
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
 
     @property
     def processor(self) -> InputProcessor:
         return self.engine.input_processor
-
-    async def authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(
-                401,
-                "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
-                "authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.served_names:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.served_names))}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def check_not_draining(self) -> None:
-        if self.draining:
-            raise APIError(
-                503,
-                "the server is shutting down",
-                "service_unavailable_error",
-                code="shutting_down",
-                headers={"Retry-After": "5"},
-            )
-
-    def health_problem(self) -> str | None:
-        """Why the engine cannot serve (it stopped, or its step hangs past the timeout); None if it can."""
-        if not self.engine.is_running:
-            return f"the engine stopped: {self.engine.error}" if self.engine.error else "the engine was shut down"
-        busy = self.engine.busy_seconds()
-        if self.iteration_timeout and busy > self.iteration_timeout:
-            return (
-                f"the engine's current iteration has run for {busy:.0f} s "
-                f"(--engine-iteration-timeout {self.iteration_timeout:g})"
-            )
-        return None
 
     @property
     def context_limit(self) -> int:
@@ -109,6 +99,85 @@ class ServerState:
                 param=param,
                 code="context_length_exceeded",
             )
+
+
+@dataclass
+class ServerState:
+    models: list[ServedModel]
+    api_key: str | None
+    max_queue_len: int | None
+    metrics_sources: list[MetricsSource]
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Seconds a step may run before the engine counts as hung (0: never).
+    iteration_timeout: float = 0.0
+    draining: bool = False
+
+    @property
+    def served_names(self) -> list[str]:
+        return [name for m in self.models for name in m.names]
+
+    @property
+    def engines(self) -> list[EngineClient]:
+        return [m.engine for m in self.models]
+
+    async def authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(
+                401,
+                "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                "authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def model(self, name: str | None) -> ServedModel:
+        """The model a request names; a request that names none gets the first one."""
+        if name is None:
+            return self.models[0]
+        for m in self.models:
+            if name in m.names:
+                return m
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {', '.join(map(repr, self.served_names))}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_not_draining(self) -> None:
+        if self.draining:
+            raise APIError(
+                503,
+                "the server is shutting down",
+                "service_unavailable_error",
+                code="shutting_down",
+                headers={"Retry-After": "5"},
+            )
+
+    def health_problem(self) -> str | None:
+        """Why an engine cannot serve (it stopped, or its step hangs past the timeout); None if all can."""
+        for m in self.models:
+            if problem := self._engine_problem(m.engine):
+                return problem if len(self.models) == 1 else f"model {m.name!r}: {problem}"
+        return None
+
+    def _engine_problem(self, engine: EngineClient) -> str | None:
+        if not engine.is_running:
+            return f"the engine stopped: {engine.error}" if engine.error else "the engine was shut down"
+        busy = engine.busy_seconds()
+        if self.iteration_timeout and busy > self.iteration_timeout:
+            return (
+                f"the engine's current iteration has run for {busy:.0f} s "
+                f"(--engine-iteration-timeout {self.iteration_timeout:g})"
+            )
+        return None
+
+    async def metrics_text(self) -> bytes:
+        parts = [part for source in self.metrics_sources for part in await source()]
+        return merge_expositions(parts)
 
     def check_n(self, n: int | None) -> None:
         if (n or 1) > self.limits.max_n:
@@ -129,13 +198,18 @@ class ServerState:
         self.draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if unfinished := self.engine.num_unfinished:
+        if unfinished := self.num_unfinished:
             logger.info("shutting down: waiting up to %.1f s for %d requests", timeout, unfinished)
-        while self.engine.num_unfinished and loop.time() < deadline:
+        while self.num_unfinished and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if unfinished := self.engine.num_unfinished:
+        if unfinished := self.num_unfinished:
             logger.warning("shutdown timeout reached: aborting %d unfinished requests", unfinished)
-            self.engine.abort_all()
+            for engine in self.engines:
+                engine.abort_all()
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(engine.num_unfinished for engine in self.engines)
 
 
 async def server_state(request: Request) -> ServerState:

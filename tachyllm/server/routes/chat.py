@@ -36,20 +36,20 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", **route_doc(p.ChatCompletionRequest, p.ChatCompletionResponse, generates=True))
 async def chat_completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
-    body = await parse_generation_request(request, p.ChatCompletionRequest, state)
+    body, model = await parse_generation_request(request, p.ChatCompletionRequest, state)
     bias = logit_bias(body.logit_bias)
-    prompt = await chat_prompt(state, body.messages)
+    prompt = await chat_prompt(model, body.messages)
     requested, max_param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, max_param = body.max_tokens, "max_tokens"
-    max_tokens = resolve_max_tokens(state, requested, len(prompt.token_ids), "messages", max_param)
+    max_tokens = resolve_max_tokens(model, requested, len(prompt.token_ids), "messages", max_param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, top_logprobs, bias)
     state.check_requested_tokens([prompt], [params], max_param)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(state, request_id, [prompt], [params], "messages")
+    streams = await start_requests(state, model, request_id, [prompt], [params], "messages")
     if body.stream:
-        return event_stream(stream_errors(state.engine, chat_events(state, body, request_id, prompt, streams)))
+        return event_stream(stream_errors(model.engine, chat_events(model.name, body, request_id, prompt, streams)))
     finals = await final_outputs(request, streams)
     if finals is None:
         return Response(status_code=499)
@@ -66,13 +66,13 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
     return json_response(
         p.ChatCompletionResponse(
-            id=request_id, model=state.model_name, choices=choices, usage=usage([prompt], num_output_tokens)
+            id=request_id, model=model.name, choices=choices, usage=usage([prompt], num_output_tokens)
         )
     )
 
 
 async def chat_events(
-    state: ServerState, body: p.ChatCompletionRequest, request_id: str, prompt: Prompt, streams: list[RequestStream]
+    model_name: str, body: p.ChatCompletionRequest, request_id: str, prompt: Prompt, streams: list[RequestStream]
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -80,9 +80,7 @@ async def chat_events(
 
     def chunk(choices: list[p.ChatChunkChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
-            p.ChatCompletionChunk(
-                id=request_id, created=created, model=state.model_name, choices=choices, usage=usage_info
-            )
+            p.ChatCompletionChunk(id=request_id, created=created, model=model_name, choices=choices, usage=usage_info)
         )
 
     try:

@@ -36,20 +36,20 @@ router = APIRouter()
 
 @router.post("/v1/completions", **route_doc(p.CompletionRequest, p.CompletionResponse, generates=True))
 async def completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
-    body = await parse_generation_request(request, p.CompletionRequest, state)
+    body, model = await parse_generation_request(request, p.CompletionRequest, state)
     bias = logit_bias(body.logit_bias)
-    prompts = await completion_prompts(state, body.prompt)
+    prompts = await completion_prompts(state, model, body.prompt)
     params = [
         sampling_params(
             body,
-            resolve_max_tokens(state, body.max_tokens, len(pr.token_ids), "prompt", "max_tokens"),
+            resolve_max_tokens(model, body.max_tokens, len(pr.token_ids), "prompt", "max_tokens"),
             body.logprobs,
             bias,
         )
         for pr in prompts
     ]
     state.check_requested_tokens(prompts, params, "max_tokens")
-    engine = state.engine
+    engine = model.engine
     if body.echo and (missing := [pr for pr in prompts if pr.text is None]):
         texts = await asyncio.to_thread(
             lambda: [engine.tokenizer.decode(pr.token_ids, skip_special_tokens=False) for pr in missing]
@@ -57,9 +57,9 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for pr, text in zip(missing, texts):
             pr.text = text
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(state, request_id, prompts, params, "prompt")
+    streams = await start_requests(state, model, request_id, prompts, params, "prompt")
     if body.stream:
-        return event_stream(stream_errors(engine, completion_events(state, body, request_id, prompts, streams)))
+        return event_stream(stream_errors(engine, completion_events(model.name, body, request_id, prompts, streams)))
     finals = await final_outputs(request, streams)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
@@ -75,23 +75,19 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
             choices.append(choice)
             num_output_tokens += len(c.token_ids)
     return json_response(
-        p.CompletionResponse(
-            id=request_id, model=state.model_name, choices=choices, usage=usage(prompts, num_output_tokens)
-        )
+        p.CompletionResponse(id=request_id, model=model.name, choices=choices, usage=usage(prompts, num_output_tokens))
     )
 
 
 async def completion_events(
-    state: ServerState, body: p.CompletionRequest, request_id: str, prompts: list[Prompt], streams: list[RequestStream]
+    model_name: str, body: p.CompletionRequest, request_id: str, prompts: list[Prompt], streams: list[RequestStream]
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
     progress = [ChoiceProgress() for _ in range(len(prompts) * n)]
 
     def chunk(choices: list[p.CompletionChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
-            p.CompletionResponse(
-                id=request_id, created=created, model=state.model_name, choices=choices, usage=usage_info
-            )
+            p.CompletionResponse(id=request_id, created=created, model=model_name, choices=choices, usage=usage_info)
         )
 
     try:

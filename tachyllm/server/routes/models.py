@@ -8,21 +8,20 @@ from fastapi.responses import Response
 from tachyllm.server import protocol as p
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
-from tachyllm.server.state import ServerState, server_state
+from tachyllm.server.state import ServedModel, ServerState, server_state
 
 router = APIRouter()
 
 
 @router.get("/v1/models", response_model=p.ModelList)
 async def models(state: ServerState = Depends(server_state)) -> Response:
-    return json_response(p.ModelList(data=[model_card(state, name) for name in state.served_names]))
+    return json_response(p.ModelList(data=[model_card(m, name) for m in state.models for name in m.names]))
 
 
 @router.get("/v1/models/{model_id:path}", response_model=p.ModelCard, responses={404: ERROR_RESPONSES[404]})
 async def model(model_id: str, state: ServerState = Depends(server_state)) -> Response:
-    state.check_model(model_id)
-    return json_response(model_card(state, model_id))
+    return json_response(model_card(state.model(model_id), model_id))
 
 
-def model_card(state: ServerState, name: str) -> p.ModelCard:
-    return p.ModelCard(id=name, root=state.engine.model_name, max_model_len=state.engine.max_model_len)
+def model_card(model: ServedModel, name: str) -> p.ModelCard:
+    return p.ModelCard(id=name, root=model.engine.model_name, max_model_len=model.engine.max_model_len)

@@ -36,11 +36,12 @@ async def version() -> Response:
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
 async def prometheus_metrics(state: ServerState = Depends(server_state)) -> Response:
     """Prometheus metrics in the text exposition format."""
-    return Response(state.metrics.render(state.engine.snapshot), media_type=CONTENT_TYPE_LATEST)
+    return Response(await state.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
 # The OpenAPI document is open like /health (it describes the API, it does not use it).
 @router.get("/openapi.json", include_in_schema=False)
 async def openapi(request: Request, state: ServerState = Depends(server_state)) -> Response:
-    document = openapi_document(request.app, state.engine.vocab_size, state.limits.max_n)
+    vocab_size = max(m.engine.vocab_size for m in state.models)
+    document = openapi_document(request.app, vocab_size, state.limits.max_n)
     return Response(json.dumps(document), media_type="application/json")

@@ -21,13 +21,13 @@ router = APIRouter()
 @router.post("/tokenize", **route_doc(p.TokenizeRequest, p.TokenizeResponse))
 async def tokenize(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body = await parse_body(request, p.TokenizeRequest)
-    state.check_model(body.model)
+    model = state.model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
-    engine = state.engine
+    engine = model.engine
     tokenizer = engine.tokenizer
     if body.messages is not None:
-        ids = await chat_token_ids(state, body.messages, body.add_generation_prompt)
+        ids = await chat_token_ids(model, body.messages, body.add_generation_prompt)
     else:
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
 
@@ -42,8 +42,7 @@ async def tokenize(request: Request, state: ServerState = Depends(server_state))
 @router.post("/detokenize", **route_doc(p.DetokenizeRequest, p.DetokenizeResponse))
 async def detokenize(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body = await parse_body(request, p.DetokenizeRequest)
-    state.check_model(body.model)
-    engine = state.engine
+    engine = state.model(body.model).engine
     if any(t >= engine.vocab_size for t in body.tokens):
         raise bad_request(f"token ids must be below the vocabulary size {engine.vocab_size}", param="tokens")
     text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)

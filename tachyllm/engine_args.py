@@ -33,12 +33,28 @@ def _value_parser(field: dataclasses.Field, annotation: Any) -> Callable[[str], 
     return none_or(parse) if optional and parse in (int, float) else parse
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+class KeepEvery(argparse.Action):
+    """Stores the flag's value as usual (the last one given wins) and every value given, in order, in
+    `<dest>_all`: for a flag that one command takes once and another several times."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        every = getattr(namespace, f"{self.dest}_all", None) or []
+        setattr(namespace, f"{self.dest}_all", [*every, values])
+
+
+def add_engine_args(parser: argparse.ArgumentParser, repeatable: dict[str, str] | None = None) -> None:
+    """`repeatable`: fields whose flag may be given several times (KeepEvery), with the help text to
+    append."""
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
+    repeatable = repeatable or {}
     for field in dataclasses.fields(EngineConfig):
         flag = "--" + field.name.replace("_", "-")
         options: dict[str, Any] = {"default": field.default, "help": field.metadata.get("help")}
+        if field.name in repeatable:
+            options.update(action=KeepEvery, help=f"{options['help']}; {repeatable[field.name]}")
+            parser.set_defaults(**{f"{field.name}_all": []})
         if hints[field.name] is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:

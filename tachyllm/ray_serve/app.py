@@ -1,0 +1,119 @@
+"""The Ray Serve application: one deployment of EngineReplicas per model, behind an ingress that serves
+the OpenAI-compatible API (the same FastAPI routes as `tachy serve`) and calls each model's replicas
+through a DeploymentHandle, routed by the configured request router.
+
+`application(config, server_args)` builds it for `tachy serve --replicas`; `build_app(args)` is the
+builder for Ray's own `serve run tachyllm.ray_serve:build_app config=models.yaml` and `serve deploy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from tachyllm.errors import ConfigError
+from tachyllm.ray_serve.config import ModelDeployment, ScaleOutConfig, check_model_paths, load_config, parse_config
+from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.remote_engine import RemoteEngine
+from tachyllm.ray_serve.replica import EngineReplica
+from tachyllm.ray_serve.router import PrefixCacheRouter, RoundRobinRouter
+from tachyllm.ray_serve.router_metrics import router_metrics
+from tachyllm.server.app import assemble_app, server_state
+from tachyllm.server.options import server_args
+from tachyllm.server.state import ServedModel
+
+
+def router_config(model: ModelDeployment, config: ScaleOutConfig) -> RequestRouterConfig | None:
+    policy = config.router.policy
+    if policy == "power_of_two":
+        return None  # Ray Serve's default
+    if policy == "round_robin":
+        return RequestRouterConfig(request_router_class=RoundRobinRouter)
+    kwargs = {
+        "deployment": model.deployment_name,
+        "model_name": model.name,
+        "load_margin": config.router.load_margin,
+        "poll_interval_s": config.router.event_interval_s,
+    }
+    return RequestRouterConfig(request_router_class=PrefixCacheRouter, request_router_kwargs=kwargs)
+
+
+# Ray Serve's default (10 s) would leave a hung engine serving errors for half a minute before three
+# failed checks replace it.
+HEALTH_CHECK_PERIOD_S = 5.0
+
+
+def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: argparse.Namespace):
+    settings: dict[str, Any] = {
+        "name": model.deployment_name,
+        "max_ongoing_requests": model.ongoing_limit,
+        "ray_actor_options": {"num_cpus": model.ray_num_cpus},
+        "graceful_shutdown_timeout_s": options.shutdown_timeout,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        # An engine that fails to build (a bad option only the engine can tell) fails again.
+        "max_constructor_retry_count": 2,
+    }
+    if model.autoscaling is not None:
+        settings["autoscaling_config"] = model.autoscaling
+    else:
+        settings["num_replicas"] = model.replicas
+    if (routing := router_config(model, config)) is not None:
+        settings["request_router_config"] = routing
+    deployment = serve.deployment(EngineReplica).options(**settings)
+    return deployment.bind(model, config.router, options.engine_iteration_timeout)
+
+
+@serve.ingress()
+class Ingress:
+    """The HTTP front: tachyllm's routes over one RemoteEngine per model."""
+
+    async def __init__(self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace):
+        names = list(engines)
+        infos = await asyncio.gather(*(engines[name].describe.remote() for name in names))
+        models = [ServedModel([name], RemoteEngine(name, engines[name], info)) for name, info in zip(names, infos)]
+        app_name = serve.get_replica_context().app_name
+        hub = routing_hub(app_name)
+
+        def replica_metrics(name: str):
+            async def collect() -> list[tuple[dict[str, str], bytes]]:
+                reports = await hub.metrics.remote(deployments[name])
+                return [({"replica": replica}, text) for replica, text in reports if text]
+
+            return collect
+
+        async def routing_metrics() -> list[tuple[dict[str, str], bytes]]:
+            return [({}, router_metrics().render())]
+
+        sources = [replica_metrics(name) for name in names] + [routing_metrics]
+        self._state = server_state(models, options, sources)
+        self._options = options
+
+    def __serve_build_asgi_app__(self):
+        return assemble_app(self._state, self._options)
+
+
+def application(config: ScaleOutConfig, options: argparse.Namespace):
+    """`options`: the server options (a `tachy serve` namespace, or server_args())."""
+    engines = {model.name: engine_deployment(model, config, options) for model in config.models}
+    ingress = serve.deployment(Ingress).options(name="ingress", ray_actor_options={"num_cpus": 0})
+    deployments = {model.name: model.deployment_name for model in config.models}
+    return ingress.bind(engines, deployments, options)
+
+
+def build_app(args: dict[str, Any]):
+    """`serve run tachyllm.ray_serve:build_app config=models.yaml [api_key=...]`: the models of a
+    models.yaml (or an inline `models:` list in a Serve config's `args`), with server options given
+    as further args (the `tachy serve` server flags, underscored)."""
+    args = dict(args)
+    if "config" in args:
+        config = load_config(args.pop("config"))
+    elif "models" in args:
+        config = parse_config({"models": args.pop("models"), "router": args.pop("router", {})}, "args")
+    else:
+        raise ConfigError("build_app needs config=<models.yaml> (or a models list in args)")
+    check_model_paths(config)
+    return application(config, server_args(args))

@@ -1,0 +1,48 @@
+"""`tachy serve --replicas N` (or --autoscale, --config, --model NAME=PATH): the application on Ray Serve,
+on a local Ray instance or a cluster joined with --ray-address, until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from tachyllm.ray_serve.config import check_model_paths, from_args
+
+logger = logging.getLogger("tachyllm.ray_serve")
+
+APP_NAME = "tachyllm"
+
+
+def serve_on_ray(args: argparse.Namespace) -> int:
+    config = from_args(args)  # a bad config fails before Ray starts
+    check_model_paths(config)
+    import ray
+    from ray import serve
+
+    from tachyllm.ray_serve.app import application
+
+    # Installed first: a signal during start-up stops the application as soon as it is up.
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(application(config, args), name=APP_NAME, route_prefix="/")
+        for model in config.models:
+            scale = model.autoscaling or {"min_replicas": model.replicas, "max_replicas": model.replicas}
+            logger.info(
+                "serving %r: %s-%s replicas, %d threads each, router %s",
+                model.name, scale["min_replicas"], scale["max_replicas"], model.threads_per_replica,
+                config.router.policy,
+            )  # fmt: skip
+        logger.info("listening on http://%s:%d (Ray Serve)", args.host, args.port)
+        stop.wait()
+        logger.info("shutting down the Ray Serve application")
+        serve.delete(APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,190 @@
+"""EngineReplica: one Ray Serve replica holding one AsyncEngine, streaming a request's outputs back to the
+ingress, reporting its prefix-cache events and metrics to the RoutingHub, and health-checked by Ray
+through its engine.
+
+A replica's stream is a small protocol, so that everything the ingress needs to tell "refused" from
+"failed" from "died" arrives as data rather than as Ray's wrapped exceptions: first ACCEPTED (the
+engine took the request) or a RemoteError (it refused it), then RequestOutputs, and a RemoteError if
+the engine fails midway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.errors import RequestError
+from tachyllm.loading import Tokenizer
+from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
+from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tachyllm.server.metrics import ServerMetrics
+
+logger = logging.getLogger("tachyllm.ray_serve")
+
+ACCEPTED = "accepted"
+
+
+@dataclass
+class RemoteError:
+    """Why a replica did not (or no longer) run a request, as plain data."""
+
+    kind: str  # "refused" (RequestError), "queue_full", "engine_dead"
+    message: str
+    param: str | None = None
+    num_queued: int = 0
+    limit: int = 0
+
+
+@dataclass
+class EngineInfo:
+    """What the ingress needs of a replica's engine to check and tokenize requests itself."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Tokenizer
+    input_processor: InputProcessor
+    block_size: int
+    prefix_cache_key: bytes
+    prefix_caching: bool
+
+
+class CacheEventBuffer:
+    """Prefix-cache events drained on the engine thread, handed to the publisher on the event loop."""
+
+    def __init__(self, initial: list[bytes]) -> None:
+        self._lock = threading.Lock()
+        self._changes: dict[bytes, bool] = dict.fromkeys(initial, True)
+        self._reset = True  # the first report is the whole block set
+
+    def add(self, stored: list[bytes], evicted: list[bytes]) -> None:
+        with self._lock:
+            for h in stored:
+                self._changes[h] = True
+            for h in evicted:
+                if self._reset:
+                    self._changes.pop(h, None)  # still building the full set
+                else:
+                    self._changes[h] = False
+
+    def restore(self, stored: list[bytes], evicted: list[bytes], reset: bool) -> None:
+        """Puts back a report that could not be sent, under any events that came after it."""
+        with self._lock:
+            later, self._changes = self._changes, {**dict.fromkeys(stored, True), **dict.fromkeys(evicted, False)}
+            self._reset = self._reset or reset
+        self.add([h for h, on in later.items() if on], [h for h, on in later.items() if not on])
+
+    def take(self) -> tuple[list[bytes], list[bytes], bool]:
+        with self._lock:
+            changes, self._changes = self._changes, {}
+            reset, self._reset = self._reset, False
+        return [h for h, on in changes.items() if on], [h for h, on in changes.items() if not on], reset
+
+
+class EngineReplica:
+    """The body of a model's engine deployment (ray_serve.app makes it a @serve.deployment)."""
+
+    async def __init__(self, model: ModelDeployment, router: RouterConfig, iteration_timeout: float) -> None:
+        from ray import serve
+
+        context = serve.get_replica_context()
+        engine_config = model.engine
+        self._deployment = model.deployment_name
+        self._replica_id = context.replica_id.unique_id
+        self._iteration_timeout = iteration_timeout
+        self._event_interval_s = router.event_interval_s
+        self._hub = routing_hub(context.app_name)
+        holder: dict[str, LLMEngine] = {}
+
+        def build() -> LLMEngine:
+            engine = LLMEngine(engine_config)
+            holder["engine"] = engine
+            return engine
+
+        self.engine = AsyncEngine(build)
+        llm_engine = holder["engine"]  # from here on touched by the engine thread only
+        block_manager = llm_engine.block_manager
+        # Recording starts before any request, so the initial (empty) set and the events add up to the
+        # cache's contents; the output listener runs on the engine thread after every step.
+        self._events = CacheEventBuffer(block_manager.track_cache_events())
+        self.metrics = ServerMetrics(model.name)
+        self.engine.add_output_listener(self.metrics.observe)
+        self.engine.add_output_listener(lambda _: self._events.add(*block_manager.drain_cache_events()))
+        self.info = EngineInfo(
+            model_name=self.engine.model_name,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
+            tokenizer=self.engine.tokenizer,
+            input_processor=self.engine.input_processor,
+            block_size=engine_config.block_size,
+            prefix_cache_key=block_manager.extra_key,
+            prefix_caching=engine_config.enable_prefix_caching,
+        )
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
+
+    async def describe(self) -> EngineInfo:
+        return self.info
+
+    async def generate(
+        self, request_id: str, request: ProcessedRequest, max_queued: int | None, block_hashes: list[bytes]
+    ):
+        """ACCEPTED or a RemoteError, then the request's outputs. `block_hashes` (the prompt's full blocks)
+        are for the router, which reads them from the call's arguments."""
+        try:
+            stream = (
+                await self.engine.add_request(request_id, request, request.params)
+                if max_queued is None
+                else (await self.engine.add_requests([(request_id, request, request.params)], max_queued=max_queued))[0]
+            )
+        except RequestError as e:
+            yield RemoteError("refused", str(e), e.param)
+            return
+        except QueueFullError as e:
+            yield RemoteError("queue_full", str(e), num_queued=e.num_queued, limit=e.limit)
+            return
+        except EngineDeadError as e:
+            yield RemoteError("engine_dead", str(e))
+            return
+        try:
+            yield ACCEPTED
+            async for out in stream:
+                yield out
+        except EngineDeadError as e:
+            yield RemoteError("engine_dead", str(e))
+        finally:
+            stream.close()  # the ingress went away (cancelled): abort
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose check raises: its engine stopped, or one step hangs."""
+        if not self.engine.is_running:
+            raise RuntimeError(f"the engine stopped: {self.engine.error}")
+        busy = self.engine.busy_seconds()
+        if self._iteration_timeout and busy > self._iteration_timeout:
+            raise RuntimeError(f"the engine's current iteration has run for {busy:.0f} s")
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def _publish_loop(self) -> None:
+        while True:
+            stored, evicted, reset = self._events.take()
+            metrics = self.metrics.render(self.engine.snapshot)
+            try:
+                await self._hub.publish.remote(
+                    self._deployment, self._replica_id, stored, evicted, reset, metrics, os.getpid()
+                )
+            except Exception:  # the hub is restarting: report these events again next time
+                logger.warning("could not report to the routing hub", exc_info=True)
+                self._events.restore(stored, evicted, reset)
+            await asyncio.sleep(self._event_interval_s)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(5.0)

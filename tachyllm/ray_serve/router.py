@@ -1,0 +1,123 @@
+"""Ray Serve request routers for engine replicas: PrefixCacheRouter (precise prefix-cache-aware routing)
+and RoundRobinRouter (the baseline it is measured against, with Ray's default power-of-two router).
+
+A router lives in each process that calls the engine deployment through a DeploymentHandle (the
+ingress), on Ray's router event loop. PrefixCacheRouter keeps a PrefixIndex of the replicas' cached
+blocks, fed by polling the RoutingHub, and reads a request's prompt block hashes from the arguments of
+EngineReplica.generate (the ingress computes them with the replicas' own hash chain).
+
+Ray Serve ships a router class to the processes that use it by pickling its module by value, so this
+module holds no state of its own (the metrics live in router_metrics.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.prefix_index import DECISIONS, PrefixIndex, choose_replica
+from tachyllm.ray_serve.router_metrics import router_metrics
+
+logger = logging.getLogger("tachyllm.ray_serve")
+
+GENERATE = "generate"
+BLOCK_HASHES_ARG = 3  # EngineReplica.generate(request_id, request, max_queued, block_hashes)
+
+
+def ranked(first: RunningReplica, candidates: list[RunningReplica], queue_len) -> list[list[RunningReplica]]:
+    """`first`, then the others from the shortest queue: where Ray sends the request if `first` is full."""
+    rest = sorted((r for r in candidates if r is not first), key=queue_len)
+    return [[first], *([r] for r in rest)]
+
+
+class PrefixCacheRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, deployment: str, model_name: str, load_margin: int, poll_interval_s: float) -> None:
+        self._deployment = deployment
+        self._model_name = model_name
+        self._load_margin = load_margin
+        self._poll_interval_s = poll_interval_s
+        self._index = PrefixIndex()
+        self._cursor = 0
+        self._poller: asyncio.Task | None = None
+        for decision in DECISIONS:
+            router_metrics().decisions.labels(model_name, decision)
+
+    def _queue_len(self, replica: RunningReplica) -> int:
+        return self._replica_queue_len_cache.get(replica.replica_id) or 0
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        if not candidate_replicas:
+            return []
+        hashes: list[bytes] = []
+        counted = pending_request is not None and pending_request.metadata.call_method == GENERATE
+        if counted and len(pending_request.args) > BLOCK_HASHES_ARG:
+            hashes = pending_request.args[BLOCK_HASHES_ARG]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        matched = self._index.matched_blocks(hashes, by_id)
+        queues = {rid: self._queue_len(r) for rid, r in by_id.items()}
+        decision = choose_replica(matched, queues, self._load_margin)
+        if counted:
+            router_metrics().decisions.labels(self._model_name, decision.reason).inc()
+            router_metrics().matched_blocks.labels(self._model_name).inc(decision.matched_blocks)
+        return ranked(by_id[decision.replica], candidate_replicas, self._queue_len)
+
+    def on_replica_actor_died(self, replica_id) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for replica in self._index.replicas():
+            if replica not in live:
+                self._forget(replica)
+
+    def _forget(self, replica: str) -> None:
+        self._index.forget(replica)
+        try:
+            routing_hub(self.app_name).forget.remote(self._deployment, replica)
+        except Exception:  # Ray is shutting down
+            logger.debug("could not tell the routing hub to forget replica %s", replica, exc_info=True)
+
+    async def _poll(self) -> None:
+        """Applies the hub's updates to the index, every poll interval, for as long as the router lives."""
+        hub = None
+        while True:
+            try:
+                hub = hub or routing_hub(self.app_name)
+                self._cursor, updates = await hub.updates.remote(self._deployment, self._cursor)
+                # A replica the router does not know yet (its first report came before Ray's update)
+                # is indexed too: only candidates are ever matched.
+                for replica, stored, evicted, reset in updates:
+                    if reset:
+                        self._index.forget(replica)
+                    self._index.apply(replica, stored, evicted)
+                router_metrics().index_size.labels(self._model_name).set(len(self._index))
+            except Exception:  # the hub may be restarting: keep routing on what is known
+                logger.warning("prefix router: could not read the routing hub", exc_info=True)
+                hub = None
+            await asyncio.sleep(self._poll_interval_s)
+
+
+class RoundRobinRouter(FIFOMixin, RequestRouter):
+    """Each request to the next replica in turn, whatever it holds (a baseline for benchmarks)."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self._turn = itertools.count()
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        first = ordered[next(self._turn) % len(ordered)]
+        return ranked(first, ordered, lambda r: 0)

@@ -1,0 +1,334 @@
+"""tachyllm on Ray Serve (issue #18), end to end on a local Ray instance of 2 CPUs: two replicas of a tiny
+model and a second model behind one ingress, the openai client streaming through it, prefix-aware
+routing of a conversation's turns, the load guard, multi-model routing, per-replica metrics, a replica
+killed mid-run, and autoscaling up and down. The tests of one module share the Ray instance and run in
+file order (the failure test kills a replica; the autoscaling test replaces the application)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from tachyllm.ray_serve import build_app  # noqa: E402
+from tachyllm.ray_serve.app import application  # noqa: E402
+from tachyllm.ray_serve.config import parse_config  # noqa: E402
+from tachyllm.ray_serve.hub import routing_hub  # noqa: E402
+from tachyllm.server.options import server_args  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "ray-key"
+APP = "tachyllm"
+ENGINE = {"dtype": "float32", "kv_cache_memory": "4M", "max_model_len": 512, "max_num_seqs": 4}
+# Long enough for several 16-token blocks; distinct per conversation, so no two share a first block.
+SYSTEM = "{i}{i}{i} {i}{i} {i}: you are an assistant. " + "Answer briefly and precisely, in plain words. " * 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:{{(.*)}})? (\S+)$", line)
+        if m is None:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def per_replica(text: str, name: str, model: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}{{(.*)}} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if labels.get("model_name") == model and "replica" in labels:
+                values[labels["replica"]] = values.get(labels["replica"], 0.0) + float(m.group(2))
+    return values
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_factory) -> dict[str, str]:
+    return {"tiny": str(tiny_model_factory("llama")), "tiny-qwen": str(tiny_model_factory("qwen2"))}
+
+
+@pytest.fixture(scope="module")
+def base(ray_instance, models) -> str:
+    config = parse_config(
+        {
+            "models": [
+                {"name": "tiny", "model": models["tiny"], "replicas": 2, "threads_per_replica": 1, "num_cpus": 0.5,
+                 "engine": ENGINE},
+                {"name": "tiny-qwen", "model": models["tiny-qwen"], "replicas": 1, "threads_per_replica": 1,
+                 "num_cpus": 0.5, "engine": ENGINE},
+            ],
+            "router": {"load_margin": 3, "event_interval_s": 0.1},
+        }
+    )  # fmt: skip
+    serve.run(application(config, server_args({"api_key": API_KEY})), name=APP, route_prefix="/")
+    return ray_instance
+
+
+@pytest.fixture
+def http(base):
+    with httpx.Client(base_url=base, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+def scrape(http: httpx.Client) -> str:
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    return response.text
+
+
+def replica_pids(deployment: str) -> dict[str, int]:
+    return ray.get(routing_hub(APP).replica_pids.remote(deployment))
+
+
+def test_openai_client_streams_through_the_ingress(base):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 8 and text
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["length"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_multi_model_routing_and_unknown_model(http):
+    listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
+    assert listed == ["tiny", "tiny-qwen"]
+    for name in listed:
+        body = http.post("/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 3}).json()
+        assert body["model"] == name and body["usage"]["completion_tokens"] == 3
+    response = http.post(
+        "/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and "'tiny'" in error["message"] and "'tiny-qwen'" in error["message"]
+    # A bad request fails alone, with the engine's own message, as on a single server.
+    response = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 100_000})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_conversation_turns_land_on_the_replica_holding_them(http):
+    """Each conversation's second turn goes where its first turn's blocks are: its whole earlier prompt is a
+    prefix-cache hit. Four conversations with distinct prefixes: random placement would miss about half."""
+    before = scrape(http)
+    expected_hits = 0
+    for i in range(4):
+        messages = [{"role": "system", "content": SYSTEM.format(i=i)}, {"role": "user", "content": "First question?"}]
+        first = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6})
+        assert first.status_code == 200
+        reply = first.json()["choices"][0]["message"]["content"]
+        prompt_tokens = first.json()["usage"]["prompt_tokens"]
+        expected_hits += (prompt_tokens // 16) * 16 - 16  # at least all but the last full block of turn 1
+        time.sleep(0.6)  # the replica's events reach the router (0.1 s intervals)
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a second one?"}]
+        second = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6})
+        assert second.status_code == 200
+    time.sleep(0.5)  # the replicas report their metrics every event interval
+    after = scrape(http)
+    hits = metric(after, "tachy:prefix_cache_hits_total", model_name="tiny") - metric(
+        before, "tachy:prefix_cache_hits_total", model_name="tiny"
+    )
+    assert hits >= expected_hits, (hits, expected_hits)
+    decisions = metric(after, "tachy:router_requests_total", model_name="tiny", decision="prefix_hit") - metric(
+        before, "tachy:router_requests_total", model_name="tiny", decision="prefix_hit"
+    )
+    assert decisions >= 4
+    assert metric(after, "tachy:router_index_entries", model_name="tiny") > 0
+    # Every replica's metrics reach the one scrape, each with its replica label.
+    assert len(per_replica(after, "tachy:prompt_tokens_total", "tiny")) == 2
+
+
+def test_load_guard_spreads_a_hot_prefix(http, base):
+    """Sixteen long requests sharing one cached prefix: once the holder's queue is 3 longer than the other's,
+    requests go to the less loaded replica instead."""
+    prompt = SYSTEM.format(i=99) + " Tell a long story."
+    warm = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
+    assert warm.status_code == 200
+    time.sleep(0.6)
+    before = scrape(http)
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=base, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 64, "ignore_eos": True}
+            responses = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(16)))
+            return [r.status_code for r in responses]
+
+    assert asyncio.run(burst()) == [200] * 16
+    after = scrape(http)
+
+    def delta(decision: str) -> float:
+        return metric(after, "tachy:router_requests_total", model_name="tiny", decision=decision) - metric(
+            before, "tachy:router_requests_total", model_name="tiny", decision=decision
+        )
+
+    assert delta("prefix_hit") >= 1 and delta("load_fallback") >= 1
+    prompts = per_replica(after, "tachy:prompt_tokens_total", "tiny")
+    earlier = per_replica(before, "tachy:prompt_tokens_total", "tiny")
+    assert all(prompts[r] > earlier.get(r, 0) for r in prompts), "one replica got the whole burst"
+
+
+def test_a_killed_replica_fails_over(http, base):
+    """SIGKILL one of tiny's replicas once tokens stream: its requests that had not streamed a token (queued
+    behind its 4 running ones) are retried on the other replica; its streams that had started end with an
+    OpenAI-format error event, never a hang; new requests succeed; Ray restarts the replica and the hub
+    forgets the dead one."""
+    wait_for(lambda: len(replica_pids("engine-tiny")) == 2, 30, "both replicas to report")
+    pids = replica_pids("engine-tiny")
+    victim, victim_pid = sorted(pids.items())[0]
+    before = scrape(http)
+    first_token = asyncio.Event()
+
+    async def one(c: httpx.AsyncClient, i: int) -> str:
+        body = {"model": "tiny", "prompt": f"{i} " * 30, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        text = ""
+        async with c.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return f"status {response.status_code}"
+            async for line in response.aiter_lines():
+                text += line + "\n"
+                if '"text"' in line:
+                    first_token.set()
+        return text
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=base, timeout=120, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            tasks = [asyncio.create_task(one(c, i)) for i in range(16)]
+            await asyncio.wait_for(first_token.wait(), 60)
+            os.kill(victim_pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*tasks), 100)
+
+    results = asyncio.run(run())
+    completed = [r for r in results if r.rstrip().endswith("data: [DONE]") and '"error"' not in r]
+    failed = [r for r in results if '"error"' in r]
+    assert len(completed) + len(failed) == len(results), results
+    for r in failed:
+        assert '"code":"replica_failed"' in r and r.rstrip().endswith("data: [DONE]")
+    retried = metric(scrape(http), "tachy:replica_retries_total", model_name="tiny") - metric(
+        before, "tachy:replica_retries_total", model_name="tiny"
+    )
+    # Which of the victim's requests had streamed when it died is up to timing; that it had some is not.
+    assert len(failed) + retried >= 1
+    for _ in range(4):  # new requests go to the survivor (or to the restarted replica)
+        response = http.post("/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 2})
+        assert response.status_code == 200
+    wait_for(lambda: victim not in replica_pids("engine-tiny"), 30, "the hub to drop the dead replica")
+    wait_for(lambda: len(replica_pids("engine-tiny")) == 2, 90, "Ray to restart the replica")
+
+
+def test_autoscaling_up_under_load_and_down_when_idle(ray_instance, models):
+    """Deployed the Ray way: the application builder `serve run tachyllm.ray_serve:build_app` calls, with
+    its arguments as `serve run` passes them (strings) and the models inline."""
+    serve.delete(APP)
+    models_arg = [
+        {
+            "name": "auto",
+            "model": models["tiny"],
+            "threads_per_replica": 1,
+            "num_cpus": 0.5,
+            "engine": ENGINE,
+            "autoscale": {
+                "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
+                "downscale_delay_s": 2, "metrics_interval_s": 0.5, "look_back_period_s": 1,
+            },
+        }
+    ]  # fmt: skip
+    serve.run(build_app({"models": models_arg, "max_n": "4"}), name="auto", route_prefix="/")
+
+    def running() -> int:
+        status = serve.status().applications["auto"].deployments["engine-auto"]
+        return status.replica_states.get("RUNNING", 0)
+
+    assert running() == 1
+
+    async def load(stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient(base_url=ray_instance, timeout=120) as c:
+
+            async def worker() -> None:
+                body = {"model": "auto", "prompt": "load " * 20, "max_tokens": 200, "ignore_eos": True}
+                while not stop.is_set():
+                    assert (await c.post("/v1/completions", json=body)).status_code == 200
+
+            await asyncio.gather(*(worker() for _ in range(6)))
+
+    async def until_scaled_up() -> float:
+        stop = asyncio.Event()
+        task = asyncio.create_task(load(stop))
+        t0 = time.monotonic()
+        try:
+            while running() < 2:
+                assert time.monotonic() - t0 < 60, "did not scale up under load"
+                assert not task.done(), task.exception()
+                await asyncio.sleep(0.5)
+            return time.monotonic() - t0
+        finally:
+            stop.set()
+            await task
+
+    asyncio.run(until_scaled_up())
+    assert running() == 2  # bounded by max_replicas
+    wait_for(lambda: running() == 1, 60, "scaling back down when idle")
+
+
+def test_without_replicas_ray_is_not_imported():
+    code = "\n".join(
+        [
+            "import sys",
+            "from tachyllm.entrypoints.cli import build_parser",
+            "from tachyllm.entrypoints.serve import uses_ray",
+            "print(uses_ray(build_parser().parse_args(['serve'])), 'ray' in sys.modules)",
+        ]
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]

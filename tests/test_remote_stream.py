@@ -1,0 +1,141 @@
+"""RemoteStream (ray_serve/remote_engine.py) against scripted replica streams, without Ray processes: a replica
+that dies before the request streamed a token gets it retried once; after a token, the stream fails with
+replica_failed; refusals arrive as the server's own exceptions; closing cancels the replica's generator."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("ray")
+from ray.exceptions import ActorDiedError  # noqa: E402
+
+from tachyllm.engine.input_processor import ProcessedRequest  # noqa: E402
+from tachyllm.errors import RequestError  # noqa: E402
+from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from tachyllm.ray_serve.remote_engine import RemoteStream, prompt_block_hashes  # noqa: E402
+from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError  # noqa: E402
+from tachyllm.ray_serve.router_metrics import router_metrics  # noqa: E402
+from tachyllm.sampling_params import SamplingParams  # noqa: E402
+from tachyllm.server.async_engine import QueueFullError  # noqa: E402
+from tachyllm.server.errors import APIError  # noqa: E402
+
+
+def output(tokens: list[int], finished: bool = False) -> RequestOutput:
+    choice = CompletionOutput(0, "x" * len(tokens), tokens, "length" if finished else None)
+    return RequestOutput("r", None, [1, 2, 3], [choice], finished, RequestMetrics(arrival_time=0.0))
+
+
+class ScriptedGenerator:
+    """A replica's stream: yields the script's items, raising the exceptions in it."""
+
+    def __init__(self, script: list) -> None:
+        self.script = list(script)
+        self.cancelled = False
+
+    async def __anext__(self):
+        if not self.script:
+            raise StopAsyncIteration
+        item = self.script.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeEngine:
+    """What RemoteStream uses of RemoteEngine; each call plays the next script."""
+
+    def __init__(self, *scripts: list, block_size: int = 4) -> None:
+        self.name = "fake"
+        self.retries = 1
+        self.open_streams: set = set()
+        self.info = EngineInfo("fake", 64, 100, None, None, block_size, b"key", True)
+        self.generators = [ScriptedGenerator(s) for s in scripts]
+        self.calls: list[list[bytes]] = []
+
+    def call(self, request_id, request, max_queued, hashes):
+        self.calls.append(hashes)
+        return self.generators[len(self.calls) - 1]
+
+
+def died() -> ActorDiedError:
+    return ActorDiedError()
+
+
+def request() -> ProcessedRequest:
+    return ProcessedRequest(None, list(range(10)), SamplingParams(max_tokens=4))
+
+
+async def drain(engine: FakeEngine) -> list[RequestOutput]:
+    stream = RemoteStream(engine, "r", request(), None)
+    await stream.start()
+    return [out async for out in stream]
+
+
+def retries() -> float:
+    return router_metrics().retries.labels("fake")._value.get()
+
+
+def test_a_replica_dying_before_any_token_means_one_retry_elsewhere():
+    before = retries()
+    # Dies before accepting; then a replica accepts and dies before its first token; the third never plays.
+    engine = FakeEngine([died()], [ACCEPTED, output([]), died()], [ACCEPTED, output([5]), output([6], True)])
+    engine.retries = 2
+    outs = asyncio.run(drain(engine))
+    assert [o.outputs[0].token_ids for o in outs] == [[], [5], [6]]
+    assert len(engine.calls) == 3 and retries() == before + 2 and not engine.open_streams
+    # The router gets the prompt's full-block hash chain (10 tokens, blocks of 4: two blocks).
+    assert engine.calls[0] == prompt_block_hashes(list(range(10)), engine.info) and len(engine.calls[0]) == 2
+
+
+def test_one_retry_only():
+    engine = FakeEngine([died()], [died()], [ACCEPTED, output([1], True)])
+    with pytest.raises(Exception, match="died"):
+        asyncio.run(drain(engine))
+    assert len(engine.calls) == 2
+
+
+def test_a_replica_dying_after_a_token_fails_the_stream():
+    engine = FakeEngine([ACCEPTED, output([7]), died()], [ACCEPTED, output([1], True)])
+
+    async def run() -> tuple[list[RequestOutput], APIError]:
+        stream = RemoteStream(engine, "r", request(), None)
+        await stream.start()
+        got = [await stream.__anext__()]
+        with pytest.raises(APIError) as failure:
+            await stream.__anext__()
+        return got, failure.value
+
+    got, error = asyncio.run(run())
+    assert got[0].outputs[0].token_ids == [7]
+    assert error.status == 503 and error.body.error.code == "replica_failed"
+    assert len(engine.calls) == 1 and not engine.open_streams
+
+
+def test_refusals_arrive_as_the_servers_exceptions():
+    engine = FakeEngine([RemoteError("refused", "max_tokens is too large", "max_tokens")])
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(drain(engine))
+    assert refused.value.param == "max_tokens"
+    engine = FakeEngine([RemoteError("queue_full", "full", num_queued=5, limit=5)])
+    with pytest.raises(QueueFullError):
+        asyncio.run(drain(engine))
+
+
+def test_close_cancels_the_replicas_generator():
+    engine = FakeEngine([ACCEPTED, output([1]), output([2], True)])
+
+    async def run() -> None:
+        stream = RemoteStream(engine, "r", request(), None)
+        await stream.start()
+        await stream.__anext__()
+        stream.close()
+        stream.close()
+        assert [o async for o in stream] == []
+
+    asyncio.run(run())
+    assert engine.generators[0].cancelled and not engine.open_streams
