@@ -11,35 +11,82 @@ from tachyllm.ray_serve.hub import RoutingHub  # noqa: E402
 from tachyllm.ray_serve.replica import CacheEventBuffer, EngineReplica  # noqa: E402
 
 
+class FakeBlockManager:
+    """What CacheEventBuffer reads of a BlockManager: its cached hashes and its drained events."""
+
+    def __init__(self) -> None:
+        self.cached: set[bytes] = set()
+        self.events: dict[bytes, bool] = {}
+
+    def store(self, *hashes: bytes) -> None:
+        for h in hashes:
+            self.cached.add(h)
+            self.events[h] = True
+
+    def evict(self, *hashes: bytes) -> None:
+        for h in hashes:
+            self.cached.discard(h)
+            self.events[h] = False
+
+    def track_cache_events(self) -> list[bytes]:
+        self.events = {}
+        return list(self.cached)
+
+    def drain_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        events, self.events = self.events, {}
+        return [h for h, on in events.items() if on], [h for h, on in events.items() if not on]
+
+
 def test_the_first_report_is_the_whole_set_then_changes_latest_first():
-    buffer = CacheEventBuffer([b"a", b"b"])
-    buffer.add([b"c"], [b"a"])  # before the first report: the set is still being built
-    assert sorted(buffer.take()[0]) == [b"b", b"c"]
-    buffer.add([b"d"], [b"b"])
-    buffer.add([b"b"], [b"d"])  # b came back, d left: only the latest state of each hash
-    stored, evicted, reset = buffer.take()
-    assert (stored, evicted, reset) == ([b"b"], [b"d"], False)
+    blocks, buffer = FakeBlockManager(), CacheEventBuffer()
+    blocks.store(b"a", b"b")
+    blocks.evict(b"a")
+    buffer.drain(blocks)
+    assert buffer.take() == ([b"b"], [], True)  # a whole set: what it lacks is not cached
+    blocks.store(b"d")
+    blocks.evict(b"b")
+    buffer.drain(blocks)
+    blocks.store(b"b")
+    blocks.evict(b"d")
+    buffer.drain(blocks)  # b came back, d left: only the latest state of each hash
+    assert buffer.take() == ([b"b"], [b"d"], False)
     assert buffer.take() == ([], [], False)
 
 
 def test_a_report_that_could_not_be_sent_goes_again_under_later_events():
-    buffer = CacheEventBuffer([b"a"])
+    blocks, buffer = FakeBlockManager(), CacheEventBuffer()
+    blocks.store(b"a")
+    buffer.drain(blocks)
     first = buffer.take()
-    buffer.add([b"b"], [])
+    blocks.store(b"b")
+    blocks.evict(b"a")
+    buffer.drain(blocks)
     buffer.restore(*first)  # the whole-set report failed: the next one is a whole set again
-    buffer.add([], [b"a"])
-    stored, evicted, reset = buffer.take()
-    assert reset and stored == [b"b"] and evicted == []
-    buffer.add([b"c"], [])
+    assert buffer.take() == ([b"b"], [], True)
+    blocks.store(b"c")
+    buffer.drain(blocks)
     lost = buffer.take()
-    buffer.add([], [b"c"])
+    blocks.evict(b"c")
+    buffer.drain(blocks)
     buffer.restore(*lost)  # c was evicted after the lost report said it was stored: evicted wins
     assert buffer.take() == ([], [b"c"], False)
 
 
+def test_a_full_snapshot_on_request():
+    blocks, buffer = FakeBlockManager(), CacheEventBuffer()
+    buffer.drain(blocks)
+    buffer.take()
+    blocks.store(b"x", b"y")
+    buffer.want_full()  # the hub lost this replica: the next drain sends everything cached
+    buffer.drain(blocks)
+    stored, evicted, reset = buffer.take()
+    assert sorted(stored) == [b"x", b"y"] and evicted == [] and reset
+
+
 def test_the_hub_replays_by_cursor_and_resets_a_router_that_fell_behind():
     hub = RoutingHub(max_log=4, stale_after_s=60)
-    hub.publish("d", "r1", [b"a", b"b"], [], True, b"m1", 11)
+    assert hub.publish("e", "r2", [b"z"], [], False, b"", 12)  # unknown replica, not a whole set: ask for one
+    assert not hub.publish("d", "r1", [b"a", b"b"], [], True, b"m1", 11)
     cursor, updates = hub.updates("d", 0)
     assert updates == [("r1", [b"a", b"b"], [], True)]
     for i in range(6):  # past the log's bound

@@ -88,7 +88,7 @@ def test_a_replica_dying_before_any_token_means_one_retry_elsewhere():
     outs = asyncio.run(drain(engine))
     assert [o.outputs[0].token_ids for o in outs] == [[], [5], [6]]
     assert len(engine.calls) == 3 and retries() == before + 2 and not engine.open_streams
-    # The router gets the prompt's full-block hash chain (10 tokens, blocks of 4: two blocks).
+    # The router gets the hash chain of the blocks a cache can serve (10 tokens, blocks of 4: two).
     assert engine.calls[0] == prompt_block_hashes(list(range(10)), engine.info) and len(engine.calls[0]) == 2
 
 
@@ -139,3 +139,13 @@ def test_close_cancels_the_replicas_generator():
 
     asyncio.run(run())
     assert engine.generators[0].cancelled and not engine.open_streams
+
+
+def test_an_engine_failing_before_any_token_is_a_retry_too_and_a_retry_refused_is_replica_failed():
+    engine = FakeEngine([ACCEPTED, RemoteError("engine_dead", "step hung")], [ACCEPTED, output([3], True)])
+    assert [o.outputs[0].token_ids for o in asyncio.run(drain(engine))] == [[3]]
+    assert engine.generators[0].cancelled  # the failed attempt's generator is let go
+    engine = FakeEngine([died()], [RemoteError("queue_full", "full", num_queued=5, limit=5)])
+    with pytest.raises(APIError) as failure:
+        asyncio.run(drain(engine))
+    assert failure.value.body.error.code == "replica_failed" and not engine.open_streams

@@ -61,7 +61,9 @@ def test_a_full_config():
         ({"modles": []}, "unknown key 'modles' (did you mean 'models'?)"),
         ([1, 2], "expected a mapping of keys to values, got list"),
         ({**one_model(), "router": {"policy": "random"}}, "router.policy must be one of prefix, power_of_two"),
-        ({**one_model(), "router": {"load_margin": -1}}, "router.load_margin must be a number >= 0"),
+        ({**one_model(), "router": {"load_margin": -1}}, "router.load_margin must be an integer >= 0"),
+        ({**one_model(), "router": {"event_interval_s": 0}}, "router.event_interval_s must be in (0, 2.0]"),
+        (one_model(autoscale={"max_replicas": 2, "upscale_delay_s": "soon"}), "autoscale.upscale_delay_s must be a"),
     ],
 )  # fmt: skip
 def test_bad_configs_are_one_clear_line(document, message):

@@ -45,6 +45,7 @@ def router_config(model: ModelDeployment, config: ScaleOutConfig) -> RequestRout
 # Ray Serve's default (10 s) would leave a hung engine serving errors for half a minute before three
 # failed checks replace it.
 HEALTH_CHECK_PERIOD_S = 5.0
+INGRESS_MAX_ONGOING_REQUESTS = 100_000
 
 
 def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: argparse.Namespace):
@@ -99,7 +100,10 @@ class Ingress:
 def application(config: ScaleOutConfig, options: argparse.Namespace):
     """`options`: the server options (a `tachy serve` namespace, or server_args())."""
     engines = {model.name: engine_deployment(model, config, options) for model in config.models}
-    ingress = serve.deployment(Ingress).options(name="ingress", ray_actor_options={"num_cpus": 0})
+    # Ray Serve's default of 5 ongoing requests per replica would cap the whole endpoint at 5 streams.
+    ingress = serve.deployment(Ingress).options(
+        name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS
+    )
     deployments = {model.name: model.deployment_name for model in config.models}
     return ingress.bind(engines, deployments, options)
 
@@ -116,4 +120,9 @@ def build_app(args: dict[str, Any]):
     else:
         raise ConfigError("build_app needs config=<models.yaml> (or a models list in args)")
     check_model_paths(config)
-    return application(config, server_args(args))
+    options = server_args(args)
+    if "allowed_hosts" not in args:
+        # Where Ray's proxy listens is the Serve config's (http_options), not ours: answer any Host
+        # unless told otherwise, as a server bound to all addresses does.
+        options.allowed_hosts = ["*"]
+    return application(config, options)

@@ -32,6 +32,7 @@ from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.errors import ConfigError
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 
+MAX_EVENT_INTERVAL_S = 2.0
 ROUTER_POLICIES = ("prefix", "power_of_two", "round_robin")
 
 # Ray Serve's autoscaling_config keys that a model may set, and tachyllm's defaults for them (Ray's
@@ -189,10 +190,12 @@ def parse_config(document: Any, where: str = "config") -> ScaleOutConfig:
     config = RouterConfig(**router)
     if config.policy not in ROUTER_POLICIES:
         raise ConfigError(f"{where}: router.policy must be one of {', '.join(ROUTER_POLICIES)}, got {config.policy!r}")
-    for key in ("load_margin", "event_interval_s"):
-        value = getattr(config, key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-            raise ConfigError(f"{where}: router.{key} must be a number >= 0, got {value!r}")
+    margin, interval = config.load_margin, config.event_interval_s
+    if not is_int(margin) or margin < 0:
+        raise ConfigError(f"{where}: router.load_margin must be an integer >= 0, got {margin!r}")
+    # The hub takes a replica silent for 10 s for dead.
+    if not is_number(interval) or not 0 < interval <= MAX_EVENT_INTERVAL_S:
+        raise ConfigError(f"{where}: router.event_interval_s must be in (0, {MAX_EVENT_INTERVAL_S}], got {interval!r}")
     return ScaleOutConfig(models, config)
 
 
@@ -220,6 +223,9 @@ def parse_model(entry: Any, where: str, num_models: int) -> ModelDeployment:
             raise ConfigError(
                 f"{where}: autoscale needs integers 0 <= min_replicas <= max_replicas and max_replicas >= 1"
             )
+        for key, value in knobs.items():
+            if not is_number(value) or value < 0:
+                raise ConfigError(f"{where}: autoscale.{key} must be a number >= 0, got {value!r}")
         autoscaling = autoscaling_config(low, high, knobs)
     most = autoscaling["max_replicas"] if autoscaling else replicas
     threads = entry.get("threads_per_replica", default_threads(int(most) * num_models))
@@ -230,7 +236,7 @@ def parse_model(entry: Any, where: str, num_models: int) -> ModelDeployment:
     if ongoing is not None and (not is_int(ongoing) or ongoing < 1):
         raise ConfigError(f"{where}: max_ongoing_requests must be an integer >= 1, got {ongoing!r}")
     num_cpus = entry.get("num_cpus")
-    if num_cpus is not None and (isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or num_cpus < 0):
+    if num_cpus is not None and (not is_number(num_cpus) or num_cpus < 0):
         raise ConfigError(f"{where}: num_cpus must be a number >= 0, got {num_cpus!r}")
     return ModelDeployment(name, engine_options(options, where), replicas, autoscaling, threads, ongoing, num_cpus)
 
@@ -289,3 +295,7 @@ def check_unique(names: list[str], where: str) -> None:
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

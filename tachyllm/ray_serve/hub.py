@@ -47,20 +47,26 @@ class RoutingHub:
         reset: bool,
         metrics: bytes,
         pid: int,
-    ) -> None:
+    ) -> bool:
         """One replica's report: its cache events since its previous report (reset: its whole block
-        set, which it sends first), its Prometheus metrics, its process id."""
+        set, which it sends first), its Prometheus metrics (empty: unchanged), its process id. Returns
+        whether the hub needs the replica's whole block set (it did not know the replica: the hub
+        restarted, or had taken the replica for dead), which the replica then sends."""
         replicas = self._replicas.setdefault(deployment, {})
+        known = replica in replicas
         state = replicas.setdefault(replica, _Replica())
         if reset:
             state.blocks = set(stored)
         else:
             state.blocks.update(stored)
             state.blocks.difference_update(evicted)
-        state.metrics, state.pid, state.last_seen = metrics, pid, time.monotonic()
+        if metrics:
+            state.metrics = metrics
+        state.pid, state.last_seen = pid, time.monotonic()
         if stored or evicted or reset:
             self._append(deployment, (replica, stored, evicted, reset))
         self._drop_stale(deployment)
+        return not known and not reset
 
     def updates(self, deployment: str, cursor: int) -> tuple[int, list[Update]]:
         """The updates after `cursor` (start with 0) and the cursor to ask with next time. A cursor older
@@ -105,13 +111,17 @@ class RoutingHub:
             self.forget(deployment, replica)
 
 
+def hub_actor_name(app_name: str) -> str:
+    return f"tachyllm-routing-hub-{app_name}"
+
+
 def routing_hub(app_name: str):
     """The application's hub actor, created by whoever asks first (replicas and routers all ask).
     Detached, so that it outlives any one replica; it restarts if its process dies."""
     import ray
 
     actor = ray.remote(RoutingHub).options(
-        name=f"tachyllm-routing-hub-{app_name}",
+        name=hub_actor_name(app_name),
         namespace="serve",
         get_if_exists=True,
         lifetime="detached",

@@ -22,12 +22,13 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     from ray import serve
 
     from tachyllm.ray_serve.app import application
+    from tachyllm.ray_serve.hub import hub_actor_name
 
-    # Installed first: a signal during start-up stops the application as soon as it is up.
+    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    # After ray.init, which installs a SIGTERM handler of its own that exits at once.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(application(config, args), name=APP_NAME, route_prefix="/")
@@ -41,8 +42,13 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         logger.info("listening on http://%s:%d (Ray Serve)", args.host, args.port)
         stop.wait()
         logger.info("shutting down the Ray Serve application")
-        serve.delete(APP_NAME)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(APP_NAME)
+        try:
+            ray.kill(ray.get_actor(hub_actor_name(APP_NAME), namespace="serve"))
+        except ValueError:  # never created
+            pass
+        if args.ray_address is None:  # the Ray instance is ours: stop it (a cluster's stays up)
+            serve.shutdown()
+            ray.shutdown()
     return 0

@@ -10,9 +10,13 @@ stream ends with an error (an OpenAI-format error event, for a streamed response
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import logging
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 
 from tachyllm.core.block_manager import hash_block
 from tachyllm.engine.input_processor import ProcessedRequest
@@ -21,25 +25,22 @@ from tachyllm.outputs import RequestOutput
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError
 from tachyllm.ray_serve.router_metrics import router_metrics
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import EngineDeadError, QueueFullError
+from tachyllm.server.async_engine import QueueFullError
 from tachyllm.server.errors import APIError
 
 logger = logging.getLogger("tachyllm.ray_serve")
 
-try:  # raised for a replica that is restarting rather than dead
-    from ray.exceptions import ActorUnavailableError
-except ImportError:  # pragma: no cover
-    ActorUnavailableError = RayActorError
-
+# ActorDiedError (a RayActorError) for a killed replica; ActorUnavailableError for one Ray cannot reach.
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
 def prompt_block_hashes(token_ids: list[int], info: EngineInfo) -> list[bytes]:
-    """The chained hashes of the prompt's full blocks, as the replicas' block managers compute them."""
+    """The chained hashes of the prompt blocks a replica's prefix cache can serve (full blocks, leaving
+    the last token to compute: BlockManager.match_prefix), as its block manager computes them."""
     if not info.prefix_caching:
         return []
     bs, hashes = info.block_size, []
-    for i in range(len(token_ids) // bs):
+    for i in range((len(token_ids) - 1) // bs):
         hashes.append(
             hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], info.prefix_cache_key)
         )
@@ -47,25 +48,25 @@ def prompt_block_hashes(token_ids: list[int], info: EngineInfo) -> list[bytes]:
 
 
 def remote_error(error: RemoteError) -> Exception:
-    """The exception the server's admission and streaming code already answers for."""
-    if error.kind == "refused":
-        return RequestError(error.message, param=error.param)
+    """A replica's refusal as the exception the server's admission code already answers (400 or 503)."""
     if error.kind == "queue_full":
         return QueueFullError(error.num_queued, error.limit)
-    return EngineDeadError(error.message)
+    return RequestError(error.message, param=error.param)
 
 
-def replica_lost(request_id: str) -> APIError:
+def replica_lost(request_id: str, why: str) -> APIError:
     return APIError(
-        503,
-        f"the replica running request {request_id} died after it had started streaming; retry the request",
-        "service_unavailable_error",
-        code="replica_failed",
+        503, f"request {request_id}: {why}; retry the request", "service_unavailable_error", code="replica_failed"
     )
 
 
 class RemoteStream:
-    """One request's outputs from a replica, iterated and closed like the server's RequestStream."""
+    """One request's outputs from a replica, iterated and closed like the server's RequestStream.
+
+    A replica that dies (or whose engine fails) before the request has streamed a token gets it sent
+    again, under a new engine request id (a replica that was only unreachable may still hold the old
+    one), to whichever replica the router picks; anything that goes wrong with that attempt ends the
+    request with replica_failed, as does a death after the first token."""
 
     def __init__(self, engine: RemoteEngine, request_id: str, request: ProcessedRequest, max_queued: int | None):
         self.request_id = request_id
@@ -74,35 +75,43 @@ class RemoteStream:
         self._max_queued = max_queued
         self._hashes = prompt_block_hashes(request.prompt_token_ids, engine.info)
         self._generator = None
-        self._retries_left = engine.retries
+        self._attempt = 0
         self._streamed = False  # a token reached the caller: the request can no longer be retried
         self._done = False
 
     async def start(self) -> None:
         """Sends the request and waits until a replica's engine took it (raising what refused it)."""
         while True:
-            self._generator = self._engine.call(self.request_id, self._request, self._max_queued, self._hashes)
+            attempt_id = self.request_id if self._attempt == 0 else f"{self.request_id}-retry{self._attempt}"
+            self._generator = self._engine.call(attempt_id, self._request, self._max_queued, self._hashes)
             try:
                 first = await self._generator.__anext__()
             except REPLICA_GONE:
-                if not self._retry():
-                    self._done = True
-                    raise EngineDeadError("the replica running this request died, and so did its retry") from None
+                self._retry_or_fail("its replica died before taking it")
                 continue
             if isinstance(first, RemoteError):
-                self._done = True
+                if first.kind == "engine_dead":
+                    self._retry_or_fail(f"its replica's engine stopped ({first.message})")
+                    continue
+                self._finish()
+                if self._attempt:  # refused on the second replica: not the client's fault
+                    raise replica_lost(self.request_id, f"its replica died and the retry failed ({first.message})")
                 raise remote_error(first)
             assert first == ACCEPTED, first
             self._engine.open_streams.add(self)
             return
 
-    def _retry(self) -> bool:
-        if self._streamed or self._retries_left <= 0:
-            return False
-        self._retries_left -= 1
+    def _retry_or_fail(self, why: str) -> None:
+        """Drops the current attempt; raises replica_failed unless the request may go again."""
+        if self._generator is not None:
+            self._generator.cancel()
+        self._engine.open_streams.discard(self)
+        if self._streamed or self._attempt >= self._engine.retries:
+            self._finish()
+            raise replica_lost(self.request_id, why if not self._attempt else f"{why}, on its retry too")
+        self._attempt += 1
         router_metrics().retries.labels(self._engine.name).inc()
-        logger.warning("request %s: its replica died before the first token; retrying on another", self.request_id)
-        return True
+        logger.warning("request %s: %s; sending it again", self.request_id, why)
 
     def __aiter__(self) -> RemoteStream:
         return self
@@ -117,15 +126,13 @@ class RemoteStream:
                 self._finish()
                 raise
             except REPLICA_GONE:
-                if not self._retry():
-                    self._finish()
-                    raise replica_lost(self.request_id) from None
-                self._engine.open_streams.discard(self)
+                self._retry_or_fail("its replica died" + (" while it streamed" if self._streamed else ""))
                 await self.start()
                 continue
-            if isinstance(item, RemoteError):
-                self._finish()
-                raise remote_error(item)
+            if isinstance(item, RemoteError):  # the engine failed midway
+                self._retry_or_fail(f"its replica's engine stopped ({item.message})")
+                await self.start()
+                continue
             if any(c.token_ids for c in item.outputs):
                 self._streamed = True
             if item.finished:
@@ -161,7 +168,18 @@ class RemoteEngine:
         self._generate = handle.options(stream=True, method_name="generate")
 
     def call(self, request_id: str, request: ProcessedRequest, max_queued: int | None, hashes: list[bytes]):
-        return self._generate.remote(request_id, request, max_queued, hashes)
+        # Every call made while serving one HTTP request carries that request's internal id, and Ray
+        # Serve's router hands a chosen replica to the pending call with the chosen call's id: the
+        # calls of a request with several prompts, routed at once, would take each other's replicas
+        # (or wait forever). So each call is made under an id of its own.
+        return contextvars.copy_context().run(self._call_with_own_id, request_id, request, max_queued, hashes)
+
+    def _call_with_own_id(self, *args):
+        context = serve_context._get_serve_request_context()
+        serve_context._serve_request_context.set(
+            dataclasses.replace(context, _internal_request_id=generate_request_id())
+        )
+        return self._generate.remote(*args)
 
     async def add_requests(
         self, requests: list[tuple[str, ProcessedRequest, SamplingParams]], max_queued: int | None = None

@@ -14,8 +14,10 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
+from tachyllm.core.block_manager import BlockManager
 from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import RequestError
@@ -28,6 +30,7 @@ from tachyllm.server.metrics import ServerMetrics
 logger = logging.getLogger("tachyllm.ray_serve")
 
 ACCEPTED = "accepted"
+METRICS_INTERVAL_S = 1.0
 
 
 @dataclass
@@ -56,35 +59,58 @@ class EngineInfo:
 
 
 class CacheEventBuffer:
-    """Prefix-cache events drained on the engine thread, handed to the publisher on the event loop."""
+    """Prefix-cache events drained from the block manager on the engine thread (drain, after each step),
+    taken by the publisher on the event loop (take). A report that could not be sent is put back
+    (restore); a full snapshot of the cache can be asked for at any time (want_full: the hub lost this
+    replica's state), and the next drain takes one."""
 
-    def __init__(self, initial: list[bytes]) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._changes: dict[bytes, bool] = dict.fromkeys(initial, True)
-        self._reset = True  # the first report is the whole block set
+        self._changes: dict[bytes, bool] = {}  # hash -> stored (True) / evicted (False), latest wins
+        # _changes is a whole block set (what it does not hold is not cached). The first report is one:
+        # recording starts with the engine (EngineReplica), when the cache is empty.
+        self._reset = True
+        self._want_full = False
 
-    def add(self, stored: list[bytes], evicted: list[bytes]) -> None:
+    def want_full(self) -> None:
         with self._lock:
-            for h in stored:
-                self._changes[h] = True
-            for h in evicted:
-                if self._reset:
-                    self._changes.pop(h, None)  # still building the full set
-                else:
-                    self._changes[h] = False
+            self._want_full = True
 
-    def restore(self, stored: list[bytes], evicted: list[bytes], reset: bool) -> None:
-        """Puts back a report that could not be sent, under any events that came after it."""
+    def drain(self, block_manager: BlockManager) -> None:
+        """Engine thread only: the block manager is not thread-safe."""
         with self._lock:
-            later, self._changes = self._changes, {**dict.fromkeys(stored, True), **dict.fromkeys(evicted, False)}
-            self._reset = self._reset or reset
-        self.add([h for h, on in later.items() if on], [h for h, on in later.items() if not on])
+            if self._want_full:
+                self._changes = dict.fromkeys(block_manager.track_cache_events(), True)
+                self._reset, self._want_full = True, False
+                return
+            stored, evicted = block_manager.drain_cache_events()
+            self._merge(stored, evicted)
+
+    def _merge(self, stored: list[bytes], evicted: list[bytes]) -> None:
+        for h in stored:
+            self._changes[h] = True
+        for h in evicted:
+            if self._reset:
+                self._changes.pop(h, None)  # a whole set lists only what is cached
+            else:
+                self._changes[h] = False
 
     def take(self) -> tuple[list[bytes], list[bytes], bool]:
         with self._lock:
             changes, self._changes = self._changes, {}
             reset, self._reset = self._reset, False
         return [h for h, on in changes.items() if on], [h for h, on in changes.items() if not on], reset
+
+    def restore(self, stored: list[bytes], evicted: list[bytes], reset: bool) -> None:
+        """Puts back a report that could not be sent, under the events that came after it."""
+        with self._lock:
+            later, later_reset = self._changes, self._reset
+            self._changes = {**dict.fromkeys(stored, True), **dict.fromkeys(evicted, False)}
+            self._reset = reset
+            if later_reset:  # a new whole set came since: it replaces the old report
+                self._changes = later
+            else:
+                self._merge([h for h, on in later.items() if on], [h for h, on in later.items() if not on])
 
 
 class EngineReplica:
@@ -104,18 +130,18 @@ class EngineReplica:
 
         def build() -> LLMEngine:
             engine = LLMEngine(engine_config)
+            engine.block_manager.track_cache_events()  # on the engine thread, before any request
             holder["engine"] = engine
             return engine
 
         self.engine = AsyncEngine(build)
-        llm_engine = holder["engine"]  # from here on touched by the engine thread only
-        block_manager = llm_engine.block_manager
-        # Recording starts before any request, so the initial (empty) set and the events add up to the
-        # cache's contents; the output listener runs on the engine thread after every step.
-        self._events = CacheEventBuffer(block_manager.track_cache_events())
+        # The engine's objects belong to its thread from here on; output listeners run there, after
+        # every step, and only read the block manager's extra key here (set once, at construction).
+        block_manager = holder["engine"].block_manager
+        self._events = CacheEventBuffer()
         self.metrics = ServerMetrics(model.name)
         self.engine.add_output_listener(self.metrics.observe)
-        self.engine.add_output_listener(lambda _: self._events.add(*block_manager.drain_cache_events()))
+        self.engine.add_output_listener(lambda _: self._events.drain(block_manager))
         self.info = EngineInfo(
             model_name=self.engine.model_name,
             max_model_len=self.engine.max_model_len,
@@ -168,20 +194,27 @@ class EngineReplica:
         if self._iteration_timeout and busy > self._iteration_timeout:
             raise RuntimeError(f"the engine's current iteration has run for {busy:.0f} s")
 
-    async def pid(self) -> int:
-        return os.getpid()
-
     async def _publish_loop(self) -> None:
+        """Every event interval: the cache events since the last report; every METRICS_INTERVAL_S also
+        the metrics (a few kB of text)."""
+        metrics_due = 0.0
         while True:
             stored, evicted, reset = self._events.take()
-            metrics = self.metrics.render(self.engine.snapshot)
+            now = time.monotonic()
+            metrics = b""
+            if now >= metrics_due:
+                metrics, metrics_due = self.metrics.render(self.engine.snapshot), now + METRICS_INTERVAL_S
             try:
-                await self._hub.publish.remote(
+                needs_full = await self._hub.publish.remote(
                     self._deployment, self._replica_id, stored, evicted, reset, metrics, os.getpid()
                 )
             except Exception:  # the hub is restarting: report these events again next time
                 logger.warning("could not report to the routing hub", exc_info=True)
                 self._events.restore(stored, evicted, reset)
+                metrics_due = 0.0
+            else:
+                if needs_full:  # the hub had lost this replica (it restarted, or took it for dead)
+                    self._events.want_full()
             await asyncio.sleep(self._event_interval_s)
 
     def __del__(self) -> None:

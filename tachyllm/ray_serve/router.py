@@ -19,12 +19,13 @@ import logging
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tachyllm.ray_serve.hub import routing_hub
-from tachyllm.ray_serve.prefix_index import DECISIONS, PrefixIndex, choose_replica
+from tachyllm.ray_serve.prefix_index import DECISIONS, LOAD_FALLBACK, PrefixIndex, RoutingDecision, choose_replica
 from tachyllm.ray_serve.router_metrics import router_metrics
 
 logger = logging.getLogger("tachyllm.ray_serve")
 
 GENERATE = "generate"
+MAX_PENDING_DECISIONS = 65536
 BLOCK_HASHES_ARG = 3  # EngineReplica.generate(request_id, request, max_queued, block_hashes)
 
 
@@ -34,7 +35,10 @@ def ranked(first: RunningReplica, candidates: list[RunningReplica], queue_len) -
     return [[first], *([r] for r in rest)]
 
 
-class PrefixCacheRouter(FIFOMixin, RequestRouter):
+class PrefixCacheRouter(RequestRouter):
+    """Not FIFOMixin: that hands a chosen replica to the oldest pending request, not to the one it was
+    chosen for (RemoteEngine gives every call its own id, which the base router matches on)."""
+
     def initialize_state(self, deployment: str, model_name: str, load_margin: int, poll_interval_s: float) -> None:
         self._deployment = deployment
         self._model_name = model_name
@@ -43,6 +47,9 @@ class PrefixCacheRouter(FIFOMixin, RequestRouter):
         self._index = PrefixIndex()
         self._cursor = 0
         self._poller: asyncio.Task | None = None
+        # internal request id -> the decision made for it, counted once the request is routed (Ray
+        # calls choose_replicas again while every chosen replica is full).
+        self._decisions: dict[str, RoutingDecision] = {}
         for decision in DECISIONS:
             router_metrics().decisions.labels(model_name, decision)
 
@@ -65,9 +72,20 @@ class PrefixCacheRouter(FIFOMixin, RequestRouter):
         queues = {rid: self._queue_len(r) for rid, r in by_id.items()}
         decision = choose_replica(matched, queues, self._load_margin)
         if counted:
-            router_metrics().decisions.labels(self._model_name, decision.reason).inc()
-            router_metrics().matched_blocks.labels(self._model_name).inc(decision.matched_blocks)
+            if len(self._decisions) > MAX_PENDING_DECISIONS:  # requests cancelled before being routed
+                del self._decisions[next(iter(self._decisions))]
+            self._decisions[pending_request.metadata.internal_request_id] = decision
         return ranked(by_id[decision.replica], candidate_replicas, self._queue_len)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        decision = self._decisions.pop(pending_request.metadata.internal_request_id, None)
+        if decision is None:
+            return
+        # A full replica makes Ray send the request to the next in rank: count what it got.
+        reason = decision.reason if replica_id.unique_id == decision.replica else LOAD_FALLBACK
+        matched = decision.matched_blocks if reason != LOAD_FALLBACK else 0
+        router_metrics().decisions.labels(self._model_name, reason).inc()
+        router_metrics().matched_blocks.labels(self._model_name).inc(matched)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
@@ -98,8 +116,9 @@ class PrefixCacheRouter(FIFOMixin, RequestRouter):
                 # is indexed too: only candidates are ever matched.
                 for replica, stored, evicted, reset in updates:
                     if reset:
-                        self._index.forget(replica)
-                    self._index.apply(replica, stored, evicted)
+                        self._index.reset(replica, stored)
+                    else:
+                        self._index.apply(replica, stored, evicted)
                 router_metrics().index_size.labels(self._model_name).set(len(self._index))
             except Exception:  # the hub may be restarting: keep routing on what is known
                 logger.warning("prefix router: could not read the routing hub", exc_info=True)
