@@ -4,6 +4,7 @@ Q4_1), one thread each, plus one replica alone for the hit rate a single cache r
 
 Workloads, each measured with the unchanged `tachy bench serve` against the Ray Serve ingress:
   conversation   multi-turn chats whose every turn resends the growing history (chat endpoint)
+  long-conversation  the same with longer turns and histories (up to ~1,300 tokens)
   shared-prefix  many users sharing a few long system prompts (completions endpoint)
 Every (router, workload) run starts on freshly deployed replicas (cold caches). Rounds alternate the
 router order. Reported per run: prefix-cache hit rate (the replicas' own counters), TTFT p50/p99,
@@ -42,12 +43,21 @@ WORKLOADS = {
         "--endpoint", "chat", "--dataset", "conversation", "--num-prompts", "32", "--num-turns", "4",
         "--input-len", "96", "--output-len", "16", "--request-rate", "0.3",
     ],
+    # Longer histories: a turn sent to a replica without them recomputes up to ~1,300 tokens.
+    "long-conversation": [
+        "--endpoint", "chat", "--dataset", "conversation", "--num-prompts", "36", "--num-turns", "6",
+        "--input-len", "200", "--output-len", "16", "--request-rate", "0.2",
+    ],
     "shared-prefix": [
         "--dataset", "shared-prefix", "--num-prompts", "48", "--num-groups", "4", "--prefix-len", "384",
         "--input-len", "32", "--output-len", "16", "--request-rate", "1.5",
     ],
 }  # fmt: skip
-QUICK = {"conversation": ["--num-prompts", "16"], "shared-prefix": ["--num-prompts", "24"]}
+QUICK = {
+    "conversation": ["--num-prompts", "16"],
+    "long-conversation": ["--num-prompts", "18"],
+    "shared-prefix": ["--num-prompts", "24"],
+}
 SETUPS = {  # name: (router policy, replicas)
     "prefix": ("prefix", 2),
     "power_of_two": ("power_of_two", 2),

@@ -98,7 +98,7 @@ def test_the_hub_replays_by_cursor_and_resets_a_router_that_fell_behind():
         and sorted(updates[0][1]) == sorted([b"b", *map(bytes, [[i] for i in range(6)])])
     )
     hub.forget("d", "r1")
-    assert hub.index_size("d") == 0 and hub.metrics("d") == []
+    assert hub.updates("d", 0)[1] == [] and hub.metrics("d") == [] and hub.replica_pids("d") == {}
 
 
 class FakeEngine:

@@ -162,6 +162,18 @@ def test_multi_model_routing_and_unknown_model(http):
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_the_other_endpoints(http):
+    """Every endpoint of a single server answers through the ingress, for each model."""
+    ids = http.post("/tokenize", json={"model": "tiny-qwen", "prompt": "hello there"}).json()["tokens"]
+    assert http.post("/detokenize", json={"model": "tiny-qwen", "tokens": ids}).json()["prompt"] == "hello there"
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "x"}).status_code == 404
+    assert http.get("/v1/models/tiny").json()["id"] == "tiny"
+    assert http.get("/health").status_code == 200 and http.get("/version").status_code == 200
+    assert "/v1/chat/completions" in http.get("/openapi.json").json()["paths"]
+    response = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+
+
 def test_conversation_turns_land_on_the_replica_holding_them(http):
     """Each conversation's second turn goes where its first turn's blocks are: its whole earlier prompt is a
     prefix-cache hit. Four conversations with distinct prefixes: random placement would miss about half."""

@@ -120,6 +120,8 @@ def test_flags():
         parse("--autoscale", "3:1")
     with pytest.raises(ConfigError, match="--config gives the models; --replicas would be ignored"):
         from_args(parse("--config", "m.yaml", "--replicas", "2"))
+    with pytest.raises(ConfigError, match="--router, --max-num-seqs would be ignored"):
+        from_args(parse("--config", "m.yaml", "--router", "round_robin", "--max-num-seqs", "8"))
 
 
 def test_missing_model_files_are_refused_before_ray_starts(tmp_path, capsys):

@@ -121,8 +121,12 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig:
             "--replicas": args.replicas,
             "--autoscale": args.autoscale,
             "--threads-per-replica": args.threads_per_replica,
+            "--served-model-name": args.served_model_name,
+            "--router": args.router != RouterConfig.policy,
+            "--router-load-margin": args.router_load_margin != RouterConfig.load_margin,
         }
         given = [flag for flag, value in flags.items() if value]
+        given += ["--" + f.replace("_", "-") for f in changed_engine_options(engine_config(args))]
         if given:
             raise ConfigError(f"--config gives the models; {', '.join(given)} would be ignored: set them in the file")
         return load_config(args.config)
@@ -149,6 +153,12 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig:
             )
         )
     return ScaleOutConfig(models, RouterConfig(policy=args.router, load_margin=args.router_load_margin))
+
+
+def changed_engine_options(engine: EngineConfig) -> list[str]:
+    """The engine options not at their defaults."""
+    default = EngineConfig()
+    return [f.name for f in dataclasses.fields(EngineConfig) if getattr(engine, f.name) != getattr(default, f.name)]
 
 
 def check_model_paths(config: ScaleOutConfig) -> None:

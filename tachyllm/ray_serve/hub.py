@@ -93,9 +93,6 @@ class RoutingHub:
     def replica_pids(self, deployment: str) -> dict[str, int]:
         return {replica: state.pid for replica, state in self._replicas.get(deployment, {}).items()}
 
-    def index_size(self, deployment: str) -> int:
-        return sum(len(state.blocks) for state in self._replicas.get(deployment, {}).values())
-
     def _append(self, deployment: str, update: Update) -> None:
         log = self._log.setdefault(deployment, [])
         log.append(update)
