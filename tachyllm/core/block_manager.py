@@ -32,6 +32,23 @@ def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...], ext
     return h.digest()
 
 
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: list[int], block_size: int, num_blocks: int, extra_key: bytes
+) -> list[bytes]:
+    """Extends `hashes` (the chain of the first len(hashes) blocks of token_ids) to its first num_blocks
+    blocks, in place; a router computes a prompt's chain with it exactly as the block manager does."""
+    for i in range(len(hashes), num_blocks):
+        parent = hashes[i - 1] if i else None
+        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key))
+    return hashes
+
+
+def servable_blocks(num_tokens: int, block_size: int) -> int:
+    """Full blocks a prefix-cache hit may cover: at least one token is left to compute (the last
+    position's logits are needed to sample)."""
+    return (num_tokens - 1) // block_size
+
+
 @dataclass
 class Block:
     block_id: int
@@ -77,20 +94,14 @@ class BlockManager:
 
     def _full_block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         """Extends seq.block_hashes to cover its first num_full_blocks blocks; hashes depend only on tokens."""
-        bs = self.block_size
-        hashes = seq.block_hashes
-        for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs], self.extra_key))
-        return hashes
+        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_full_blocks, self.extra_key)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding the longest prefix of seq, leaving at least one token to compute
-        (the last position's logits are needed to sample)."""
+        """Cached blocks holding the longest prefix of seq (at most servable_blocks)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        max_blocks = (seq.num_tokens - 1) // bs
+        max_blocks = servable_blocks(seq.num_tokens, bs)
         hashes = self._full_block_hashes(seq, max_blocks)
         hit: list[int] = []
         parent = None

@@ -18,7 +18,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 
-from tachyllm.core.block_manager import hash_block
+from tachyllm.core.block_manager import extend_block_hashes, servable_blocks
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
 from tachyllm.outputs import RequestOutput
@@ -39,12 +39,8 @@ def prompt_block_hashes(token_ids: list[int], info: EngineInfo) -> list[bytes]:
     the last token to compute: BlockManager.match_prefix), as its block manager computes them."""
     if not info.prefix_caching:
         return []
-    bs, hashes = info.block_size, []
-    for i in range((len(token_ids) - 1) // bs):
-        hashes.append(
-            hash_block(hashes[-1] if hashes else None, token_ids[i * bs : (i + 1) * bs], info.prefix_cache_key)
-        )
-    return hashes
+    num_blocks = servable_blocks(len(token_ids), info.block_size)
+    return extend_block_hashes([], token_ids, info.block_size, num_blocks, info.prefix_cache_key)
 
 
 def remote_error(error: RemoteError) -> Exception:

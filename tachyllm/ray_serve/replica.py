@@ -26,6 +26,7 @@ from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
 from tachyllm.ray_serve.hub import routing_hub
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tachyllm.server.metrics import ServerMetrics
+from tachyllm.server.state import engine_problem
 
 logger = logging.getLogger("tachyllm.ray_serve")
 
@@ -188,11 +189,8 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray restarts a replica whose check raises: its engine stopped, or one step hangs."""
-        if not self.engine.is_running:
-            raise RuntimeError(f"the engine stopped: {self.engine.error}")
-        busy = self.engine.busy_seconds()
-        if self._iteration_timeout and busy > self._iteration_timeout:
-            raise RuntimeError(f"the engine's current iteration has run for {busy:.0f} s")
+        if problem := engine_problem(self.engine, self._iteration_timeout):
+            raise RuntimeError(problem)
 
     async def _publish_loop(self) -> None:
         """Every event interval: the cache events since the last report; every METRICS_INTERVAL_S also

@@ -160,19 +160,8 @@ class ServerState:
     def health_problem(self) -> str | None:
         """Why an engine cannot serve (it stopped, or its step hangs past the timeout); None if all can."""
         for m in self.models:
-            if problem := self._engine_problem(m.engine):
+            if problem := engine_problem(m.engine, self.iteration_timeout):
                 return problem if len(self.models) == 1 else f"model {m.name!r}: {problem}"
-        return None
-
-    def _engine_problem(self, engine: EngineClient) -> str | None:
-        if not engine.is_running:
-            return f"the engine stopped: {engine.error}" if engine.error else "the engine was shut down"
-        busy = engine.busy_seconds()
-        if self.iteration_timeout and busy > self.iteration_timeout:
-            return (
-                f"the engine's current iteration has run for {busy:.0f} s "
-                f"(--engine-iteration-timeout {self.iteration_timeout:g})"
-            )
         return None
 
     async def metrics_text(self) -> bytes:
@@ -210,6 +199,20 @@ class ServerState:
     @property
     def num_unfinished(self) -> int:
         return sum(engine.num_unfinished for engine in self.engines)
+
+
+def engine_problem(engine: EngineClient, iteration_timeout: float) -> str | None:
+    """Why an engine cannot serve: its loop stopped, or its current iteration has run past
+    `iteration_timeout` seconds (0: no limit); None if it can."""
+    if not engine.is_running:
+        return f"the engine stopped: {engine.error}" if engine.error else "the engine was shut down"
+    busy = engine.busy_seconds()
+    if iteration_timeout and busy > iteration_timeout:
+        return (
+            f"the engine's current iteration has run for {busy:.0f} s "
+            f"(--engine-iteration-timeout {iteration_timeout:g})"
+        )
+    return None
 
 
 async def server_state(request: Request) -> ServerState:
