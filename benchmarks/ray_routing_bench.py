@@ -114,12 +114,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer requests per run")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--setups", default=",".join(SETUPS), help="routers to compare (default: all)")
     parser.add_argument("--json", default=None, help="write every run's figures here")
     args = parser.parse_args()
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     runs: list[dict] = []
-    order = list(SETUPS)
+    order = args.setups.split(",")
+    if unknown := set(order) - set(SETUPS):
+        parser.error(f"unknown setups {sorted(unknown)}; choose from {', '.join(SETUPS)}")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for round_ in range(args.rounds):

@@ -206,8 +206,8 @@ def test_conversation_turns_land_on_the_replica_holding_them(http):
 
 
 def test_load_guard_spreads_a_hot_prefix(http, base):
-    """Sixteen long requests sharing one cached prefix: once the holder's queue is 3 longer than the other's,
-    requests go to the less loaded replica instead."""
+    """Sixteen long requests sharing one cached prefix: once the holder's queue outweighs the blocks it
+    saves (or is 3 longer than the other's), requests go to the less loaded replica instead."""
     prompt = SYSTEM.format(i=99) + " Tell a long story."
     warm = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
     assert warm.status_code == 200

@@ -14,8 +14,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-PREFIX_HIT = "prefix_hit"  # the replica holding the longest prefix, within the load margin
-LOAD_FALLBACK = "load_fallback"  # that replica was too busy: the less loaded of two
+PREFIX_HIT = "prefix_hit"  # a replica holding part of the prompt: the least work ahead of its first token
+LOAD_FALLBACK = "load_fallback"  # the holders were too busy: a replica without the prefix, or the load guard
 NO_MATCH = "no_match"  # no replica holds the first block: the less loaded of two
 DECISIONS = (PREFIX_HIT, LOAD_FALLBACK, NO_MATCH)
 
@@ -79,22 +79,43 @@ class RoutingDecision:
     replica: str
     reason: str  # one of DECISIONS
     matched_blocks: int  # of the chosen replica
+    prompt_blocks: int  # the prompt's cacheable blocks
 
 
 def choose_replica(
-    matched: dict[str, int], queue_lengths: dict[str, int], load_margin: int, rng: random.Random | None = None
+    matched: dict[str, int],
+    queue_lengths: dict[str, int],
+    load_margin: int,
+    prompt_blocks: int,
+    blocks_per_queued_request: float,
+    rng: random.Random | None = None,
 ) -> RoutingDecision:
-    """The replica with the longest matched prefix (ties: the shorter queue), unless its queue is longer
-    than the shortest by more than `load_margin` requests; otherwise, and when nothing matches, the less
+    """The replica with the least work ahead of the request's first token, counted in blocks: the
+    prompt blocks it lacks, plus `blocks_per_queued_request` for each request in its queue. A long
+    held prefix outweighs a few queued requests (a conversation's next turn stays with its history);
+    one shared block of a chat template does not (new chats spread over the replicas).
+
+    The load guard: a chosen replica whose queue is longer than the shortest by more than
+    `load_margin` requests is passed over; then, as when no replica holds the first block, the less
     loaded of two replicas drawn at random (power of two choices), so that a hot prefix spreads out.
 
     `matched` and `queue_lengths` have the same keys: the replicas that can take the request."""
     if not matched:
         raise ValueError("no replica to choose from")
     rng = rng or random
-    best = max(matched, key=lambda r: (matched[r], -queue_lengths[r]))
-    if matched[best] > 0 and queue_lengths[best] <= min(queue_lengths.values()) + load_margin:
-        return RoutingDecision(best, PREFIX_HIT, matched[best])
-    pair = rng.sample(sorted(matched), min(2, len(matched)))
+    shortest = min(queue_lengths.values())
+    others = sorted(matched)
+    if max(matched.values()) > 0:
+        work = {r: prompt_blocks - matched[r] + queue_lengths[r] * blocks_per_queued_request for r in matched}
+        least = min(work.values())
+        # Equal work: the shorter queue, then any (a fixed order would pile ties on one replica).
+        tied = [r for r in sorted(matched) if work[r] == least]
+        best = min(rng.sample(tied, len(tied)), key=lambda r: queue_lengths[r])
+        if queue_lengths[best] <= shortest + load_margin:
+            reason = PREFIX_HIT if matched[best] > 0 else LOAD_FALLBACK
+            return RoutingDecision(best, reason, matched[best], prompt_blocks)
+        others.remove(best)  # too busy: never drawn again below
+    pair = rng.sample(others, min(2, len(others)))
     chosen = min(pair, key=lambda r: queue_lengths[r])
-    return RoutingDecision(chosen, LOAD_FALLBACK if matched[best] > 0 else NO_MATCH, matched[chosen])
+    reason = LOAD_FALLBACK if max(matched.values()) > 0 else NO_MATCH
+    return RoutingDecision(chosen, reason, matched[chosen], prompt_blocks)

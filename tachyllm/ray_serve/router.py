@@ -27,6 +27,8 @@ logger = logging.getLogger("tachyllm.ray_serve")
 GENERATE = "generate"
 MAX_PENDING_DECISIONS = 65536
 BLOCK_HASHES_ARG = 3  # EngineReplica.generate(request_id, request, max_queued, block_hashes)
+# Weight of each routed request in the running mean of the blocks a request computes (about the last 10).
+WORK_MEAN_WEIGHT = 0.1
 
 
 def ranked(first: RunningReplica, candidates: list[RunningReplica], queue_len) -> list[list[RunningReplica]]:
@@ -50,6 +52,9 @@ class PrefixCacheRouter(RequestRouter):
         # internal request id -> the decision made for it, counted once the request is routed (Ray
         # calls choose_replicas again while every chosen replica is full).
         self._decisions: dict[str, RoutingDecision] = {}
+        # What a queued request costs its replica: the mean of the prompt blocks routed requests had to
+        # compute (None until the first is routed: then a queued request counts as this one uncached).
+        self._mean_uncached_blocks: float | None = None
         for decision in DECISIONS:
             router_metrics().decisions.labels(model_name, decision)
 
@@ -70,7 +75,8 @@ class PrefixCacheRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         matched = self._index.matched_blocks(hashes, by_id)
         queues = {rid: self._queue_len(r) for rid, r in by_id.items()}
-        decision = choose_replica(matched, queues, self._load_margin)
+        per_request = len(hashes) if self._mean_uncached_blocks is None else self._mean_uncached_blocks
+        decision = choose_replica(matched, queues, self._load_margin, len(hashes), per_request)
         if counted:
             if len(self._decisions) > MAX_PENDING_DECISIONS:  # requests cancelled before being routed
                 del self._decisions[next(iter(self._decisions))]
@@ -83,7 +89,10 @@ class PrefixCacheRouter(RequestRouter):
             return
         # A full replica makes Ray send the request to the next in rank: count what it got.
         reason = decision.reason if replica_id.unique_id == decision.replica else LOAD_FALLBACK
-        matched = decision.matched_blocks if reason != LOAD_FALLBACK else 0
+        matched = decision.matched_blocks if replica_id.unique_id == decision.replica else 0
+        uncached = decision.prompt_blocks - matched
+        mean = self._mean_uncached_blocks
+        self._mean_uncached_blocks = uncached if mean is None else mean + WORK_MEAN_WEIGHT * (uncached - mean)
         router_metrics().decisions.labels(self._model_name, reason).inc()
         router_metrics().matched_blocks.labels(self._model_name).inc(matched)
 
