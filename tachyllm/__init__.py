@@ -2,7 +2,7 @@
 
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.outputs import CompletionOutput, RequestOutput
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import SamplingParams, StructuredOutputsParams
 from tachyllm.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]

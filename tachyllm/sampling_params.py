@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20
 # A temperature below this is greedy: dividing logits by it would overflow float32 (vLLM's rule).
@@ -18,6 +20,57 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0  # everything so far: each output copies the whole completion (O(tokens so far))
     DELTA = 1  # only what is new since the previous output: streaming
     FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names): exactly one of a JSON schema, any JSON object, a
+    regular expression, one of a list of strings, or a grammar (Lark, or GBNF / EBNF as llama.cpp
+    writes it). Enforced token by token with llguidance (docs/structured_outputs.md)."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (as a dict or its JSON text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None  # any JSON object
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(
+                "structured outputs need exactly one of json, regex, choice, grammar, json_object; "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured outputs json must be a JSON schema (object or text), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs {name} must be a non-empty string, got {value!r}")
+        choice = self.choice
+        if choice is not None and (
+            not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) for c in choice)
+        ):
+            raise ValueError(f"structured outputs choice must be a non-empty list of strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "json_object", "regex", "choice" or "grammar"."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints have equal keys (the compiled-grammar cache's key)."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, json.dumps(list(self.choice))
+        if kind == "json" and isinstance(self.json, dict):
+            return kind, json.dumps(self.json)  # key order kept: the grammar writes properties in it
+        return kind, getattr(self, kind)
 
 
 @dataclass
@@ -40,6 +93,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +153,8 @@ class SamplingParams:
         ):
             why = f"must map non-negative token ids to numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
             raise bad("logit_bias", self.logit_bias, why)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or None")
 
     def token_ids_at_or_above(self, vocab_size: int) -> list[tuple[str, int]]:
         """(field, id) of every token id these params name that a vocabulary of vocab_size lacks."""

@@ -29,6 +29,14 @@ class SamplingInput:
     generator: torch.Generator | None = None
     # For drafts a draft model sampled: the distribution each was drawn from ([drafts, vocab]).
     draft_probs: torch.Tensor | None = None
+    # Structured outputs: int32 [1 + drafts, vocab / 32], the tokens the grammar allows at the
+    # sampled position and after each draft token (one bit per token; structured_output/grammar.py).
+    token_bitmask: torch.Tensor | None = None
+
+    @property
+    def allowed_tokens(self) -> torch.Tensor | None:
+        """The bitmask row of the position sampled after the sequence's tokens."""
+        return None if self.token_bitmask is None else self.token_bitmask[0]
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -19,7 +19,12 @@ def row(params: SamplingParams, prompt=(1,), output=(), seed=None):
         gen = torch.Generator().manual_seed(seed)
     ids = list(prompt) + list(output)
     return SimpleNamespace(
-        params=params, token_ids=ids, output_token_ids=list(output), num_output_tokens=len(output), generator=gen
+        params=params,
+        token_ids=ids,
+        output_token_ids=list(output),
+        num_output_tokens=len(output),
+        generator=gen,
+        allowed_tokens=None,
     )
 
 

@@ -495,7 +495,7 @@ def test_out_of_range_chat_fields(http, field, value):
         ("/v1/chat/completions", {"messages": []}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, "messages[0].role"),
-        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ("/v1/chat/completions", {"messages": [IMAGE_MESSAGE]}, "messages[0].content[0]"),
         ("/detokenize", {"tokens": ["a"]}, "tokens[0]"),
     ],

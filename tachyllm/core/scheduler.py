@@ -26,6 +26,7 @@ from tachyllm.core.sequence import Sequence, SequenceStatus
 from tachyllm.core.step_cost import StepCostModel, StepShape
 from tachyllm.outputs import StepStats
 from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq, StepBatch, StepResult
+from tachyllm.structured_output.grammar import BitmaskFiller
 
 
 @dataclass
@@ -36,6 +37,13 @@ class _Planned:
     num_new_tokens: int  # tokens in this step's forward, draft tokens included
     # Draft tokens verified this step after the sequence's last token (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_valid_drafts(self) -> int:
+        """Drafts the sequence's grammar allows (all but a last refused one, kept for a sampled draft:
+        _fit_spec_tokens)."""
+        grammar = self.seq.grammar
+        return len(self.spec_token_ids) if grammar is None else grammar.valid_prefix(self.spec_token_ids)
 
     @property
     def num_real_tokens(self) -> int:
@@ -98,6 +106,7 @@ class Scheduler:
         # The sequences of the batch in flight, by seq id, and those that ended since the last batch.
         self._in_flight: dict[int, Sequence] = {}
         self._ended_seq_ids: list[int] = []
+        self._bitmasks: BitmaskFiller | None = None  # made for the first constrained sequence
 
     @property
     def num_unfinished(self) -> int:
@@ -194,10 +203,24 @@ class Scheduler:
                     seq.num_tokens, s.completes, sampling,
                 )
             )  # fmt: skip
+        self._fill_bitmasks(plan.scheduled, seqs)
         self._in_flight = {s.seq.seq_id: s.seq for s in plan.scheduled}
         batch = StepBatch(seqs, self._ended_seq_ids)
         self._ended_seq_ids = []
         return batch
+
+    def _fill_bitmasks(self, planned: list[_Planned], seqs: list[ScheduledSeq]) -> None:
+        """The allowed tokens of every position a constrained sequence samples this step, all at once."""
+        constrained = [(p, s) for p, s in zip(planned, seqs) if s.sampling is not None and p.seq.grammar is not None]
+        if not constrained:
+            return
+        if self._bitmasks is None:
+            self._bitmasks = BitmaskFiller(constrained[0][0].seq.grammar.vocab_size)
+        masks = self._bitmasks.fill(
+            [(p.seq.grammar, p.spec_token_ids[: p.num_valid_drafts], 1 + len(p.spec_token_ids)) for p, _ in constrained]
+        )
+        for (_, s), mask in zip(constrained, masks):
+            s.sampling.token_bitmask = mask
 
     def in_flight(self) -> list[Sequence]:
         """The sequences of the last batch that schedule() returned."""
@@ -254,6 +277,8 @@ class Scheduler:
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
             metrics.num_generated_tokens += 1
+        if seq.grammar is not None and self._advance_grammar(seq, token):
+            return
         n_out = seq.num_output_tokens
         can_stop = n_out >= params.min_tokens
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
@@ -262,6 +287,20 @@ class Scheduler:
             self.finish(seq, "stop", token)
         elif n_out >= params.max_tokens or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
             self.finish(seq, "length")
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> bool:
+        """Advances the sequence's grammar past its new token; True when that ended the sequence: the
+        grammar is complete ("stop", before any length limit the same token reached) or has failed."""
+        grammar = seq.grammar
+        # The masks allow only grammatical tokens; a matcher can still fail on its own limits (then
+        # only EOS was allowed): an output cut short must not pass for a complete one.
+        if not grammar.accept(token) or grammar.error:
+            self.finish(seq, "error", f"structured outputs: {grammar.error or f'token {token} outside the grammar'}")
+            return True
+        if grammar.is_terminated:
+            self.finish(seq, "stop", token if token in self.eos_token_ids else None)
+            return True
+        return False
 
     def finish_at_stop_string(self, seq: Sequence, stop: str, num_output_tokens: int) -> None:
         """Ends seq at a stop string that its text reached with its first num_output_tokens output
@@ -315,6 +354,15 @@ class Scheduler:
         if not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
             return []
         room = budget - 1
+        if seq.grammar is not None:
+            # A draft the grammar refuses is rejected: the drafts after it are not worth verifying. A
+            # sampled draft model's refused draft stays, though: its rejection draws the token from the
+            # residual max(0, p - q), as losslessness needs (dropping it would draw from p).
+            valid = seq.grammar.valid_prefix(seq.spec_token_ids)
+            keep_refused = (
+                valid < len(seq.spec_token_ids) and seq.spec_draft_probs is not None and not seq.params.greedy
+            )
+            room = min(room, valid + keep_refused)
         if room < len(seq.spec_token_ids):
             seq.spec_token_ids = seq.spec_token_ids[:room]
             if seq.spec_draft_probs is not None:

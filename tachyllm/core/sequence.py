@@ -11,6 +11,7 @@ import torch
 
 from tachyllm.outputs import RequestMetrics
 from tachyllm.sampling_params import SamplingParams
+from tachyllm.structured_output.grammar import Grammar
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +46,8 @@ class Sequence:
     # draft model, the draft's distribution each was drawn from ([len, vocab]); cleared every step.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None
+    # Structured outputs: where the sequence is in its grammar (advanced by every accepted token).
+    grammar: Grammar | None = None
 
     @property
     def params(self) -> SamplingParams:

@@ -9,10 +9,12 @@ engine thread steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tachyllm.errors import RequestError
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import SamplingParams
+from tachyllm.structured_output.compiler import CompiledGrammar, GrammarCompiler, GrammarError
 
 
 @dataclass(frozen=True)
@@ -50,25 +52,45 @@ class ProcessedRequest:
 
 
 def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The token ids of a conversation in the model's chat template."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    """The token ids of a conversation in the model's chat template (with the tools it renders, if any)."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
     # The template spells out its special tokens; adding a BOS again would double it.
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: InputLimits, eos_token_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids or [])
+
+    def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
+        """The compiled grammar of the request's structured outputs (None without them); compiled once
+        per constraint, then cached. Raises RequestError for a constraint that cannot be compiled."""
+        if params.structured_outputs is None:
+            return None
+        try:
+            return self.grammars.compile(params.structured_outputs)
+        except GrammarError as e:
+            kind = params.structured_outputs.kind
+            raise RequestError(f"structured outputs ({kind}): {e}", param="structured_outputs") from None
 
     def encode(self, text: str) -> list[int]:
         """The token ids of a text prompt (a BOS first, when the model wants one)."""
         return self.tokenizer.encode(text)
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt)
+    def chat_prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, tools)
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
         """Tokenizes and checks a request; raises RequestError when it can never run."""
@@ -116,4 +138,5 @@ class InputProcessor:
                 f"prompt ({prompt_len} tokens) exceeds max_num_batched_tokens ({limits.max_num_batched_tokens}) "
                 "and chunked prefill is disabled"
             )
+        self.compile_grammar(params)
         return ProcessedRequest(prompt.text, prompt.token_ids, params)

@@ -94,13 +94,13 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key()
         )
-        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
-            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
-        ))  # fmt: skip
         eos = list(mc.eos_token_ids) or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
+        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
+            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        ), eos)  # fmt: skip
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
             self.block_manager,
@@ -160,6 +160,9 @@ class LLMEngine:
         else:
             processed = self.input_processor.process(prompt, params or SamplingParams())
         text, token_ids, params = processed.prompt, processed.prompt_token_ids, processed.params
+        # Compiled where the request was checked: here a cache hit, or a compile for a caller that
+        # skipped the check (its cost then falls on this thread).
+        grammar = self.input_processor.compile_grammar(params)
 
         req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
         for i in range(params.n):
@@ -170,6 +173,7 @@ class LLMEngine:
             seq = Sequence(
                 request=req, index=i, token_ids=list(token_ids), num_prompt_tokens=len(token_ids), generator=generator
             )
+            seq.grammar = grammar.start() if grammar is not None else None
             req.seqs.append(seq)
         self.output_processor.add_request(req)
         # Only now, with nothing left to fail, does the request enter the scheduler: all or nothing.

@@ -131,10 +131,14 @@ class Tokenizer:
             chat_template=_hf_chat_template(directory, config),
         )
 
+    def to_json(self) -> str:
+        """The tokenizers pipeline as tokenizer.json text (what other tokenizer-aware libraries load)."""
+        return self._backend.to_str()
+
     def to_state(self) -> dict[str, Any]:
         """Everything needed to rebuild this tokenizer with from_state (JSON-serializable)."""
         return {
-            "backend": self._backend.to_str(),
+            "backend": self.to_json(),
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "add_bos": self.add_bos,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tachyllm.step import LogprobInfo, SamplingInput
@@ -32,7 +33,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> SampleResult:
         """logits: [rows, vocab] float32, row i belongs to seqs[i] and predicts its next token."""
-        logits = logits[:, : self.vocab_size]
+        logits = self.constrain(logits[:, : self.vocab_size], seqs)
         num_logprobs = [s.params.logprobs for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
         logits = self.process(logits, seqs)
@@ -43,6 +44,26 @@ class Sampler:
             tokens = torch.where(is_greedy, tokens, sampled)
         logprob_rows = self.logprob_rows(raw_logprobs, tokens, seqs) if raw_logprobs is not None else [None] * len(seqs)
         return SampleResult(tokens.tolist(), logprob_rows)
+
+    def constrain(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+        """Structured outputs: the tokens its grammar forbids set to -inf in each constrained row, in
+        one masked fill over those rows (unconstrained batches return at once). Logprobs are taken
+        after this: they are those of the distribution the grammar leaves."""
+        rows = [i for i, s in enumerate(seqs) if s.allowed_tokens is not None]
+        if not rows:
+            return logits
+        words = torch.stack([seqs[i].allowed_tokens for i in rows])
+        # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, lowest bit first.
+        bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+        allowed = torch.from_numpy(bits).to(device=logits.device, dtype=torch.bool)
+        # A row the grammar leaves nothing in (its matcher failed) may still end: EOS stays allowed.
+        dead = (~allowed.any(dim=1)).nonzero().squeeze(1)
+        if len(dead) and self.eos_token_ids:
+            allowed[dead.unsqueeze(1), torch.tensor(self.eos_token_ids)] = True
+        logits = logits.clone()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def process(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens,
@@ -109,9 +130,9 @@ class Sampler:
         top_lp_l = top_lp.tolist() if k else None
         for i, n in enumerate(num_logprobs):
             if n is not None:
-                ids = top_ids_l[i][:n] if n else []
-                lps = top_lp_l[i][:n] if n else []
-                rows[i] = (chosen_l[i], ranks_l[i], ids, lps)
+                top = zip(top_ids_l[i][:n], top_lp_l[i][:n]) if n else ()
+                kept = [(t, lp) for t, lp in top if lp != float("-inf")]  # a grammar forbade them
+                rows[i] = (chosen_l[i], ranks_l[i], [t for t, _ in kept], [lp for _, lp in kept])
         return rows
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:

@@ -12,8 +12,9 @@ next-token distribution p_j after the sequence and d_1..d_j. Going left to right
   normalize(max(0, p_j - q_j)); if all are accepted draw the bonus from p_k. Each emitted token is
   then distributed exactly as p_j, so the output distribution equals the target's.
 
-p_j is exactly what the sampler would draw from without speculation: min_tokens masking,
-penalties over the history including d_1..d_j, temperature, top-k, top-p, min-p.
+p_j is exactly what the sampler would draw from without speculation: the grammar's mask after
+d_1..d_j (structured outputs), min_tokens masking, penalties over the history including d_1..d_j,
+temperature, top-k, top-p, min-p.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class DraftRow:
         return self.seq.generator
 
     @property
+    def allowed_tokens(self) -> torch.Tensor | None:
+        return None if self.seq.token_bitmask is None else self.seq.token_bitmask[len(self.drafts)]
+
+    @property
     def token_ids(self) -> list[int]:
         return self.seq.token_ids + self.drafts
 
@@ -69,7 +74,7 @@ def verify(
     first_rows = [0]
     for s in spec:
         first_rows.append(first_rows[-1] + s.num_draft_tokens + 1)
-    logits = logits[:, : sampler.vocab_size]
+    logits = sampler.constrain(logits[:, : sampler.vocab_size], rows)
     want_logprobs = any(s.sampling.params.logprobs is not None for s in spec)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = sampler.process(logits, rows)

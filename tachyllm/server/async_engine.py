@@ -200,6 +200,10 @@ class AsyncEngine:
         would be waiting to start; the check and the queueing happen under one lock, so the limit is
         exact however many callers race for it. A refusal by the engine (RequestError) closes the
         others and raises."""
+        # Grammars compile off the event loop and the engine thread; the engine's own compile is then
+        # a cache hit (a refused constraint raises RequestError here, before anything is queued).
+        for params in {id(p): p for _, _, p in requests if p.structured_outputs is not None}.values():
+            await asyncio.to_thread(self.input_processor.compile_grammar, params)
         loop = asyncio.get_running_loop()
         now = time.time()
         adds = []

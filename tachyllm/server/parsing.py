@@ -21,6 +21,9 @@ UNION_HINTS = {
     "prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
+    "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "guided_json": "a JSON schema (an object, or its JSON text)",
+    "json": "a JSON schema (an object, or its JSON text)",
 }
 
 
@@ -93,9 +96,5 @@ def reject_unsupported(body: p.SamplingFields) -> None:
         if body.echo and body.logprobs is not None:
             raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
     else:
-        if body.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

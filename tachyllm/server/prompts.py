@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
 from tachyllm.server.state import ServedModel, ServerState
+from tachyllm.server.tools import ToolPlan, render_history, tool_format
 
 R = TypeVar("R")
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 async def completion_prompts(state: ServerState, model: ServedModel, prompt: str | list) -> list[Prompt]:
@@ -66,21 +67,48 @@ def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
             content = ""
         else:
             content = m.content
-        conversation.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if m.tool_calls:
+            if role != "assistant":
+                raise bad_request("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request(
+                    "a tool message needs the tool_call_id it answers", param=f"messages[{i}].tool_call_id"
+                )
+            message["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                message["name"] = m.name
+        conversation.append(message)
     return conversation
 
 
-async def chat_prompt(model: ServedModel, messages: list[p.ChatMessage]) -> Prompt:
+def rendered_conversation(
+    model: ServedModel, messages: list[p.ChatMessage], plan: ToolPlan | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) as the chat template renders them: tool calls and results in the history in
+    the model's tool format, and the request's tools (tools.py)."""
+    fmt = plan.format if plan is not None else tool_format(model.engine.tokenizer.chat_template)
+    conversation = render_history(chat_conversation(messages), fmt)
+    if plan is None:
+        return conversation, None
+    return plan.prompt(conversation), plan.template_tools()
+
+
+async def chat_prompt(model: ServedModel, messages: list[p.ChatMessage], plan: ToolPlan | None = None) -> Prompt:
     """The prompt of a chat completion: the conversation rendered, tokenized and checked."""
-    conversation = chat_conversation(messages)
+    conversation, tools = rendered_conversation(model, messages, plan)
     model.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
     processor = model.processor
-    return await in_thread_for_messages(lambda: processor.process_prompt(processor.chat_prompt_ids(conversation)))
+    return await in_thread_for_messages(
+        lambda: processor.process_prompt(processor.chat_prompt_ids(conversation, tools=tools))
+    )
 
 
 async def chat_token_ids(model: ServedModel, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
     """The conversation's token ids, as /tokenize shows them (no prompt checks: nothing will run)."""
-    conversation = chat_conversation(messages)
+    conversation, _ = rendered_conversation(model, messages, None)
     return await in_thread_for_messages(lambda: model.processor.chat_prompt_ids(conversation, add_generation_prompt))
 
 

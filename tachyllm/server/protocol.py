@@ -48,6 +48,7 @@ Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 # cannot slow the whole batch (OpenAI allows 4 stop strings and 300 biased tokens).
 MAX_STOP_STRINGS = 64
 MAX_LISTED_TOKENS = 1024
+MAX_TOOLS = 128  # OpenAI's cap
 Text = Annotated[str, Field(min_length=1)]
 
 
@@ -58,6 +59,30 @@ class Request(BaseModel):
 
 class StreamOptions(Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(Request):
+    """OpenAI's response_format.json_schema."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(Request):
+    """vLLM's structured_outputs: exactly one constraint."""
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class SamplingFields(Request):
@@ -91,6 +116,13 @@ class SamplingFields(Request):
     ignore_eos: bool = False
     min_tokens: NonNegInt | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKENS)] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -111,10 +143,49 @@ class ContentPart(Request):
     text: str | None = None
 
 
+class FunctionCallIn(Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(Request):
+    """A tool call an earlier assistant message made (in the history a client sends back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
+
+
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Request):
+    name: FunctionName
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -122,8 +193,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: Annotated[list[dict], route_checked({"maxItems": 0})] | None = None
-    response_format: Annotated[dict, route_checked({"properties": {"type": {"enum": ["text"]}}})] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(Request):
@@ -194,9 +266,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -215,9 +299,22 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

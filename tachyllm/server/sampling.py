@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
-from tachyllm.sampling_params import RequestOutputKind, SamplingParams
+from tachyllm.errors import RequestError
+from tachyllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
 from tachyllm.server.state import ServedModel
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -21,6 +25,56 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             raise bad_request(f"logit_bias keys must be token ids, got {key[:20]!r}", param="logit_bias")
         parsed[int(key)] = value
     return parsed
+
+
+def constraint_field(body: p.SamplingFields) -> str | None:
+    """The request field that carries its structured-output constraint, if any; 400 when several do."""
+    fields = []
+    if body.response_format is not None and body.response_format.type != "text":
+        fields.append("response_format")
+    if body.structured_outputs is not None:
+        fields.append("structured_outputs")
+    fields += [name for name in GUIDED_FIELDS if getattr(body, name) is not None]
+    if len(fields) > 1:
+        raise bad_request(f"give one structured-output constraint, not {' and '.join(fields)}", param=fields[1])
+    return fields[0] if fields else None
+
+
+def structured_outputs(body: p.SamplingFields) -> StructuredOutputsParams | None:
+    """The request's constraint, from whichever field carries it (constraint_field)."""
+    field = constraint_field(body)
+    if field is None:
+        return None
+    try:
+        if field == "response_format":
+            fmt = body.response_format
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise bad_request(
+                    "response_format of type json_schema needs json_schema.schema", param="response_format"
+                )
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if field == "structured_outputs":
+            so = body.structured_outputs
+            return StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object
+            )
+        return StructuredOutputsParams(**{GUIDED_FIELDS[field]: getattr(body, field)})
+    except ValueError as e:
+        raise bad_request(f"{field}: {e}", param=field) from None
+
+
+async def compile_constraint(model: ServedModel, params: SamplingParams, body: p.SamplingFields) -> None:
+    """Compiles the request's grammar off the event loop (the engine then finds it cached); a
+    constraint that cannot be compiled is a 400 naming the field it came in."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await asyncio.to_thread(model.processor.compile_grammar, params)
+    except RequestError as e:
+        field = constraint_field(body) or "tool_choice"
+        raise bad_request(f"{field}: {e}", param=field) from None
 
 
 def resolve_max_tokens(
@@ -48,8 +102,17 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    body: p.SamplingFields, max_tokens: int, logprobs: int | None, bias: dict[int, float] | None
+    body: p.SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    bias: dict[int, float] | None,
+    tool_constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """`tool_constraint`: the grammar of a chat's tool_choice ("required" or a named tool)."""
+    constraint = structured_outputs(body)
+    if constraint is not None and tool_constraint is not None:
+        field = constraint_field(body)
+        raise bad_request(f"{field} cannot be combined with tool_choice {body.tool_choice!r}", param=field)
     options = {
         "n": body.n,
         "temperature": body.temperature,
@@ -66,6 +129,7 @@ def sampling_params(
         "stop_token_ids": body.stop_token_ids,
         "logprobs": logprobs,
         "logit_bias": bias,
+        "structured_outputs": constraint or tool_constraint,
     }
     try:
         # Unset (None) fields take SamplingParams' defaults, which are OpenAI's.

@@ -28,8 +28,9 @@ from tachyllm.server.responses import (
     stream_errors,
     usage,
 )
-from tachyllm.server.sampling import logit_bias, resolve_max_tokens, sampling_params
+from tachyllm.server.sampling import compile_constraint, logit_bias, resolve_max_tokens, sampling_params
 from tachyllm.server.state import ServerState, server_state
+from tachyllm.server.tools import ToolCall, ToolCallStream, ToolPlan, check_tool_schemas, tool_plan
 
 router = APIRouter()
 
@@ -38,31 +39,36 @@ router = APIRouter()
 async def chat_completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body, model = await parse_generation_request(request, p.ChatCompletionRequest, state)
     bias = logit_bias(body.logit_bias)
-    prompt = await chat_prompt(model, body.messages)
+    plan = tool_plan(body, model.engine.tokenizer.chat_template)
+    if plan is not None:
+        await check_tool_schemas(model.processor.grammars, plan)
+    prompt = await chat_prompt(model, body.messages, plan)
     requested, max_param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, max_param = body.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(model, requested, len(prompt.token_ids), "messages", max_param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, top_logprobs, bias)
+    params = sampling_params(body, max_tokens, top_logprobs, bias, plan.constraint() if plan is not None else None)
     state.check_requested_tokens([prompt], [params], max_param)
+    await compile_constraint(model, params, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, model, request_id, [prompt], [params], "messages")
     if body.stream:
-        return event_stream(stream_errors(model.engine, chat_events(model.name, body, request_id, prompt, streams)))
+        events = chat_events(model.name, body, request_id, prompt, streams, plan)
+        return event_stream(stream_errors(model.engine, events))
     finals = await final_outputs(request, streams)
     if finals is None:
         return Response(status_code=499)
     out = finals[0]
-    choices = [
-        p.ChatChoice(
-            index=c.index,
-            message=p.AssistantMessage(content=c.text),
-            logprobs=None if top_logprobs is None else chat_logprobs(c, 0, top_logprobs),
-            finish_reason=finish_reason(out, c),
-        )
-        for c in out.outputs
-    ]
+    choices = []
+    for c in out.outputs:
+        reason, message = finish_reason(out, c), p.AssistantMessage(content=c.text)
+        if plan is not None and reason == "stop":
+            content, calls = plan.parse(c.text)
+            if calls:
+                message, reason = p.AssistantMessage(content=content, tool_calls=tool_calls(calls)), "tool_calls"
+        logprobs = None if top_logprobs is None else chat_logprobs(c, 0, top_logprobs)
+        choices.append(p.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason))
     num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
     return json_response(
         p.ChatCompletionResponse(
@@ -71,12 +77,23 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     )
 
 
+def tool_calls(calls: list[ToolCall]) -> list[p.ToolCall]:
+    return [p.ToolCall(id=c.id, function=p.FunctionCall(name=c.name, arguments=c.arguments)) for c in calls]
+
+
 async def chat_events(
-    model_name: str, body: p.ChatCompletionRequest, request_id: str, prompt: Prompt, streams: list[RequestStream]
+    model_name: str,
+    body: p.ChatCompletionRequest,
+    request_id: str,
+    prompt: Prompt,
+    streams: list[RequestStream],
+    plan: ToolPlan | None,
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     progress = [ChoiceProgress() for _ in range(n)]
+    # With tools, what may be a tool call is held back, then sent as calls (or as content after all).
+    tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan is not None else None
 
     def chunk(choices: list[p.ChatChunkChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
@@ -92,13 +109,32 @@ async def chat_events(
                 logprobs = None
                 if top_logprobs is not None:
                     logprobs = chat_logprobs(update.choice, 0, top_logprobs)
-                if update.finish_reason is not None:
+                text, reason, calls = update.text, update.finish_reason, []
+                if reason is not None:
                     num_output_tokens += update.progress.num_tokens
+                if tool_streams is not None:
+                    held = tool_streams[update.index]
+                    text = held.feed(text)
+                    if reason is not None:
+                        rest, calls = held.finish(reason == "stop")
+                        text += rest
+                        reason = "tool_calls" if calls else reason
+                    if not text and reason is None and logprobs is None:
+                        continue  # held back, and nothing else to send
+                deltas = [
+                    p.ToolCallDelta(
+                        index=k,
+                        id=c.id,
+                        type="function",
+                        function=p.FunctionCallDelta(name=c.name, arguments=c.arguments),
+                    )
+                    for k, c in enumerate(calls)
+                ]
                 choice = p.ChatChunkChoice(
                     index=update.index,
-                    delta=p.ChatDelta(content=update.text or None),
+                    delta=p.ChatDelta(content=text or None, tool_calls=deltas or None),
                     logprobs=logprobs,
-                    finish_reason=update.finish_reason,
+                    finish_reason=reason,
                 )
                 yield chunk([choice])
         if body.stream_options is not None and body.stream_options.include_usage:

@@ -28,7 +28,7 @@ from tachyllm.server.responses import (
     stream_errors,
     usage,
 )
-from tachyllm.server.sampling import logit_bias, resolve_max_tokens, sampling_params
+from tachyllm.server.sampling import compile_constraint, logit_bias, resolve_max_tokens, sampling_params
 from tachyllm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -49,6 +49,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for pr in prompts
     ]
     state.check_requested_tokens(prompts, params, "max_tokens")
+    await compile_constraint(model, params[0], body)
     engine = model.engine
     if body.echo and (missing := [pr for pr in prompts if pr.text is None]):
         texts = await asyncio.to_thread(

@@ -1,0 +1,286 @@
+"""Tool calling (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`) on every model.
+
+A model whose chat template writes Hermes-style `<tool_call>{...}</tool_call>` blocks (Qwen2.5 and
+its kin) gets the tools through its own template and answers in that format. Any other model (the
+default one included) gets tachyllm's generic format: a system message listing the tools, and a call
+written as one JSON object, `{"tool_calls": [{"name": ..., "arguments": {...}}]}`. Either way,
+`tool_choice` "required" or a named function is enforced by a grammar (structured outputs), and
+"auto" is parsed from what the model wrote. docs/tools.md has the details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tachyllm.sampling_params import StructuredOutputsParams
+from tachyllm.server import protocol as p
+from tachyllm.server.errors import bad_request
+from tachyllm.structured_output.compiler import JSON_OPTIONS, GrammarCompiler, GrammarError
+
+HERMES = "hermes"  # the template's own <tool_call> blocks
+GENERIC = "json"  # tachyllm's JSON object, for templates without tool calls
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_GENERIC_CALL = re.compile(r'\{\s*"tool_calls"')
+_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _literal(text: str) -> str:
+    """A Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text)
+
+
+def tool_format(chat_template: str | None) -> str:
+    return HERMES if chat_template and HERMES_OPEN in chat_template else GENERIC
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+
+def _arguments_value(arguments: Any) -> Any:
+    """A history tool call's arguments as templates expect them: an object when the JSON text is one."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except (json.JSONDecodeError, RecursionError):
+            return arguments
+    return arguments
+
+
+def render_history(conversation: list[dict[str, Any]], fmt: str) -> list[dict[str, Any]]:
+    """The conversation as the template renders it. Hermes templates render assistant tool calls and
+    `tool` messages themselves (arguments as objects). For the generic format, an assistant's calls
+    become the JSON it would have written, and a tool's result becomes a user message that names its call."""
+    out = []
+    for m in conversation:
+        calls = m.get("tool_calls")
+        if fmt == HERMES:
+            if calls:
+                calls = [
+                    {**c, "function": {**c["function"], "arguments": _arguments_value(c["function"]["arguments"])}}
+                    for c in calls
+                ]
+                m = {**m, "tool_calls": calls}
+            out.append(m)
+        elif calls:
+            written = [
+                {"name": c["function"]["name"], "arguments": _arguments_value(c["function"]["arguments"])}
+                for c in calls
+            ]
+            text = json.dumps({"tool_calls": written}, ensure_ascii=False)
+            out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m["content"] else text})
+        elif m["role"] == "tool":
+            call = m.get("tool_call_id") or "?"
+            out.append({"role": "user", "content": f"Result of tool call {call}:\n{m['content']}"})
+        else:
+            out.append(m)
+    return out
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools mean for its prompt, its constraint and its answer."""
+
+    format: str
+    tools: list[dict[str, Any]]  # OpenAI tool objects ({"type": "function", "function": {...}})
+    choice: str  # "auto", "required" or "named"
+    named: str | None  # the function tool_choice names
+    parallel: bool
+
+    @property
+    def functions(self) -> list[dict[str, Any]]:
+        return [t["function"] for t in self.tools]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders (Hermes templates only)."""
+        return self.tools if self.format == HERMES else None
+
+    def prompt(self, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The generic format's instructions as the first system message (the template's own otherwise)."""
+        if self.format == HERMES:
+            return conversation
+        listed = [
+            {"name": f["name"], "description": f.get("description", ""), "parameters": f.get("parameters") or {}}
+            for f in self.functions
+        ]
+        text = (
+            "You can call these tools; each takes arguments matching its JSON schema:\n"
+            f"{json.dumps(listed, ensure_ascii=False)}\n"
+            'To call tools, answer with only a JSON object {"tool_calls": [{"name": TOOL NAME, "arguments": '
+            "{ARGUMENTS}}]} and nothing else."
+        )
+        if self.choice == "required":
+            text += " You must call at least one tool."
+        elif self.choice == "named":
+            text += f" You must call the tool {self.named}."
+        else:
+            text += " If no tool is needed, answer normally."
+        if conversation and conversation[0]["role"] == "system":
+            first = conversation[0]
+            return [{**first, "content": f"{first['content']}\n\n{text}"}, *conversation[1:]]
+        return [{"role": "system", "content": text}, *conversation]
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar that makes the model call a tool ("required", named); None for "auto". Each
+        function's arguments are their own %json schema (so that a schema's "$ref"s resolve in it), in
+        the compact JSON of structured outputs."""
+        if self.choice == "auto":
+            return None
+        allowed = [f for f in self.functions if self.choice != "named" or f["name"] == self.named]
+        rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(allowed)))}"]
+        for i, f in enumerate(allowed):
+            schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+            opening = '{"name": ' + json.dumps(f["name"]) + ', "arguments": '
+            rules.append(f"call_{i}: {_literal(opening)} %json {json.dumps(schema)} {_literal('}')}")
+        if self.format == GENERIC:
+            more = f"({_literal(', ')} call)*" if self.parallel else ""
+            head, tail = '{"tool_calls": [', "]}"
+            start = f"start: {_literal(head)} call {more} {_literal(tail)}"
+        else:
+            newline = "\n"
+            more = f"({_literal(newline)} block)*" if self.parallel else ""
+            start = f"start: block {more}"
+            rules.append(f"block: {_literal(HERMES_OPEN + newline)} call {_literal(newline + HERMES_CLOSE)}")
+        return StructuredOutputsParams(grammar="\n".join([start, *rules]))
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of an answer; no calls when it holds none that parse as calls of these tools."""
+        names = {f["name"] for f in self.functions}
+        if self.format == GENERIC:
+            try:
+                value = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                return text, []
+            written = value.get("tool_calls") if isinstance(value, dict) else None
+            calls = _calls(written if isinstance(written, list) else [], names)
+            return (None, calls) if calls else (text, [])
+        blocks = _HERMES_BLOCK.findall(text)
+        parsed = []
+        for block in blocks:
+            try:
+                parsed.append(json.loads(block))
+            except (json.JSONDecodeError, RecursionError):
+                return text, []
+        calls = _calls(parsed, names)
+        if not calls or len(calls) != len(blocks):
+            return text, []
+        content = _HERMES_BLOCK.sub("", text).strip()
+        return content or None, calls
+
+
+def _calls(written: list[Any], names: set[str]) -> list[ToolCall]:
+    """The calls of known functions with object arguments; [] if any entry is not one."""
+    calls = []
+    for entry in written:
+        if not isinstance(entry, dict) or entry.get("name") not in names:
+            return []
+        arguments = entry.get("arguments", entry.get("parameters", {}))
+        if not isinstance(arguments, dict):
+            return []
+        calls.append(ToolCall(entry["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+class ToolCallStream:
+    """One streamed choice: text that may be the start of a tool call is held back until it is known
+    not to be one; whatever is held is answered at the end (as calls, or as content after all)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent = 0  # characters of text already sent as content
+        self._holding = False  # a tool call has begun: nothing more is content until the end
+
+    def feed(self, delta: str) -> str:
+        """The content to send now, of the text so far plus `delta`."""
+        self.text += delta
+        if self._holding:
+            return ""
+        if self.plan.format == GENERIC:
+            if self.plan.choice != "auto":
+                self._holding = True  # the grammar makes the whole answer a call
+                return ""
+            state = _generic_start(self.text)
+            if state != "no":
+                self._holding = state == "call"
+                return ""
+            return self._send(len(self.text))
+        start = self.text.find(HERMES_OPEN, self.sent)
+        if start >= 0:
+            self._holding = True
+            return self._send(start)
+        # Hold a tail that could grow into the opening tag.
+        keep = next((k for k in range(len(HERMES_OPEN) - 1, 0, -1) if self.text.endswith(HERMES_OPEN[:k])), 0)
+        return self._send(len(self.text) - keep)
+
+    def _send(self, end: int) -> str:
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return out
+
+    def finish(self, complete: bool) -> tuple[str, list[ToolCall]]:
+        """(content still to send, tool calls) at the end; `complete`: the model ended the answer itself
+        (not cut by a length limit), so its calls count."""
+        calls = self.plan.parse(self.text)[1] if complete else []
+        if not calls:
+            return self.text[self.sent :], []
+        # The content before the first call was sent; Hermes text after the last call goes now.
+        tail = self.text[self.text.rfind(HERMES_CLOSE) + len(HERMES_CLOSE) :] if self.plan.format == HERMES else ""
+        return tail.strip(), calls
+
+
+def _generic_start(text: str) -> str:
+    """Whether an answer is a generic-format call: "call", "maybe" (it could still become one), or "no"."""
+    head = text.lstrip()
+    if _GENERIC_CALL.match(head):
+        return "call"
+    if not head:
+        return "maybe"
+    return "maybe" if head[0] == "{" and '"tool_calls"'.startswith(head[1:].lstrip()) else "no"
+
+
+def tool_plan(body: p.ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
+    """The request's tools as a plan (None: no tools, or tool_choice "none"); 400 for a choice that
+    names no given tool or asks for tools without any."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", param="tools")
+    named = None
+    if isinstance(choice, p.NamedToolChoice):
+        named = choice.function.name
+        if named not in names:
+            raise bad_request(f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)})",
+                              param="tool_choice")  # fmt: skip
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    kind = "named" if named else (choice or "auto")
+    parallel = body.parallel_tool_calls is not False
+    return ToolPlan(tool_format(chat_template), tools, kind, named, parallel)
+
+
+async def check_tool_schemas(compiler: GrammarCompiler, plan: ToolPlan) -> None:
+    """Every tool's parameters is a JSON schema structured outputs can enforce (checked off the event
+    loop, without compiling: under "auto" none is); else a 400 naming the tool."""
+    for i, function in enumerate(plan.functions):
+        schema = function.get("parameters")
+        if schema is None:
+            continue
+        try:
+            await asyncio.to_thread(compiler.check, StructuredOutputsParams(json=schema))
+        except GrammarError as e:
+            raise bad_request(
+                f"tools[{i}].function.parameters is not a usable JSON schema: {e}", param="tools"
+            ) from None
