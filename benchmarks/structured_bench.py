@@ -7,7 +7,7 @@
 3. per-step mask cost: filling the token bitmasks of 1 and 64 constrained sequences (llguidance), and
    applying them to the logits (Sampler.constrain), in microseconds per step.
 
-    .venv/bin/python benchmarks/structured_bench.py [--rounds 2] [--threads 2] [--json out.json]
+    .venv/bin/python benchmarks/structured_bench.py [--rounds 2] [--threads 2] [--quantization gguf] [--json out.json]
 """
 
 from __future__ import annotations
@@ -119,10 +119,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="e.g. gguf: the fast CPU path (C++ kernels)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    llm = LLM(max_num_seqs=args.batch, threads=args.threads)
+    llm = LLM(max_num_seqs=args.batch, threads=args.threads, dtype=args.dtype, quantization=args.quantization)
     batch = prompts(llm, args.batch)
     free = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     bound = SamplingParams(
@@ -159,6 +161,8 @@ def main() -> None:
         "ttft_ms": {k: [round(v * 1000, 1) for v in vs] for k, vs in ttft.items()},
         "mask_costs_us": {k: round(v, 1) for k, v in costs.items()},
         "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "quantization": args.quantization,
     }
     print(json.dumps(result, indent=1))
     print(

@@ -55,15 +55,17 @@ class Sampler:
         words = torch.stack([seqs[i].allowed_tokens for i in rows])
         # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, lowest bit first.
         bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-        allowed = torch.from_numpy(bits).to(device=logits.device, dtype=torch.bool)
+        allowed = torch.from_numpy(bits.view(np.bool_))  # 0/1 bytes read as bools, not copied
         # A row the grammar leaves nothing in (its matcher failed) may still end: EOS stays allowed.
         dead = (~allowed.any(dim=1)).nonzero().squeeze(1)
         if len(dead) and self.eos_token_ids:
             allowed[dead.unsqueeze(1), torch.tensor(self.eos_token_ids)] = True
-        logits = logits.clone()
+        allowed = allowed.to(logits.device)
+        forbidden = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+        if len(rows) == len(seqs):
+            return torch.where(allowed, logits, forbidden)
         index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-        return logits
+        return logits.index_copy(0, index, torch.where(allowed, logits[index], forbidden))
 
     def process(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens,
