@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import httpx
 import jsonschema
@@ -84,6 +85,16 @@ def test_every_kind_in_one_mixed_batch_and_free_rows_unchanged(path):
         completion = out.outputs[0]
         check(kind, completion.text)
         assert completion.finish_reason == "stop"
+
+
+def test_chunked_prefill_and_cached_prefixes_give_the_same_constrained_tokens(path):
+    prompts = random_prompts(6, 6, shared=12, tail=(10, 30))
+    params = [constrained(**CONSTRAINTS[k]) for k in ("json", "regex", "lark", "choice", "gbnf", "json")]
+    whole = token_ids(run(tiny_llm(path, enable_prefix_caching=False), prompts, params))
+    chunked = tiny_llm(path, max_num_batched_tokens=8)
+    assert token_ids(run(chunked, prompts, params)) == whole
+    assert token_ids(run(chunked, prompts, params, prefix="again")) == whole  # now from the prefix cache
+    assert chunked.engine.stats.prefix_cache_hits > 0
 
 
 def test_max_tokens_cuts_a_json_output_with_length(path):
@@ -249,6 +260,23 @@ def test_every_request_field_on_both_endpoints(client):
         check(kind, reply.choices[0].message.content)
         out = client.completions.create(model="m", prompt="Say:", max_tokens=60, temperature=0, extra_body=extra)
         check(kind, out.choices[0].text)
+
+
+def test_grammars_compile_off_the_engine_thread(client, monkeypatch):
+    """A constraint never seen before compiles in a server worker thread; the engine thread only finds it cached."""
+    from tachyllm.structured_output import compiler
+
+    threads = []
+    source = compiler.grammar_source
+    monkeypatch.setattr(
+        compiler, "grammar_source", lambda params: threads.append(threading.current_thread().name) or source(params)
+    )
+    chat = [{"role": "user", "content": "Pick one."}]
+    reply = client.chat.completions.create(
+        model="m", messages=chat, max_tokens=20, temperature=0, extra_body={"guided_regex": "[a-c]{3}z"}
+    )
+    assert re.fullmatch("[a-c]{3}z", reply.choices[0].message.content)
+    assert threads and "tachy-engine" not in threads, threads
 
 
 def test_streamed_constrained_output_equals_whole(client):

@@ -283,3 +283,34 @@ def test_hermes_template_gets_the_tools_and_its_calls_are_parsed(path, tmp_path)
         streamed = list(ask(client, tool_choice=named, parallel_tool_calls=False, stream=True))
         deltas = [d for c in streamed if c.choices for d in (c.choices[0].delta.tool_calls or [])]
         assert [d.function.name for d in deltas] and {d.function.name for d in deltas} == {"get_weather"}
+
+
+@pytest.mark.slow
+def test_default_model_calls_tools_in_every_mode(default_model_path):
+    with running_server(default_model_path, "--served-model-name", "m", "--kv-cache-memory", "64M") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        for choice, names in (
+            ("required", set(SCHEMAS)),
+            ({"type": "function", "function": {"name": "get_weather"}}, {"get_weather"}),
+        ):
+            answer = ask(client, tool_choice=choice, max_tokens=100).choices[0]
+            assert answer.finish_reason == "tool_calls", answer.message
+            check_calls(answer.message.tool_calls, names)
+            chunks = list(ask(client, tool_choice=choice, max_tokens=100, stream=True))
+            deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+            assert [(d.function.name, d.function.arguments) for d in deltas] == [
+                (c.function.name, c.function.arguments) for c in answer.message.tool_calls
+            ]
+        # auto: whatever the model chose, a well-formed answer (calls that validate, or text).
+        for stream in (False, True):
+            if stream:
+                chunks = list(ask(client, max_tokens=100, stream=True))
+                calls = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+                reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                assert reasons == ["tool_calls"] if calls else reasons[0] in ("stop", "length")
+            else:
+                answer = ask(client, max_tokens=100).choices[0]
+                if answer.finish_reason == "tool_calls":
+                    check_calls(answer.message.tool_calls)
+                else:
+                    assert answer.message.content
