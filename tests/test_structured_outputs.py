@@ -166,11 +166,11 @@ def test_preempted_constrained_requests_match_unpreempted(path):
 @pytest.mark.parametrize(
     "constraint, message",
     [
-        ({"regex": "(unclosed"}, "regex"),
-        ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"regex": "(unclosed"}, "unclosed group"),
+        ({"grammar": "start: undefined_rule"}, 'unknown name: "undefined_rule"'),
         ({"json": '{"type": "object", '}, "not valid JSON"),
-        ({"json": {"type": "string", "format": "no-such-format"}}, "json"),
-        ({"json": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}, "json"),
+        ({"json": {"type": "string", "format": "no-such-format"}}, "Unknown format: no-such-format"),
+        ({"json": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}, "Invalid type: frobnicate"),
     ],
 )
 def test_bad_constraints_are_refused_and_queue_nothing(path, constraint, message):
@@ -295,10 +295,10 @@ def test_streamed_constrained_output_equals_whole(client):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
-         "response_format", "json"),
+         "response_format", "Invalid type: nope"),
         ({"structured_outputs": {"regex": "(", "choice": ["a"]}}, "structured_outputs", "exactly one"),
-        ({"structured_outputs": {"regex": "("}}, "structured_outputs", "regex"),
-        ({"structured_outputs": {"grammar": "start: ???"}}, "structured_outputs", "grammar"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs", "unclosed group"),
+        ({"structured_outputs": {"grammar": "start: ???"}}, "structured_outputs", "Expected value"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
         ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured-output constraint"),
