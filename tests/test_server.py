@@ -24,7 +24,7 @@ import pytest
 from conftest import serving
 from prometheus_client.parser import text_string_to_metric_families
 
-from tachyllm import LLM, SamplingParams
+from tachyllm import LLM, SamplingParams, faults
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
@@ -251,6 +251,31 @@ def test_chat_matches_offline_and_streams(client, offline, model_path):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_stream_sends_nothing_before_the_first_token(http, model_path):
+    """The role goes out with the first content (vLLM's timing), so a client's TTFT from the first SSE
+    event includes the prefill: here a prefill held up 0.8 s by a hook in the engine's forward."""
+    delay, delayed = 0.8, set()
+
+    def slow_prefill(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward" and any(r.startswith("chatcmpl-") and r not in delayed for r in request_ids):
+            delayed.update(request_ids)
+            time.sleep(delay)
+
+    body = {"model": model_path, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "stream": True}
+    with faults.injected(slow_prefill):
+        start = time.perf_counter()
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            first_event = time.perf_counter() - start
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert delayed and first_event >= delay, first_event
+    chunk = json.loads(first.removeprefix("data: "))
+    assert chunk["choices"][0]["delta"]["role"] == "assistant" and chunk["choices"][0]["delta"]["content"]
+    roles = [json.loads(line.removeprefix("data: "))["choices"][0]["delta"]["role"] for line in rest[:-1]]
+    assert roles and set(roles) == {None}  # the role once per choice
 
 
 def test_streamed_completion_equals_whole(client, model_path):

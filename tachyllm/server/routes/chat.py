@@ -101,8 +101,9 @@ async def chat_events(
         )
 
     try:
-        for index in range(n):
-            yield chunk([p.ChatChunkChoice(index=index, delta=p.ChatDelta(role="assistant", content=""))])
+        # Each choice's role goes out with its first content (vLLM's timing): a client that takes the
+        # first event for the first token measures the real time to first token.
+        started = [False] * n
         num_output_tokens = 0
         async for _, out in merged(streams):
             for update in choice_updates(out, progress, 0):
@@ -130,9 +131,11 @@ async def chat_events(
                     )
                     for k, c in enumerate(calls)
                 ]
+                role = None if started[update.index] else "assistant"
+                started[update.index] = True
                 choice = p.ChatChunkChoice(
                     index=update.index,
-                    delta=p.ChatDelta(content=text or None, tool_calls=deltas or None),
+                    delta=p.ChatDelta(role=role, content=text or None, tool_calls=deltas or None),
                     logprobs=logprobs,
                     finish_reason=reason,
                 )
