@@ -221,3 +221,21 @@ def test_generate_from_another_thread_warns_once(llm, caplog):
             worker.start()
             worker.join()
     assert caplog.text.count("LLM.generate called from another thread") == 1
+
+
+def test_text_and_tokens_prompts_as_vllm_takes_them(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, give what the bare text or ids give;
+    a dict of another shape fails alone, with a message."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("Hello there")
+    bare = llm.generate(["Hello there", ids], params, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in bare]
+    assert dicts[0].prompt == "Hello there" and dicts[1].prompt_token_ids == ids
+    assert (
+        llm.generate({"prompt": "Hello there"}, params, use_tqdm=False)[0].outputs[0].token_ids
+        == bare[0].outputs[0].token_ids
+    )
+    bad, good = llm.generate([{"text": "Hi"}, "Hi"], params, use_tqdm=False)
+    assert bad.error and "prompt_token_ids" in bad.error and not bad.outputs
+    assert good.error is None and len(good.outputs[0].token_ids) == 6

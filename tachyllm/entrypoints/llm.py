@@ -61,8 +61,9 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list):
             request_id = str(next(self._ids))
             order.append(request_id)
-            prompt_arg = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
+            prompt_arg = prompt
             try:
+                prompt_arg = _prompt_value(prompt)
                 # Only the final output is kept: no copy of the completion so far at every step.
                 self.engine.add_request(
                     request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -122,6 +123,23 @@ class LLM:
             {"prompt_token_ids": processor.chat_prompt_ids(conv, add_generation_prompt)} for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _prompt_value(prompt: Prompt) -> str | list[int]:
+    """A prompt as the engine takes it: text or token ids, given as such or as vLLM's TextPrompt
+    ({"prompt": str}) / TokensPrompt ({"prompt_token_ids": [...]})."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    raise RequestError(
+        'a prompt dict must be {"prompt": str} or {"prompt_token_ids": [int, ...]}, '
+        f"got keys {sorted(map(str, keys))}",
+        param="prompt",
+    )
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
