@@ -37,13 +37,9 @@ class _Planned:
     num_new_tokens: int  # tokens in this step's forward, draft tokens included
     # Draft tokens verified this step after the sequence's last token (speculative decoding).
     spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_valid_drafts(self) -> int:
-        """Drafts the sequence's grammar allows (all but a last refused one, kept for a sampled draft:
-        _fit_spec_tokens)."""
-        grammar = self.seq.grammar
-        return len(self.spec_token_ids) if grammar is None else grammar.valid_prefix(self.spec_token_ids)
+    # The first of them its grammar allows: all but a last refused one kept for a sampled draft
+    # model (_fit_spec_tokens).
+    num_valid_drafts: int = 0
 
     @property
     def num_real_tokens(self) -> int:
@@ -130,10 +126,10 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             num_new = self._prefill_cap(seq, min(seq.num_uncomputed_tokens, budget), out)
-            spec = self._fit_spec_tokens(seq, budget)
+            spec, num_valid = self._fit_spec_tokens(seq, budget)
             if spec:
                 if self.block_manager.allocate(seq, 1 + len(spec)):
-                    out.scheduled.append(_Planned(seq, 1 + len(spec), spec))
+                    out.scheduled.append(_Planned(seq, 1 + len(spec), spec, num_valid))
                     budget -= 1 + len(spec)
                     continue
                 seq.clear_spec()  # no room for the drafts: decode one token, preempting if need be
@@ -349,11 +345,13 @@ class Scheduler:
             low, high = (mid, high) if fits(mid) else (low, mid - 1)
         return low
 
-    def _fit_spec_tokens(self, seq: Sequence, budget: int) -> list[int]:
-        """The draft tokens of a decoding sequence that fit the token budget next to its own token."""
+    def _fit_spec_tokens(self, seq: Sequence, budget: int) -> tuple[list[int], int]:
+        """The draft tokens of a decoding sequence that fit the token budget next to its own token,
+        and how many of them, from the first, its grammar allows (all without a grammar)."""
         if not seq.spec_token_ids or seq.num_uncomputed_tokens != 1:
-            return []
+            return [], 0
         room = budget - 1
+        valid = len(seq.spec_token_ids)
         if seq.grammar is not None:
             # A draft the grammar refuses is rejected: the drafts after it are not worth verifying. A
             # sampled draft model's refused draft stays, though: its rejection draws the token from the
@@ -367,7 +365,7 @@ class Scheduler:
             seq.spec_token_ids = seq.spec_token_ids[:room]
             if seq.spec_draft_probs is not None:
                 seq.spec_draft_probs = seq.spec_draft_probs[:room]
-        return seq.spec_token_ids
+        return seq.spec_token_ids, min(valid, len(seq.spec_token_ids))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
