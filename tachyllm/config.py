@@ -134,6 +134,13 @@ class EngineConfig:
         ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
         parse=str,
     )
+    # Batch invariance (docs/determinism.md): fp32 is invariant without it; bf16 linears need the C++
+    # kernel at every row count, at the cost of slower prefill GEMMs.
+    deterministic: bool = option(
+        False,
+        "batch-invariant bf16: outputs independent of prefix-cache hits, prompt chunking and the batch"
+        " (default: off; float32 is invariant anyway)",
+    )
     backend: str = option(
         "auto",
         "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops); auto = cpu when the device"

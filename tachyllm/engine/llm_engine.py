@@ -65,7 +65,13 @@ class LLMEngine:
         self.model, self.weight_bytes = build_model(
             ckpt, self.dtype, self.backend, self.max_model_len,
             config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
+            batch_invariant=config.deterministic,
         )  # fmt: skip
+        if config.deterministic and self.backend.name != "cpu":
+            logger.warning(
+                "--deterministic: the %s backend's attention is not batch invariant; outputs may still depend "
+                "on the batch and on prefix-cache hits (docs/determinism.md)", self.backend.name,
+            )  # fmt: skip
         model = self.model
 
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)

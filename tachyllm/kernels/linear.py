@@ -9,7 +9,13 @@ the embedding table). Above NATIVE_MAX_ROWS rows F.linear on that plain weight t
 oneDNN-prepacked copy would be somewhat faster there: the price of keeping one copy
 (measurements: docs/design_measurements.md#bf16-linears; `benchmarks/kernels_bench.py bf16`).
 Without the C++ kernels, or without AVX512-BF16 (where the kernel is a scalar loop), the weight is
-prepacked for oneDNN instead.
+prepacked for oneDNN instead; so is every float32 weight.
+
+Batch invariance (docs/determinism.md): a token's output must not depend on how many rows share the
+call. The C++ kernel and oneDNN's GEMM each keep that (one fixed summation order per output), except
+oneDNN with a single row, which it sums another way: a lone row is computed as two. Between the two
+implementations the sums differ, so a deterministic engine (`batch_invariant`) sends every row count
+to the C++ kernel.
 """
 
 from __future__ import annotations
@@ -27,22 +33,22 @@ NATIVE_MAX_ROWS = 48
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
-    """`kernels`: the backend's bf16 matrix-vector kernel (Backend.bf16_linear_kernels), or None."""
+    """`kernels`: the backend's bf16 matrix-vector kernel (Backend.bf16_linear_kernels), or None.
+    `batch_invariant`: the kernel computes every row count, never F.linear."""
 
-    def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None):
+    def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None, batch_invariant: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.ops = kernels if weight.dtype == torch.bfloat16 else None
+        self.max_kernel_rows = None if batch_invariant else NATIVE_MAX_ROWS
         if self.ops is not None:
             self.weight, self.packed_weight = weight, None
         else:
@@ -50,21 +56,28 @@ class PackedLinear(nn.Module):
 
     def native_spec(self) -> tuple | None:
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
-        return None if self.ops is None else (0, self.weight, self.bias, self.out_features, 0, NATIVE_MAX_ROWS)
+        if self.ops is None:
+            return None
+        max_rows = -1 if self.max_kernel_rows is None else self.max_kernel_rows
+        return (0, self.weight, self.bias, self.out_features, 0, max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
+            if x.numel() == self.in_features:  # one row: computed as two (see the module's docstring)
+                pair = x.reshape(1, -1).expand(2, -1).contiguous()
+                y = torch.ops.mkldnn._linear_pointwise(pair, self.packed_weight, self.bias, "none", [], "")
+                return y[:1].view(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        if x.numel() <= NATIVE_MAX_ROWS * self.in_features:
+        if self.max_kernel_rows is None or x.numel() <= self.max_kernel_rows * self.in_features:
             return self.ops.bf16_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-def pack_linears(model: nn.Module, kernels: ModuleType | None = None) -> int:
+def pack_linears(model: nn.Module, kernels: ModuleType | None = None, batch_invariant: bool = False) -> int:
     """Replaces every nn.Linear in model by a PackedLinear; returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module, kernels))
+        setattr(parent, child, PackedLinear(module, kernels, batch_invariant))
     return len(targets)

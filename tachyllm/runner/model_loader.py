@@ -23,7 +23,10 @@ def build_model(
     quant_group_size: int | None = None,
     quant_skip: str | None = None,
     quant_activation_bits: int = 16,
+    batch_invariant: bool = False,
 ) -> tuple[LlamaForCausalLM, int]:
+    """`batch_invariant`: every token's result independent of what else the step computes
+    (docs/determinism.md)."""
     device = backend.device
     with torch.device("meta"):
         model = LlamaForCausalLM(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
@@ -42,6 +45,6 @@ def build_model(
         )
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
-        pack_linears(model, backend.bf16_linear_kernels())
+        pack_linears(model, backend.bf16_linear_kernels(), batch_invariant)
     model.fuse_layers(backend)
     return model.eval(), weight_bytes

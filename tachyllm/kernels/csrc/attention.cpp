@@ -13,9 +13,11 @@
 // the cache dtype; an int8 / fp8 cache is converted in registers as its stored values, its
 // per-KV-head scale folded into the score scale (keys) and into the output (values). Long contexts
 // are cut into segments merged at the end (flash-decoding), so that one long prompt keeps both
-// threads busy. Items differ a lot in cost, so threads take them
-// heaviest first from a shared counter; how an item is cut never depends on the batch or the
-// thread count, so neither changes a row's result.
+// threads busy. Items differ a lot in cost, so threads take them heaviest first from a shared
+// counter. A row's result is batch invariant: it does not depend on the batch, the thread count,
+// or which other queries share its tile (how its prompt was chunked, whether its prefix came
+// from the cache), because every row sums in one fixed order and contexts are cut at fixed
+// positions (docs/determinism.md).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <algorithm>
@@ -140,19 +142,25 @@ inline void scores_rows(float* scores, const float* q, const float* keys_t, int6
   }
 }
 
+// Every row sums its dot products in the same order (kScoreSums partial sums, combined in index
+// order), whatever the number of rows: a row's score never depends on what shares its tile (the
+// batch, the chunking of its prompt). Rows go kScoreRows at a time, kScoreRows * kScoreSums
+// accumulators fitting the registers.
+constexpr int kScoreRows = 6;
+constexpr int kScoreSums = 4;
+
 inline void scores_all(float* scores, const float* q, const float* keys_t, int64_t head_dim, int64_t rows) {
   int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) scores_rows<8, 1>(scores + r * KEY_TILE, q + r * head_dim, keys_t, head_dim);
+  for (; r + kScoreRows <= rows; r += kScoreRows)
+    scores_rows<kScoreRows, kScoreSums>(scores + r * KEY_TILE, q + r * head_dim, keys_t, head_dim);
   float* s = scores + r * KEY_TILE;
   const float* qr = q + r * head_dim;
   switch (rows - r) {
-    case 1: return scores_rows<1, 8>(s, qr, keys_t, head_dim);
-    case 2: return scores_rows<2, 4>(s, qr, keys_t, head_dim);
-    case 3: return scores_rows<3, 2>(s, qr, keys_t, head_dim);
-    case 4: return scores_rows<4, 2>(s, qr, keys_t, head_dim);
-    case 5: return scores_rows<5, 1>(s, qr, keys_t, head_dim);
-    case 6: return scores_rows<6, 1>(s, qr, keys_t, head_dim);
-    case 7: return scores_rows<7, 1>(s, qr, keys_t, head_dim);
+    case 1: return scores_rows<1, kScoreSums>(s, qr, keys_t, head_dim);
+    case 2: return scores_rows<2, kScoreSums>(s, qr, keys_t, head_dim);
+    case 3: return scores_rows<3, kScoreSums>(s, qr, keys_t, head_dim);
+    case 4: return scores_rows<4, kScoreSums>(s, qr, keys_t, head_dim);
+    case 5: return scores_rows<5, kScoreSums>(s, qr, keys_t, head_dim);
     default: return;
   }
 }
@@ -230,20 +238,19 @@ inline void pair_scores_rows(float* scores, const uint32_t* q, const uint32_t* k
   }
 }
 
-// S divides `pairs` (a multiple of 16) in every case.
+// The same row blocking and summation order as scores_all (kScoreSums divides `pairs`, a multiple of 16).
 inline void pair_scores_all(float* scores, const uint32_t* q, const uint32_t* keys_p, int64_t pairs, int64_t rows, float scale) {
   int64_t r = 0;
-  for (; r + 8 <= rows; r += 8) pair_scores_rows<8, 1>(scores + r * KEY_TILE, q + r * pairs, keys_p, pairs, scale);
+  for (; r + kScoreRows <= rows; r += kScoreRows)
+    pair_scores_rows<kScoreRows, kScoreSums>(scores + r * KEY_TILE, q + r * pairs, keys_p, pairs, scale);
   float* s = scores + r * KEY_TILE;
   const uint32_t* qr = q + r * pairs;
   switch (rows - r) {
-    case 1: return pair_scores_rows<1, 8>(s, qr, keys_p, pairs, scale);
-    case 2: return pair_scores_rows<2, 4>(s, qr, keys_p, pairs, scale);
-    case 3: return pair_scores_rows<3, 4>(s, qr, keys_p, pairs, scale);
-    case 4: return pair_scores_rows<4, 2>(s, qr, keys_p, pairs, scale);
-    case 5: return pair_scores_rows<5, 2>(s, qr, keys_p, pairs, scale);
-    case 6: return pair_scores_rows<6, 1>(s, qr, keys_p, pairs, scale);
-    case 7: return pair_scores_rows<7, 1>(s, qr, keys_p, pairs, scale);
+    case 1: return pair_scores_rows<1, kScoreSums>(s, qr, keys_p, pairs, scale);
+    case 2: return pair_scores_rows<2, kScoreSums>(s, qr, keys_p, pairs, scale);
+    case 3: return pair_scores_rows<3, kScoreSums>(s, qr, keys_p, pairs, scale);
+    case 4: return pair_scores_rows<4, kScoreSums>(s, qr, keys_p, pairs, scale);
+    case 5: return pair_scores_rows<5, kScoreSums>(s, qr, keys_p, pairs, scale);
     default: return;
   }
 }
@@ -595,7 +602,7 @@ struct SplitSpan {
   int64_t seq, first_query, queries, first_partial, segments;
 };
 
-// Positions per segment of a long context (contexts of at least twice this many are split).
+// Positions per segment of a long context (a multiple of KEY_TILE: segments start on a key tile).
 constexpr int64_t SEGMENT = 512;
 // How far ahead (positions) a work item asks for K/V rows: one tile.
 constexpr int64_t PREFETCH_DISTANCE = KEY_TILE;
@@ -685,20 +692,20 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
       spans.push_back({b, j, n, start + j + n});
     }
   }
-  // A long context is cut into segments of SEGMENT positions whatever else is in the batch and
-  // however many threads run, so that a row's result never depends on either. A batch of fewer
-  // than two such pieces per thread (a single decode) gives each KV head its own item: heads are
-  // independent, so that changes no result either.
+  // A context longer than SEGMENT is cut at the multiples of SEGMENT, and its rows merge their
+  // segments' partial results; a shorter one is computed in one piece, which gives the bits a
+  // merge of its one segment would. So a row's result depends only on its own position: not on
+  // the other rows of its tile (the chunking of its prompt), the batch, or the thread count. A
+  // batch of fewer than two pieces per thread (a single decode) gives each KV head its own item:
+  // heads are independent, so that changes no result either.
   struct Segment { int64_t span, pos_begin, pos_end, partial; };
   std::vector<Segment> segments;
   for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
     const Span& sp = spans[i];
-    const int64_t count = sp.context >= 2 * SEGMENT ? (sp.context + SEGMENT - 1) / SEGMENT : 1;
-    const int64_t length = sp.context / count + 1;
-    if (count > 1)
-      plan.splits.push_back({sp.seq, sp.first_query, sp.queries, plan.partial_rows, (sp.context + length - 1) / length});
-    for (int64_t p = 0; p < sp.context; p += length) {
-      segments.push_back({i, p, std::min(sp.context, p + length), count > 1 ? plan.partial_rows : -1});
+    const int64_t count = (sp.context + SEGMENT - 1) / SEGMENT;
+    if (count > 1) plan.splits.push_back({sp.seq, sp.first_query, sp.queries, plan.partial_rows, count});
+    for (int64_t p = 0; p < sp.context; p += SEGMENT) {
+      segments.push_back({i, p, std::min(sp.context, p + SEGMENT), count > 1 ? plan.partial_rows : -1});
       if (count > 1) plan.partial_rows += sp.queries * plan.num_heads;
     }
   }
@@ -796,9 +803,9 @@ void run_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::T
             for (int64_t d = 0; d < head_dim; ++d) dst[2 + d] = acc[d] * v_scale;
             continue;
           }
+          // As merge_attention normalises (a row that sees one segment gets the same bits there).
           scalar_t* dst = op + plan.head_row(out.stride(0), first, h, r);
-          const float inv = v_scale / tile.sum[r];
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[d] * v_scale / tile.sum[r]);
         }
       }
     }

@@ -34,6 +34,8 @@ constexpr int kRows = 4;    // weight rows streamed together
 constexpr int kTokens = 6;  // token rows per pass over a block of weight rows (kRows * kTokens accumulators)
 // Smallest share of the weight worth a thread: below it the pool's wake-up costs more than it saves.
 constexpr int64_t kMinBytesPerTask = 64 * 1024;
+// Input bytes of the tokens one pass over the weight serves (a share of L2).
+constexpr int64_t kChunkBytes = 256 * 1024;
 // Rows ahead of the current ones whose weights are requested (two blocks).
 constexpr int64_t kPrefetchRows = 2 * kRows;
 
@@ -189,16 +191,26 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
   const int64_t blocks = (out + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * std::max<int64_t>(in, 1) * 2;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t row = b * kRows;
-      if (row + kRows <= out) {
-        dot_rows<kRows>(p, row, tokens);
-      } else {
-        for (int64_t r = row; r < out; ++r) dot_rows<1>(p, r, tokens);
+  // Many tokens (a prefill chunk) go kChunkTokens at a time, so that their inputs stay in L2 while
+  // every block of weight rows passes over them. Each output is summed the same way whatever the
+  // chunking: a token's result never depends on the other tokens (batch invariance).
+  const int64_t chunk = std::max<int64_t>(kTokens, kChunkBytes / (2 * std::max<int64_t>(in, 1)));
+  for (int64_t first = 0; first < tokens; first += chunk) {
+    Problem part = p;
+    part.x = p.x + first * p.x_stride;
+    part.y = p.y + first * p.y_stride;
+    const int64_t count = std::min(chunk, tokens - first);
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t row = b * kRows;
+        if (row + kRows <= out) {
+          dot_rows<kRows>(part, row, count);
+        } else {
+          for (int64_t r = row; r < out; ++r) dot_rows<1>(part, r, count);
+        }
       }
-    }
-  });
+    });
+  }
   return y;
 }
 
