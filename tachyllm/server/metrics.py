@@ -89,10 +89,8 @@ class ServerMetrics:
         self.decode = histogram("request_decode_time_seconds", "First token to last token.")
         self.inference = histogram("request_inference_time_seconds", "First scheduled to finish.")
         lengths = token_buckets(max_model_len)
-        self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per finished request.", lengths)
-        self.generation_len = histogram(
-            "request_generation_tokens", "Generated tokens per finished request, all samples together.", lengths
-        )
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per finished sample.", lengths)
+        self.generation_len = histogram("request_generation_tokens", "Generated tokens per finished sample.", lengths)
         self.max_generation_len = histogram(
             "request_max_num_generation_tokens", "Generated tokens of a finished request's longest sample.", lengths
         )
@@ -161,9 +159,11 @@ class ServerMetrics:
             )  # fmt: skip
         if reason in ("abort", "error"):  # a cut-short request would skew the distributions
             return
+        # Per sample, as vLLM counts the samples of an n > 1 request (and request_success counts them).
         samples = m.sample_output_tokens or [output_len]
-        self.prompt_len.observe(prompt_len)
-        self.generation_len.observe(sum(samples))
+        for tokens in samples:
+            self.prompt_len.observe(prompt_len)
+            self.generation_len.observe(tokens)
         self.max_generation_len.observe(max(samples))
         if m.first_scheduled_time is not None and m.finished_time is not None:
             self.inference.observe(m.finished_time - m.first_scheduled_time)
