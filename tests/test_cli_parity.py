@@ -114,6 +114,21 @@ def test_gpu_memory_utilization_is_checked_and_ignored_on_the_cpu(caplog):
     assert "gpu-memory-utilization" not in caplog.text
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda(gen_model):
+    device = torch.device("cuda")
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info(device)
+    # A share that leaves 32 MiB above what is in use now: the KV cache gets those 32 MiB.
+    share = (total - free + (32 << 20)) / total
+    assert abs(default_kv_cache_memory(device, 1 << 40, share) - (32 << 20)) < 4 << 20
+    assert default_kv_cache_memory(device, 1 << 20, 0.9) == 1 << 20  # never more than the sequences need
+    with pytest.raises(ConfigError, match="leaves no room for the KV cache"):
+        default_kv_cache_memory(device, 1 << 20, (total - free) / total / 2)
+    llm = LLM(gen_model, dtype="float32", device="cuda", gpu_memory_utilization=0.9, max_num_seqs=4)
+    assert llm.engine.block_manager.num_blocks == 4 * 512 // 16  # what 4 full-length sequences need
+
+
 def test_uvicorn_log_level_sets_uvicorns_loggers():
     loggers = [logging.getLogger(name) for name in ("uvicorn.error", "uvicorn.access")]
     before = [lg.level for lg in loggers]
