@@ -23,7 +23,7 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
-from tachyllm.entrypoints.serve import apply_model_tag, make_server
+from tachyllm.entrypoints.serve import apply_model_tag, bind_socket, make_server
 from tachyllm.errors import ConfigError
 from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.ray_serve.config import engine_options
@@ -292,6 +292,13 @@ def test_bad_startup_is_one_line_before_the_model_loads(tmp_path):
             assert done.returncode == 2, (argv, done.stderr)
             assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, (argv, done.stderr)
             assert done.stdout == ""
+
+
+def test_the_port_is_held_from_the_check_on():
+    with bind_socket("127.0.0.1", 0) as first:  # two servers started together: the second fails at once
+        port = first.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
+            bind_socket("127.0.0.1", port)
 
 
 def test_bench_serve_against_a_server_that_is_down():

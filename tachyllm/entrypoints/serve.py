@@ -98,9 +98,11 @@ def check_before_loading(args: argparse.Namespace) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound now (before the model loads) so that a port in use fails at once; uvicorn
-    starts listening on this very socket once the engine is ready, so no other process can take the port
-    in between. Until then, connections are refused."""
+    """The server's socket, bound and listening now (before the model loads) so that a port in use fails at
+    once, and uvicorn serves on this very socket once the engine is ready: no other process can take the
+    port in between. It listens at once because, with SO_REUSEADDR, Linux lets two sockets bind one port
+    while neither listens (two servers started together would both pass). Connections made while the
+    model loads wait in the kernel's queue until the server answers them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
@@ -112,7 +114,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
             "the port is in use (another server?); choose another --port" if e.errno == errno.EADDRINUSE else e.strerror
         )
         raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
-    sock.set_inheritable(True)
+    sock.listen(2048)  # uvicorn's default backlog
     return sock
 
 
