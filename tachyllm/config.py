@@ -21,6 +21,8 @@ logger = logging.getLogger("tachyllm")
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM's other spellings of --dtype.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # Weight-only quantization methods (tachyllm/quantization) and KV-cache storage types (kernels/kv_quant.py).
 QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf")
@@ -85,7 +87,11 @@ class EngineConfig:
     model: str | None = option(
         None, "GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
     )
-    dtype: str = option("auto", "weights and activations dtype; auto = bfloat16", choices=("auto", *DTYPES))
+    dtype: str = option(
+        "auto",
+        "weights and activations dtype; auto = bfloat16; half = float16, float = float32 (vLLM's aliases)",
+        choices=("auto", *DTYPES, *DTYPE_ALIASES),
+    )
     device: str = option("cpu", "cpu or cuda[:N]")
     max_model_len: int | None = option(None, "context length limit (default: the model's max_position_embeddings)")
     block_size: int = option(16, "tokens per KV-cache block")
@@ -141,6 +147,18 @@ class EngineConfig:
         "batch-invariant bf16: outputs independent of prefix-cache hits, prompt chunking and the batch"
         " (default: off; float32 is invariant anyway)",
     )
+    # "auto": the model directory's generation_config.json (vLLM's default); "vllm": none; else a folder holding one.
+    generation_config: str = option(
+        "auto",
+        "default sampling values of requests that set none (temperature, top_p, top_k, min_p, repetition_penalty,"
+        " max_tokens): auto = the model's generation_config.json, vllm = tachyllm's own defaults, or a FOLDER"
+        " holding a generation_config.json",
+    )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "fraction (0-1] of a CUDA device's memory for this engine (weights, KV cache) as in vLLM; the KV cache gets"
+        " what the weights leave; ignored on the CPU (default: 0.9 on CUDA)",
+    )
     backend: str = option(
         "auto",
         "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops); auto = cpu when the device"
@@ -149,6 +167,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -174,6 +193,8 @@ class EngineConfig:
             )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

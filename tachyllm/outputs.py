@@ -55,6 +55,8 @@ class RequestMetrics:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Output tokens of each sample (choice), set when the request finishes.
+    sample_output_tokens: list[int] = field(default_factory=list)
 
     @property
     def queue_time(self) -> float | None:

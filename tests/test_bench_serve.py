@@ -67,9 +67,9 @@ def model_path(tiny_model_factory) -> str:
     return str(tiny_model_factory("llama"))
 
 
-def run_bench(tmp_path: Path, *flags: str) -> dict:
+def run_bench(tmp_path: Path, *flags: str, status: int = 0) -> dict:
     out = tmp_path / "result.json"
-    assert main(["bench", "serve", "--no-progress", "--result-json", str(out), *flags]) == 0
+    assert main(["bench", "serve", "--no-progress", "--result-json", str(out), *flags]) == status
     return json.loads(out.read_text())
 
 
@@ -174,8 +174,9 @@ def test_against_our_server(tmp_path, model_path, capsys):
         assert chat["runs"][0]["metrics"]["completed"] == 4
         assert chat["runs"][0]["metrics"]["total_input_tokens"] > 4 * 16
 
-        # A wrong key and an over-long prompt fail, each counted with the server's message.
-        wrong = run_bench(tmp_path, "--base-url", url, "--api-key", "wrong", *common, "--num-prompts", "2")
+        # A wrong key and an over-long prompt fail, each counted with the server's message; a run where
+        # every request failed exits with status 1.
+        wrong = run_bench(tmp_path, "--base-url", url, "--api-key", "wrong", *common, "--num-prompts", "2", status=1)
         assert wrong["runs"][0]["metrics"]["failed"] == 2
         (message,) = wrong["runs"][0]["metrics"]["errors"]
         assert message.startswith("HTTP 401:")

@@ -62,6 +62,8 @@ NON_DEFAULTS = [
     (["--quant-skip", "lm_head,attn"], "quant_skip", "lm_head,attn"),
     (["--quant-activation-bits", "8"], "quant_activation_bits", 8),
     (["--kv-cache-dtype", "int8"], "kv_cache_dtype", "int8"),
+    (["--generation-config", "vllm"], "generation_config", "vllm"),
+    (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'], "speculative_config",
      SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
 ]  # fmt: skip

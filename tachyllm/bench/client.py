@@ -13,6 +13,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm.bench.metrics import CounterKey, RequestResult
+from tachyllm.errors import TachyError
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Counter names shared by tachy's and vLLM's /metrics (after the prefix and the _total suffix).
@@ -64,11 +65,26 @@ class BenchClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
+    async def check_reachable(self) -> None:
+        """Raises TachyError when nothing answers at the base URL (the server is down, or the URL is wrong),
+        before any workload is built. Any HTTP answer will do: not every server has /health."""
+        try:
+            await self.http.get("/v1/models", timeout=10.0)
+        except httpx.TransportError as e:
+            reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise TachyError(
+                f"no server answers at {root_url(self.endpoint.base_url)} ({reason}); is it running?"
+            ) from None
+
     async def model_name(self) -> str:
         if self.endpoint.model:
             return self.endpoint.model
         response = await self.http.get("/v1/models")
-        response.raise_for_status()
+        if response.status_code != 200:
+            raise TachyError(
+                f"GET /v1/models answered {response.status_code} ({error_message(response.text)}); "
+                "give --model (and --api-key if the server needs one)"
+            )
         return response.json()["data"][0]["id"]
 
     def payload(self, model: str, prompt: Prompt, max_tokens: int) -> dict[str, Any]:

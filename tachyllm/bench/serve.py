@@ -160,8 +160,18 @@ def count_tokens(sent: list[SentRequest], tokenizer: Tokenizer) -> list[RequestR
     return [s.result for s in sent]
 
 
+def make_endpoint(args: argparse.Namespace) -> Endpoint:
+    return Endpoint(args.base_url, args.endpoint, args.model, args.api_key, args.ignore_eos, args.timeout)
+
+
+async def check_server(args: argparse.Namespace) -> None:
+    """A server that is down is told in one line before the tokenizer loads and the workload is built."""
+    async with contextlib.aclosing(BenchClient(make_endpoint(args), 1)) as client:
+        await client.check_reachable()
+
+
 async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str, list[PointResult]]:
-    endpoint = Endpoint(args.base_url, args.endpoint, args.model, args.api_key, args.ignore_eos, args.timeout)
+    endpoint = make_endpoint(args)
     concurrencies: list[int | None] = list(args.max_concurrency or [None])
     spec = DatasetSpec(
         kind=args.dataset,
@@ -286,6 +296,7 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
+    asyncio.run(check_server(args))
     tokenizer = load_tokenizer(args.tokenizer, args.model)
     model, points = asyncio.run(run_sweep(args, tokenizer))
     result = {"settings": settings(args, model), "runs": [p.to_json() for p in points]}
@@ -297,4 +308,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
         plot_results([result], args.plot)
         print(f"plot written to {args.plot}")
+    if failed := [p for p in points if p.metrics.completed == 0]:
+        # Nothing was measured: a script or CI job must not take the run for a result.
+        where = ", ".join(
+            f"rate {json_rate(p.request_rate)} concurrency {p.max_concurrency or 'unlimited'}" for p in failed
+        )
+        print(f"tachy bench serve: error: every request failed ({where}); see Errors above", file=sys.stderr)
+        return 1
     return 0

@@ -22,6 +22,7 @@ from tachyllm.errors import EngineCorruptedError, RequestError
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import load_checkpoint
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
+from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import kv_cache
@@ -55,6 +56,14 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = config.resolve_dtype()
         t0 = time.perf_counter()
+        # Read before the weights, so that a bad file fails at once. Requests that leave these fields
+        # unset take these values (vLLM's --generation-config auto).
+        self.default_sampling_params = default_sampling_values(config.generation_config, config.model)
+        if self.default_sampling_params:
+            logger.info(
+                "default sampling values from the model's generation config: %s (--generation-config vllm ignores it)",
+                ", ".join(f"{k}={v}" for k, v in self.default_sampling_params.items()),
+            )
         ckpt = load_checkpoint(config.model)
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
@@ -77,7 +86,9 @@ class LLMEngine:
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
         block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
         wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
-        cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(self.device, wanted)
+        cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
+            self.device, wanted, config.gpu_memory_utilization
+        )
         num_blocks = cache_bytes // block_bytes
         if num_blocks < 1:
             raise RequestError(

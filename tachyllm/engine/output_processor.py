@@ -175,6 +175,7 @@ class OutputProcessor:
             )
         if finished:
             del self._requests[request_id]
+            req.metrics.sample_output_tokens = [seq.num_output_tokens for seq in req.seqs]
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

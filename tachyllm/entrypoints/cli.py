@@ -115,8 +115,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """A bad flag or value is one line on stderr (not argparse's usage block, which for `tachy serve`
+    runs to dozens of lines) and exit status 2; subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tachy", description="tachyllm: fast LLM inference on PyTorch")
+    parser = OneLineErrors(prog="tachy", description="tachyllm: fast LLM inference on PyTorch")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 

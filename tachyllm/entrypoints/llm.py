@@ -39,6 +39,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation config values (--generation-config auto, as in
+        vLLM), else tachyllm's defaults; what generate uses when given no sampling_params."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -54,7 +59,7 @@ class LLM:
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompt_list)} prompts")
             params_list = sampling_params
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []

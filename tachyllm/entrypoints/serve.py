@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import math
+import os
 import socket
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -16,6 +18,7 @@ from tachyllm.argtypes import non_negative_int, positive_int
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.errors import ConfigError
+from tachyllm.loading.generation_config import generation_config_file
 from tachyllm.ray_serve.config import ROUTER_POLICIES, parse_autoscale
 from tachyllm.server.options import add_server_args
 
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="the model to serve, as `vllm serve MODEL` takes it (the same as --model MODEL)",
+    )  # fmt: skip
     add_server_args(serve)
     add_scale_out_args(serve)
     add_engine_args(serve, repeatable={"model": "several --model NAME=PATH serve several models (on Ray Serve)"})
@@ -65,6 +72,50 @@ def add_scale_out_args(parser: argparse.ArgumentParser) -> None:
         "--router-load-margin", type=non_negative_int, default=8, metavar="K",
         help="a prefix hit is taken while its replica's queue is at most this much longer than the shortest",
     )  # fmt: skip
+
+
+def apply_model_tag(args: argparse.Namespace) -> None:
+    """`tachy serve MODEL` is `tachy serve --model MODEL`; both at once must agree."""
+    tag = args.model_tag
+    if tag is None:
+        return
+    if args.model_all and args.model_all != [tag]:
+        given = " ".join(f"--model {m}" for m in args.model_all)
+        raise ConfigError(f"the model is given twice, as {tag} and as {given}: give one")
+    args.model, args.model_all = tag, [tag]
+
+
+def check_before_loading(args: argparse.Namespace) -> None:
+    """What can be refused in a moment is refused before the model loads (which takes seconds to minutes):
+    a model path that is missing or unreadable, a --generation-config folder without its file."""
+    # NAME=PATH models (Ray Serve) are checked by ray_serve.config.check_model_paths, naming the model.
+    for path in [spec for spec in args.model_all or [] if "=" not in spec]:
+        if not os.path.exists(path):
+            raise ConfigError(f"model path does not exist: {path}")
+        if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
+            raise ConfigError(f"model path is not readable: {path}")
+    generation_config_file(args.generation_config, args.model)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening now (before the model loads) so that a port in use fails at
+    once, and uvicorn serves on this very socket once the engine is ready: no other process can take the
+    port in between. It listens at once because, with SO_REUSEADDR, Linux lets two sockets bind one port
+    while neither listens (two servers started together would both pass). Connections made while the
+    model loads wait in the kernel's queue until the server answers them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        why = (
+            "the port is in use (another server?); choose another --port" if e.errno == errno.EADDRINUSE else e.strerror
+        )
+        raise ConfigError(f"cannot listen on {host}:{port}: {why}") from None
+    sock.listen(2048)  # uvicorn's default backlog
+    return sock
 
 
 def uses_ray(args: argparse.Namespace) -> bool:
@@ -149,19 +200,26 @@ def make_server(app: FastAPI, args: argparse.Namespace) -> GracefulServer:
         host=args.host,
         port=args.port,
         log_config=None,  # keep the `tachy` logging setup
+        log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=5,  # after the drain, streams only need to flush their last bytes
     )
     return GracefulServer(config, app.state.server, args.shutdown_timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    apply_model_tag(args)
     if uses_ray(args):
+        check_before_loading(args)
+        # Ray's proxy takes the port later; a port in use is told now (it could still be taken in between).
+        bind_socket(args.host, args.port).close()
         # Ray loads here, so that a single-engine server never imports it.
         from tachyllm.ray_serve.launch import serve_on_ray
 
         return serve_on_ray(args)
     if len(args.model_all) > 1:
         raise ConfigError("several --model flags serve several models: give each as NAME=PATH (uses Ray Serve)")
+    check_before_loading(args)
+    sock = bind_socket(args.host, args.port)
     # FastAPI loads here, so the other subcommands start without it.
     from tachyllm.server.app import build_app
     from tachyllm.server.async_engine import AsyncEngine
@@ -172,7 +230,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm_engine.stats_logger.interval_s = args.log_stats_interval or math.inf
         return llm_engine
 
-    engine = AsyncEngine(build_engine)
-    server = make_server(build_app(engine, args), args)
-    server.run()
+    with sock:
+        engine = AsyncEngine(build_engine)
+        server = make_server(build_app(engine, args), args)
+        server.run(sockets=[sock])
     return server.exit_code

@@ -22,7 +22,7 @@ from tachyllm.ray_serve.remote_engine import RemoteEngine
 from tachyllm.ray_serve.replica import EngineReplica
 from tachyllm.ray_serve.router import PrefixCacheRouter, RoundRobinRouter
 from tachyllm.ray_serve.router_metrics import router_metrics
-from tachyllm.server.app import assemble_app, server_state
+from tachyllm.server.app import assemble_app, metrics_options, server_state
 from tachyllm.server.options import server_args
 from tachyllm.server.state import ServedModel
 
@@ -65,7 +65,7 @@ def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: a
     if (routing := router_config(model, config)) is not None:
         settings["request_router_config"] = routing
     deployment = serve.deployment(EngineReplica).options(**settings)
-    return deployment.bind(model, config.router, options.engine_iteration_timeout)
+    return deployment.bind(model, config.router, options.engine_iteration_timeout, metrics_options(options))
 
 
 @serve.ingress()

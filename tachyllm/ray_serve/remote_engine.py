@@ -158,6 +158,7 @@ class RemoteEngine:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.input_processor = info.input_processor
+        self.default_sampling_params = info.default_sampling_params
         self.error: BaseException | None = None  # Ray restarts failed replicas: the engine as a whole never fails
         self.retries = retries
         self.open_streams: set[RemoteStream] = set()

@@ -15,7 +15,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest
@@ -25,7 +26,7 @@ from tachyllm.loading import Tokenizer
 from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
 from tachyllm.ray_serve.hub import routing_hub
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from tachyllm.server.metrics import ServerMetrics
+from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.state import engine_problem
 
 logger = logging.getLogger("tachyllm.ray_serve")
@@ -57,6 +58,7 @@ class EngineInfo:
     block_size: int
     prefix_cache_key: bytes
     prefix_caching: bool
+    default_sampling_params: dict[str, Any] = field(default_factory=dict)
 
 
 class CacheEventBuffer:
@@ -117,7 +119,9 @@ class CacheEventBuffer:
 class EngineReplica:
     """The body of a model's engine deployment (ray_serve.app makes it a @serve.deployment)."""
 
-    async def __init__(self, model: ModelDeployment, router: RouterConfig, iteration_timeout: float) -> None:
+    async def __init__(
+        self, model: ModelDeployment, router: RouterConfig, iteration_timeout: float, metrics: MetricsOptions
+    ) -> None:
         from ray import serve
 
         context = serve.get_replica_context()
@@ -140,7 +144,7 @@ class EngineReplica:
         # every step, and only read the block manager's extra key here (set once, at construction).
         block_manager = holder["engine"].block_manager
         self._events = CacheEventBuffer()
-        self.metrics = ServerMetrics(model.name)
+        self.metrics = ServerMetrics(model.name, self.engine.max_model_len, metrics)
         self.engine.add_output_listener(self.metrics.observe)
         self.engine.add_output_listener(lambda _: self._events.drain(block_manager))
         self.info = EngineInfo(
@@ -149,6 +153,7 @@ class EngineReplica:
             vocab_size=self.engine.vocab_size,
             tokenizer=self.engine.tokenizer,
             input_processor=self.engine.input_processor,
+            default_sampling_params=self.engine.default_sampling_params,
             block_size=engine_config.block_size,
             prefix_cache_key=block_manager.extra_key,
             prefix_caching=engine_config.enable_prefix_caching,

@@ -22,7 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
 from tachyllm.server.guard import RequestGuard, default_allowed_hosts
-from tachyllm.server.metrics import ServerMetrics
+from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
 from tachyllm.server.routes import chat, completions, models, service, tokenize
@@ -33,13 +33,17 @@ from tachyllm.version import __version__
 def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     """The server of one engine in this process."""
     served = ServedModel(list(args.served_model_name or [engine.model_name]), engine)
-    metrics = ServerMetrics(served.name)
+    metrics = ServerMetrics(served.name, engine.max_model_len, metrics_options(args))
     engine.add_output_listener(metrics.observe)
 
     async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
         return [({}, metrics.render(engine.snapshot))]
 
     return assemble_app(server_state([served], args, [local_metrics]), args)
+
+
+def metrics_options(args: argparse.Namespace) -> MetricsOptions:
+    return MetricsOptions(args.metrics_prefix, not args.disable_log_requests)
 
 
 def server_state(models: list[ServedModel], args: argparse.Namespace, metrics: list[MetricsSource]) -> ServerState:
@@ -61,6 +65,8 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         responses={421: ERROR_RESPONSES[421]},  # the Host check answers it before any route
     )
     app.state.server = state
+    # A proxy's path prefix (as vLLM sets it; FastAPI's constructor argument for it is deprecated).
+    app.root_path = args.root_path
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(EngineDeadError, on_engine_dead)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
@@ -76,8 +82,9 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=args.allowed_origins,
-            allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_methods=args.allowed_methods,
+            allow_headers=args.allowed_headers,
+            allow_credentials=args.allow_credentials,
         )
     return app
 

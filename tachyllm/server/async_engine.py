@@ -177,6 +177,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
+        self.default_sampling_params = engine.default_sampling_params
 
     # -- any thread ---------------------------------------------------------------------------
     def add_output_listener(self, listener: OutputListener) -> None:

@@ -1,4 +1,5 @@
-"""What the server measures: Prometheus metrics (vLLM's names, prefixed tachy:) and its log lines.
+"""What the server measures: Prometheus metrics (vLLM's names, prefixed tachy:, or vllm: with vLLM's
+labels too, so that vLLM's dashboards work unchanged) and its log lines.
 
 Latency histograms are fed per output on the engine thread, where token times are exact. Counters
 mirror engine.stats: each scrape adds the difference since the previous one, so they are never
@@ -27,6 +28,31 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
+def token_buckets(max_model_len: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's request length buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+@dataclass
+class MetricsOptions:
+    """How the server exports its metrics (the --metrics-prefix and --disable-log-requests flags)."""
+
+    # "tachy": tachy: names labelled model_name; "vllm": vLLM's exact names and labels (vllm: prefix,
+    # model_name and engine), for vLLM's own dashboards.
+    prefix: str = "tachy"
+    log_requests: bool = True  # one log line per finished request
+
+    def labels(self, model_name: str) -> dict[str, str]:
+        return {"model_name": model_name, "engine": "0"} if self.prefix == "vllm" else {"model_name": model_name}
+
+
 @dataclass
 class _Progress:
     """How far a running request was at the previous output, for per-token intervals."""
@@ -36,20 +62,21 @@ class _Progress:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int, options: MetricsOptions | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.model_name = model_name
-        label = ["model_name"]
+        self.options = options = options or MetricsOptions()
+        self._labels = options.labels(model_name)
+        label, values, prefix = list(self._labels), list(self._labels.values()), options.prefix
 
-        def histogram(name: str, doc: str) -> Histogram:
-            metric = Histogram(f"tachy:{name}", doc, label, registry=self.registry, buckets=_LATENCY_BUCKETS)
-            return metric.labels(model_name)
+        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            metric = Histogram(f"{prefix}:{name}", doc, label, registry=self.registry, buckets=buckets)
+            return metric.labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tachy:{name}", doc, label, registry=self.registry).labels(model_name)
+            return Counter(f"{prefix}:{name}", doc, label, registry=self.registry).labels(*values)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tachy:{name}", doc, label, registry=self.registry).labels(model_name)
+            return Gauge(f"{prefix}:{name}", doc, label, registry=self.registry).labels(*values)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first generated token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive tokens of a request.")
@@ -60,6 +87,13 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.")
         self.decode = histogram("request_decode_time_seconds", "First token to last token.")
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to finish.")
+        lengths = token_buckets(max_model_len)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt tokens per finished sample.", lengths)
+        self.generation_len = histogram("request_generation_tokens", "Generated tokens per finished sample.", lengths)
+        self.max_generation_len = histogram(
+            "request_max_num_generation_tokens", "Generated tokens of a finished request's longest sample.", lengths
+        )
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -70,13 +104,13 @@ class ServerMetrics:
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.")
         self._spec_accepted_per_pos = Counter(
-            "tachy:spec_decode_num_accepted_tokens_per_pos",
+            f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by position in the draft (0 = first).",
             [*label, "position"],
             registry=self.registry,
         )
         self._success = Counter(
-            "tachy:request_success",
+            f"{prefix}:request_success",
             "Finished requests by finish reason.",
             [*label, "finished_reason"],
             registry=self.registry,
@@ -85,6 +119,8 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        # The name vLLM used before kv_cache_usage_perc, which its older dashboards still query.
+        self.kv_usage_old = gauge("gpu_cache_usage_perc", "Same as kv_cache_usage_perc.") if prefix == "vllm" else None
 
         self._exported = StepStats()  # counter values already added to the registry
         self._progress: dict[str, _Progress] = {}  # engine thread only
@@ -114,14 +150,23 @@ class ServerMetrics:
         m = out.metrics
         reason = out.outputs[0].finish_reason if out.outputs else None
         prompt_len, output_len = len(out.prompt_token_ids), m.num_generated_tokens
-        ttft = "-" if m.ttft is None else f"{m.ttft * 1000:.1f} ms"
-        tpot = "-" if m.mean_tpot is None else f"{m.mean_tpot * 1000:.1f} ms"
-        logger.info(
-            "request %s finished: %s, prompt %d tokens, output %d tokens, ttft %s, tpot %s",
-            out.request_id, reason, prompt_len, output_len, ttft, tpot,
-        )  # fmt: skip
-        if reason in ("abort", "error"):  # a cut-short request would skew the latency distributions
+        if self.options.log_requests:
+            ttft = "-" if m.ttft is None else f"{m.ttft * 1000:.1f} ms"
+            tpot = "-" if m.mean_tpot is None else f"{m.mean_tpot * 1000:.1f} ms"
+            logger.info(
+                "request %s finished: %s, prompt %d tokens, output %d tokens, ttft %s, tpot %s",
+                out.request_id, reason, prompt_len, output_len, ttft, tpot,
+            )  # fmt: skip
+        if reason in ("abort", "error"):  # a cut-short request would skew the distributions
             return
+        # Per sample, as vLLM counts the samples of an n > 1 request (and request_success counts them).
+        samples = m.sample_output_tokens or [output_len]
+        for tokens in samples:
+            self.prompt_len.observe(prompt_len)
+            self.generation_len.observe(tokens)
+        self.max_generation_len.observe(max(samples))
+        if m.first_scheduled_time is not None and m.finished_time is not None:
+            self.inference.observe(m.finished_time - m.first_scheduled_time)
         if m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
         if m.queue_time is not None:
@@ -153,15 +198,17 @@ class ServerMetrics:
         for position, count in enumerate(now.spec_accepted_per_pos):
             before = seen.spec_accepted_per_pos[position] if position < len(seen.spec_accepted_per_pos) else 0
             if count > before:
-                self._spec_accepted_per_pos.labels(self.model_name, str(position)).inc(count - before)
+                self._spec_accepted_per_pos.labels(*self._labels.values(), str(position)).inc(count - before)
         for reason, count in now.finished_reasons.items():
             delta = count - seen.finished_reasons.get(reason, 0)
             if delta > 0:
-                self._success.labels(self.model_name, reason).inc(delta)
+                self._success.labels(*self._labels.values(), reason).inc(delta)
         self._exported = now
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
         self.kv_usage.set(snapshot.kv_cache_usage)
+        if self.kv_usage_old is not None:
+            self.kv_usage_old.set(snapshot.kv_cache_usage)
 
     def render(self, snapshot: EngineSnapshot) -> bytes:
         self.sync(snapshot)

@@ -67,7 +67,9 @@ def route_doc(request: type[BaseModel], response: type[BaseModel], generates: bo
 def openapi_document(app: FastAPI, vocab_size: int, max_n: int) -> dict[str, Any]:
     """The document, with this server's own bounds: token ids below its vocabulary size, n at most --max-n."""
     if app.openapi_schema is None:
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        # Behind a proxy's path prefix (--root-path), clients reach the routes under it.
+        servers = [{"url": app.root_path}] if app.root_path else None
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=servers)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         for model in _REQUEST_MODELS.values():
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")

@@ -5,17 +5,55 @@ ingress takes the same namespace."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
 from tachyllm.argtypes import byte_size, non_negative_float, positive_int
 from tachyllm.errors import ConfigError
 
+METRICS_PREFIXES = ("tachy", "vllm")  # server/metrics.py: MetricsOptions.prefix
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+class ListOrJson(argparse.Action):
+    """A list flag given as several values (--allowed-origins a b) or as vLLM writes it, one JSON list
+    (--allowed-origins '["a", "b"]')."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items: list[str] = []
+        for value in values:
+            if not value.lstrip().startswith("["):
+                items.append(value)
+                continue
+            try:
+                parsed = json.loads(value)
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+                raise argparse.ArgumentError(self, f"expected values or a JSON list of strings, got {value!r}")
+            items += parsed
+        setattr(namespace, self.dest, items)
+
+
+def port_number(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number (0-65535), got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535 (0 = any free one), got {port}")
+    return port
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=port_number, default=8000, help="TCP port (0 = any free one)")
+    g.add_argument(
+        "--root-path", default="",
+        help="the path prefix under which a proxy in front serves this server, e.g. /llm (FastAPI's root_path)",
+    )  # fmt: skip
     g.add_argument(
         "--served-model-name", nargs="+", default=None,
         help="model name(s) clients may ask for; the first is reported in responses "
@@ -50,8 +88,21 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "when bound to loopback, else any)",
     )  # fmt: skip
     g.add_argument(
-        "--allowed-origins", nargs="+", default=None,
-        help="web origins allowed to call the API from a browser (CORS), e.g. https://app.example.com (default: none)",
+        "--allowed-origins", nargs="+", action=ListOrJson, default=None,
+        help="web origins allowed to call the API from a browser (CORS), e.g. https://app.example.com or '[\"*\"]' "
+        "(default: none, CORS off)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-methods", nargs="+", action=ListOrJson, default=["GET", "POST"],
+        help="with --allowed-origins: the methods a page may use (default: GET POST)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-headers", nargs="+", action=ListOrJson, default=["Authorization", "Content-Type"],
+        help="with --allowed-origins: the request headers a page may send (default: Authorization Content-Type)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allow-credentials", action="store_true",
+        help="with --allowed-origins: let pages send cookies and HTTP authentication",
     )  # fmt: skip
     g.add_argument(
         "--engine-iteration-timeout", type=non_negative_float, default=60.0,
@@ -66,6 +117,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-stats-interval", type=non_negative_float, default=10.0,
         help="seconds between engine stats log lines; 0 = never",
     )  # fmt: skip
+    g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument(
+        "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
+        help="level of uvicorn's own loggers, its access log included (default: tachy's --log-level)",
+    )  # fmt: skip
+    g.add_argument(
+        "--metrics-prefix", choices=METRICS_PREFIXES, default="tachy",
+        help="/metrics names: tachy (tachy:*, labelled model_name) or vllm (vLLM's exact names and labels, vllm:*, "
+        "for vLLM's dashboards)",
+    )  # fmt: skip
+    g.add_argument(
+        "--vllm-metrics", dest="metrics_prefix", action="store_const", const="vllm", help="--metrics-prefix vllm"
+    )
 
 
 def server_args(options: dict[str, Any] | None = None) -> argparse.Namespace:
@@ -78,6 +142,9 @@ def server_args(options: dict[str, Any] | None = None) -> argparse.Namespace:
     for key, value in (options or {}).items():
         if key not in known:
             raise ConfigError(f"unknown server option {key!r} (the server options: {', '.join(sorted(known))})")
+        if isinstance(value, bool) and parser._option_string_actions[f"--{key.replace('_', '-')}"].nargs == 0:
+            argv += ["--" + key.replace("_", "-")] if value else []  # a switch: given or not
+            continue
         argv.append("--" + key.replace("_", "-"))
         argv += [str(v) for v in value] if isinstance(value, list) else [str(value)]
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Any
 
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -89,8 +90,8 @@ def resolve_max_tokens(
             param=prompt_param,
             code="context_length_exceeded",
         )
-    if requested is None:
-        return limit - prompt_len
+    if requested is None:  # the room left, or less where the model's generation config says so
+        return min(limit - prompt_len, model.sampling_defaults.get("max_tokens", limit))
     if prompt_len + requested > limit:
         raise bad_request(
             f"this server's context limit is {limit} tokens, but {prompt_len + requested} were requested "
@@ -107,8 +108,10 @@ def sampling_params(
     logprobs: int | None,
     bias: dict[int, float] | None,
     tool_constraint: StructuredOutputsParams | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """`tool_constraint`: the grammar of a chat's tool_choice ("required" or a named tool)."""
+    """`tool_constraint`: the grammar of a chat's tool_choice ("required" or a named tool); `defaults`: the
+    values of fields the request leaves unset (ServedModel.sampling_defaults)."""
     constraint = structured_outputs(body)
     if constraint is not None and tool_constraint is not None:
         field = constraint_field(body)
@@ -132,11 +135,13 @@ def sampling_params(
         "structured_outputs": constraint or tool_constraint,
     }
     try:
-        # Unset (None) fields take SamplingParams' defaults, which are OpenAI's.
+        # Unset (None) fields take `defaults`, else SamplingParams' defaults, which are OpenAI's.
         # Per-step deltas, streamed or not: a response accumulates them (output_stream.py).
+        given = {k: v for k, v in options.items() if v is not None}
+        fallback = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}  # resolve_max_tokens' part
         return SamplingParams(
             max_tokens=max_tokens, ignore_eos=body.ignore_eos, output_kind=RequestOutputKind.DELTA,
-            **{k: v for k, v in options.items() if v is not None},
+            **{**fallback, **given},
         )  # fmt: skip
     except ValueError as e:  # cross-field checks (e.g. min_tokens > max_tokens); messages start with the field
         raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None

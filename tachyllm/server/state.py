@@ -8,7 +8,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 
@@ -42,6 +42,8 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     input_processor: InputProcessor
+    # SamplingParams values for fields a request leaves unset (the model's generation config).
+    default_sampling_params: dict[str, Any]
     error: BaseException | None
 
     async def add_requests(
@@ -78,6 +80,12 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Values of the sampling fields a request leaves unset: the model's generation config
+        (--generation-config), else none (SamplingParams' own defaults)."""
+        return self.engine.default_sampling_params
 
     @property
     def processor(self) -> InputProcessor:

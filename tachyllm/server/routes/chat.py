@@ -48,7 +48,8 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
         requested, max_param = body.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(model, requested, len(prompt.token_ids), "messages", max_param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, top_logprobs, bias, plan.constraint() if plan is not None else None)
+    constraint = plan.constraint() if plan is not None else None
+    params = sampling_params(body, max_tokens, top_logprobs, bias, constraint, defaults=model.sampling_defaults)
     state.check_requested_tokens([prompt], [params], max_param)
     await compile_constraint(model, params, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

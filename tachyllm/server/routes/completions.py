@@ -45,6 +45,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
             resolve_max_tokens(model, body.max_tokens, len(pr.token_ids), "prompt", "max_tokens"),
             body.logprobs,
             bias,
+            defaults=model.sampling_defaults,
         )
         for pr in prompts
     ]
