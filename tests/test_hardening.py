@@ -575,12 +575,16 @@ def test_disconnect_storm_returns_every_block(http):
 # -- signals ------------------------------------------------------------------------------------
 
 
-def test_second_sigterm_ends_streams_with_an_error_event(model_path):
-    with server_process(model_path, "--max-num-seqs", "2", "--shutdown-timeout", "60", *ENGINE_FLAGS) as (proc, base):
+def test_second_sigterm_ends_streams_with_an_error_event(tiny_model_factory):
+    # Deeper and with a longer context than the other tests' model: its 1,900-token streams take seconds,
+    # so that none can end between the two signals however fast the machine.
+    model_path = str(tiny_model_factory("llama", num_hidden_layers=8, max_position_embeddings=2048))
+    flags = ["--max-num-seqs", "2", "--shutdown-timeout", "60", *ENGINE_FLAGS, "--kv-cache-memory", "16M"]
+    with server_process(model_path, *flags) as (proc, base):
         started = threading.Semaphore(0)
 
         def stream() -> list:
-            body = {"prompt": "The quick brown fox", "max_tokens": 480, "stream": True, **GREEDY}
+            body = {"prompt": "The quick brown fox", "max_tokens": 1900, "stream": True, **GREEDY}
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
                 started.release()
                 return list(sse_events(r))
