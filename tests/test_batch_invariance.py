@@ -135,7 +135,7 @@ def test_bf16_linear_rows_do_not_depend_on_the_row_count_when_batch_invariant(sh
 INVARIANT_MODEL = dict(
     hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256, max_position_embeddings=2048
 )
-MODES = [("float32", False), ("bfloat16", True)]
+MODES = [("float32", False, None), ("bfloat16", True, None), ("bfloat16", True, "int4")]
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -154,8 +154,10 @@ def _prompts(count: int) -> list[list[int]]:
     return prompts
 
 
-def _engine(path, dtype: str, deterministic: bool, **options) -> LLM:
-    settings = dict(dtype=dtype, deterministic=deterministic, block_size=16, kv_cache_memory=32 << 20)
+def _engine(path, dtype: str, deterministic: bool, quantization: str | None, **options) -> LLM:
+    settings = dict(
+        dtype=dtype, deterministic=deterministic, quantization=quantization, block_size=16, kv_cache_memory=32 << 20
+    )
     return LLM(str(path), **{**settings, **options})
 
 
@@ -174,46 +176,51 @@ PARAMS = {
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype, deterministic", MODES)
-def test_outputs_do_not_depend_on_cache_chunking_batch_or_preemption(tiny_model_factory, dtype, deterministic):
+@pytest.mark.parametrize("dtype, deterministic, quantization", MODES)
+def test_outputs_do_not_depend_on_cache_chunking_batch_or_preemption(
+    tiny_model_factory, dtype, deterministic, quantization
+):
     """Greedy and seeded outputs, token for token: the reference runs each prompt alone, unchunked,
     without prefix caching; then cold and warm prefix cache, chunks of 16 and 64 tokens, all 32 prompts
     in one batch, and a KV cache so small that the batch is preempted."""
     path = tiny_model_factory("llama", **INVARIANT_MODEL)
     prompts = _prompts(32)
-    plain = _engine(path, dtype, deterministic, enable_prefix_caching=False, enable_chunked_prefill=False)
+    plain = _engine(path, dtype, deterministic, quantization, enable_prefix_caching=False, enable_chunked_prefill=False)
     reference = {name: _alone(plain, prompts, params) for name, params in PARAMS.items()}
 
-    cached = _engine(path, dtype, deterministic)
+    cached = _engine(path, dtype, deterministic, quantization)
     for name, params in PARAMS.items():
         assert _alone(cached, prompts, params) == reference[name], f"{name}: cold cache"
         assert _alone(cached, prompts, params) == reference[name], f"{name}: warm cache"
     assert cached.engine.stats.prefix_cache_hits > 0
     for budget in (16, 64):
-        chunked = _engine(path, dtype, deterministic, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        chunked = _engine(
+            path, dtype, deterministic, quantization, max_num_batched_tokens=budget, enable_prefix_caching=False
+        )
         for name, params in PARAMS.items():
             assert _alone(chunked, prompts, params) == reference[name], f"{name}: chunks of {budget}"
-    batched = _engine(path, dtype, deterministic)
+    batched = _engine(path, dtype, deterministic, quantization)
     for name, params in PARAMS.items():
         assert _tokens(batched, prompts, params) == reference[name], f"{name}: a batch of 32"
-    small = _engine(path, dtype, deterministic, kv_cache_memory=900 << 10)
+    small = _engine(path, dtype, deterministic, quantization, kv_cache_memory=900 << 10)
     for name, params in PARAMS.items():
         assert _tokens(small, prompts, params) == reference[name], f"{name}: preempted"
     assert small.engine.stats.num_preemptions > 0
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype, deterministic", MODES)
-def test_greedy_outputs_do_not_depend_on_speculation(tiny_model_factory, dtype, deterministic):
+@pytest.mark.parametrize("dtype, deterministic, quantization", MODES)
+def test_greedy_outputs_do_not_depend_on_speculation(tiny_model_factory, dtype, deterministic, quantization):
     """n-gram drafts verified in the batch (several positions per sequence) give the tokens of plain decoding."""
     path = tiny_model_factory("llama", **INVARIANT_MODEL)
     prompts = _prompts(16)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)  # long enough to fall into loops
-    plain = _tokens(_engine(path, dtype, deterministic), prompts, params)
+    plain = _tokens(_engine(path, dtype, deterministic, quantization), prompts, params)
     spec = _engine(
         path,
         dtype,
         deterministic,
+        quantization,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     )
     assert _tokens(spec, prompts, params) == plain
