@@ -348,3 +348,17 @@ def test_bad_inputs_on_chat(client, tiny):
                 model=str(tiny[0]), messages=[{"role": "user", "content": "hi"}], extra_body={"prompt_logprobs": value}
             )
         assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_tokenizer_info_for_lm_eval(http, tiny):
+    """vLLM's /tokenizer_info, as lm-eval's remote tokenizer reads it: its eos_token tokenizes (with
+    /tokenize, no special tokens added) to the model's EOS id."""
+    tok = tiny_llm(tiny[0]).get_tokenizer()
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] == tok.decode([tok.eos_token_id], skip_special_tokens=False)
+    ids = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert ids == [tok.eos_token_id]
+    assert info["chat_template"] == tok.chat_template and info["add_bos_token"] == tok.add_bos
+    assert info["model_max_length"] == http.get("/v1/models").json()["data"][0]["max_model_len"]
+    missing = http.get("/tokenizer_info", params={"model": "nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"

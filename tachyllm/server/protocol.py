@@ -377,6 +377,18 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's /tokenizer_info: what a client-side tokenizer needs (lm-eval's remote tokenizer reads it)."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None = None
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int
+
+
 class VersionResponse(BaseModel):
     version: str
 
