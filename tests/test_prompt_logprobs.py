@@ -176,6 +176,27 @@ def test_delta_outputs_carry_them_once(tiny):
     check(hf, prompt, acc.result().prompt_logprobs, top=1)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+        {"method": "draft_model", "model": "self:layers=1", "num_speculative_tokens": 2},
+    ],
+)
+def test_with_speculative_decoding(tiny, spec):
+    """Speculating sequences verify drafts while others prefill with their prompt rows scored."""
+    path, hf = tiny
+    prompts = prompts_of((14, 33, 21), seed=6)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=TOP)
+    llm = tiny_llm(path, max_num_batched_tokens=16, speculative_config={**spec, "adaptive": False})
+    outs = generate(llm, prompts, params)
+    assert llm.engine.stats.spec_num_drafts > 0
+    plain = generate(tiny_llm(path), prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for prompt, out, ref in zip(prompts, outs, plain):
+        check(hf, prompt, out.prompt_logprobs)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("value", [-1, 21, 1.5, True, "2"])
 def test_bad_values_are_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
