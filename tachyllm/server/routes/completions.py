@@ -68,16 +68,17 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
     if finals is None:
         return Response(status_code=499)  # nobody is listening
     n, choices, num_output_tokens = body.n or 1, [], 0
-    for i, (pr, out) in enumerate(zip(prompts, finals)):
+    for i, out in enumerate(finals):
         echo = echoes[i] if echoes else None
+        entries = prompt_logprobs(out, body.prompt_logprobs)
         for c in out.outputs:
             reason = finish_reason(out, c)
-            if echo is None or not echo_only(body):
+            if echo_only(body):
+                choice = echo_choice(body, echo, out, i * n + c.index, "length")
+            else:
                 choice = generated_choice(body, echo, out, c, i * n + c.index, reason)
                 num_output_tokens += len(c.token_ids)
-            else:
-                choice = echo_choice(body, echo, out, i * n + c.index, "length")
-            choice.prompt_logprobs = prompt_logprobs(out, body.prompt_logprobs)
+            choice.prompt_logprobs = entries
             choices.append(choice)
     return json_response(
         p.CompletionResponse(id=request_id, model=model.name, choices=choices, usage=usage(prompts, num_output_tokens))
@@ -168,8 +169,11 @@ async def completion_events(
                     continue
                 out, held[i] = held[i].result(), None
                 for c in out.outputs:
-                    reason = finish_reason(out, c) if echo_only(body) else None
-                    yield chunk([echo_choice(body, echoes[i], out, i * n + c.index, reason and "length")])
+                    reason = None
+                    if echo_only(body):
+                        finish_reason(out, c)  # raises for a request that was aborted or failed
+                        reason = "length"
+                    yield chunk([echo_choice(body, echoes[i], out, i * n + c.index, reason)])
                     progress[i * n + c.index].text_offset = len(echoes[i].text)
                 if echo_only(body):
                     continue
