@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the top-N plus the chosen token).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token, as vLLM has it: None for the first (nothing precedes it), then token id ->
+# Logprob (the top-N plus the prompt token itself), each given the tokens before it.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -87,6 +90,9 @@ class RequestOutput:
     # engine failed while running it (finish_reason "error").
     error: str | None = None
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: every prompt token's, once the prefill is done (a DELTA output
+    # carries them once, in the first output after the prefill).
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __repr__(self) -> str:
         texts = [o.text for o in self.outputs]
@@ -113,6 +119,8 @@ class DeltaAccumulator:
             out.outputs[c.index].extend(c)
             self._texts[c.index].append(c.text)
         out.finished, out.error, out.metrics = delta.finished, delta.error, delta.metrics
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
 
     def result(self) -> RequestOutput:
         out = self._out

@@ -90,6 +90,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen token's)
+    # top-N logprobs per prompt token (plus the prompt token's own), given the tokens before it; the
+    # first prompt token has none. Computed in the prefill's forward (vLLM's prompt_logprobs).
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -141,6 +144,10 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")

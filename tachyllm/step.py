@@ -48,6 +48,17 @@ class SamplingInput:
 
 
 @dataclass(eq=False)
+class PromptLogprobsInput:
+    """Prompt logprobs (SamplingParams.prompt_logprobs) wanted from some of a sequence's rows this step:
+    rows first_row .. first_row + len(target_ids) - 1 of its step, each scored for the prompt token
+    that follows it (for the last row of a chunk, the next chunk's first token)."""
+
+    num_logprobs: int  # top-N alternatives besides the prompt token itself
+    first_row: int
+    target_ids: list[int]
+
+
+@dataclass(eq=False)
 class ScheduledSeq:
     """One sequence's share of a step: the tokens it computes and where their K/V goes."""
 
@@ -61,6 +72,7 @@ class ScheduledSeq:
     # After this step every token of the sequence has K/V, so its last position is sampled.
     completes: bool
     sampling: SamplingInput | None = None  # what sampling needs, when the step samples this sequence
+    prompt_logprobs: PromptLogprobsInput | None = None  # prompt rows to score, when its request asks
 
     @property
     def num_new_tokens(self) -> int:
@@ -107,3 +119,5 @@ class SeqResult:
 @dataclass
 class StepResult:
     seqs: list[SeqResult]
+    # seq id -> the logprob entry of each row its PromptLogprobsInput asked for, in row order.
+    prompt_logprobs: dict[int, list[LogprobInfo]] = field(default_factory=dict)

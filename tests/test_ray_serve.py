@@ -172,6 +172,13 @@ def test_the_other_endpoints(http):
     assert "/v1/chat/completions" in http.get("/openapi.json").json()["paths"]
     response = http.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    assert http.get("/tokenizer_info", params={"model": "tiny-qwen"}).json()["model_max_length"] == 512
+    # Prompt logprobs come back from a replica in its RequestOutputs: echo with logprobs, vLLM's field.
+    body = {"model": "tiny", "prompt": "hello there you", "echo": True, "logprobs": 1, "max_tokens": 0}
+    choice = http.post("/v1/completions", json={**body, "prompt_logprobs": 1}).json()["choices"][0]
+    assert choice["text"] == "hello there you" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"][0] is None and None not in choice["logprobs"]["token_logprobs"][1:]
+    assert len(choice["prompt_logprobs"]) == len(choice["logprobs"]["tokens"]) > 1
 
 
 def test_conversation_turns_land_on_the_replica_holding_them(http):

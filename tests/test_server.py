@@ -532,7 +532,6 @@ def test_wrong_types(http, path, body, param):
 @pytest.mark.parametrize(
     "body, param",
     [
-        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "hi", "best_of": 3}, "best_of"),
         ({"prompt": "hi", "suffix": "x"}, "suffix"),
         ({"prompt": "hi", "logit_bias": {"999999": 1.0}}, "logit_bias"),

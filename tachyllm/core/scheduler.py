@@ -25,7 +25,7 @@ from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.sequence import Sequence, SequenceStatus
 from tachyllm.core.step_cost import StepCostModel, StepShape
 from tachyllm.outputs import StepStats
-from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq, StepBatch, StepResult
+from tachyllm.step import LogprobInfo, PromptLogprobsInput, SamplingInput, ScheduledSeq, StepBatch, StepResult
 from tachyllm.structured_output.grammar import BitmaskFiller
 
 
@@ -69,6 +69,18 @@ class SeqUpdate:
     seq: Sequence
     token_ids: list[int]
     logprobs: list[LogprobInfo | None]
+
+
+def _prompt_logprobs_input(seq: Sequence, start: int, num_real: int) -> PromptLogprobsInput | None:
+    """The rows of this step (positions start .. start + num_real - 1) that score a prompt token whose
+    logprob is not known yet: every prompt position but the last predicts the next prompt token."""
+    if not seq.needs_prompt_logprobs:
+        return None
+    first = max(start, len(seq.request.prompt_logprobs))
+    end = min(start + num_real, seq.num_prompt_tokens - 1)
+    if first >= end:
+        return None
+    return PromptLogprobsInput(seq.params.prompt_logprobs, first - start, seq.token_ids[first + 1 : end + 1])
 
 
 def step_shape(batch: StepBatch) -> StepShape:
@@ -159,6 +171,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.match_prefix(seq)
+            if seq.needs_prompt_logprobs:
+                # A cached position would go unscored: the prefix serves only positions whose prompt
+                # logprobs are known (none, at first: vLLM's rule), so they are computed, not kept.
+                prefix = prefix[: len(seq.request.prompt_logprobs) // self.block_manager.block_size]
             num_new = seq.num_tokens - len(prefix) * self.block_manager.block_size
             # Without chunked prefill a prompt goes in one step; only a preempted sequence whose prompt
             # plus output outgrew the whole budget is recomputed in chunks, or it could never resume.
@@ -196,7 +212,7 @@ class Scheduler:
             seqs.append(
                 ScheduledSeq(
                     seq.seq_id, seq.request.request_id, start, new_tokens, len(s.spec_token_ids), seq.block_table,
-                    seq.num_tokens, s.completes, sampling,
+                    seq.num_tokens, s.completes, sampling, _prompt_logprobs_input(seq, start, s.num_real_tokens),
                 )
             )  # fmt: skip
         self._fill_bitmasks(plan.scheduled, seqs)
@@ -231,6 +247,8 @@ class Scheduler:
         # Without the linear fit only the token count matters (the per-size table).
         self.step_cost.observe(step_shape(batch) if self.step_cost.linear_fit else StepShape(batch.num_tokens), seconds)
         seqs = self._in_flight
+        for seq_id, entries in result.prompt_logprobs.items():
+            seqs[seq_id].request.prompt_logprobs += entries
         for s in batch.seqs:
             seq = seqs[s.seq_id]
             if not s.num_draft_tokens:

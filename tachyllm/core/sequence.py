@@ -11,6 +11,7 @@ import torch
 
 from tachyllm.outputs import RequestMetrics
 from tachyllm.sampling_params import SamplingParams
+from tachyllm.step import LogprobInfo
 from tachyllm.structured_output.grammar import Grammar
 
 
@@ -82,6 +83,16 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether this sequence still scores prompt positions: a request's prompt logprobs are
+        computed by its first sample, once (a recompute after preemption skips the known ones)."""
+        return (
+            self.index == 0
+            and self.params.prompt_logprobs is not None
+            and len(self.request.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
+
+    @property
     def arrival_order(self) -> tuple[int, float, int]:
         """Sort key: lower priority value first, then earlier arrival."""
         return (self.request.priority, self.request.metrics.arrival_time, self.seq_id)
@@ -97,6 +108,8 @@ class Request:
     priority: int = 0
     seqs: list[Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    # Prompt logprobs known so far (SamplingParams.prompt_logprobs): entry i scores prompt token i + 1.
+    prompt_logprobs: list[LogprobInfo] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

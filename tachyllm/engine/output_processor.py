@@ -12,7 +12,7 @@ from tachyllm.core.scheduler import Scheduler, SeqUpdate
 from tachyllm.core.sequence import Request, Sequence
 from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.loading.tokenizer import Tokenizer
-from tachyllm.outputs import CompletionOutput, Logprob, RequestOutput
+from tachyllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind
 from tachyllm.step import LogprobInfo
 
@@ -88,6 +88,7 @@ class _RequestOutputs:
     request: Request
     kind: RequestOutputKind
     seqs: list[_SeqOutput]
+    prompt_logprobs: PromptLogprobs | None = None  # made once all are known (a DELTA output hands them out once)
 
 
 class OutputProcessor:
@@ -133,11 +134,28 @@ class OutputProcessor:
                 return
 
     def _add_logprob(self, out: _SeqOutput, token: int, info: LogprobInfo) -> None:
+        out.logprobs.append(self._logprob_entry(token, info))
+        out.cumulative_logprob += info[0]
+
+    def _logprob_entry(self, token: int, info: LogprobInfo) -> dict[int, Logprob]:
+        """token id -> Logprob: the top-N, then the scored token itself (with its own rank)."""
         chosen_lp, rank, top_ids, top_lps = info
         entry = {tid: Logprob(lp, r + 1, self._token_text(tid)) for r, (tid, lp) in enumerate(zip(top_ids, top_lps))}
         entry[token] = Logprob(chosen_lp, rank, self._token_text(token))
-        out.logprobs.append(entry)
-        out.cumulative_logprob += chosen_lp
+        return entry
+
+    def _prompt_logprobs(self, state: _RequestOutputs) -> PromptLogprobs | None:
+        """The request's prompt logprobs for this output: None until all are known (and, for DELTA,
+        after the output that carried them)."""
+        req = state.request
+        if req.params.prompt_logprobs is None or len(req.prompt_logprobs) < len(req.prompt_token_ids) - 1:
+            return None
+        if state.prompt_logprobs is None:
+            entries = zip(req.prompt_token_ids[1:], req.prompt_logprobs)
+            state.prompt_logprobs = [None] + [self._logprob_entry(token, info) for token, info in entries]
+        elif state.kind is RequestOutputKind.DELTA:
+            return None
+        return state.prompt_logprobs
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -185,6 +203,7 @@ class OutputProcessor:
             metrics=req.metrics,
             error=error,
             num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs(state),
         )
 
 

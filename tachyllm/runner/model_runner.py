@@ -12,9 +12,13 @@ import torch
 from tachyllm import faults, tracing
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
 from tachyllm.models.llama import LlamaForCausalLM
-from tachyllm.sampling.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler, logprob_rows
 from tachyllm.sampling.verify import verify
-from tachyllm.step import ScheduledSeq, SeqResult, StepBatch, StepResult
+from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
+
+# Prompt rows scored through the LM head at once: a whole 2048-token chunk's fp32 logits would take
+# 400 MB at a 49152-token vocabulary; 256 rows take 50 MB.
+PROMPT_LOGPROB_ROWS = 256
 
 
 class ModelRunner:
@@ -49,12 +53,41 @@ class ModelRunner:
             elif s.completes:
                 plain_rows.append(end - 1)
                 plain.append(s)
+        prompt_logprobs = self._prompt_logprobs(hidden, seqs)
         if not plain_rows and not spec_rows:
-            return StepResult([])
+            return StepResult([], prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
         faults.check("sample", seqs)
         with tracing.span("sample"):
-            return StepResult(self._sample(logits, plain, len(plain_rows), spec))
+            return StepResult(self._sample(logits, plain, len(plain_rows), spec), prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> dict[int, list[LogprobInfo]]:
+        """The prompt rows the batch asks to score (ScheduledSeq.prompt_logprobs), from this step's own
+        hidden states: each row's log-softmax over the vocabulary, at the prompt token that follows it."""
+        rows, targets, nums, owners = [], [], [], []
+        start = 0
+        for s in seqs:
+            want = s.prompt_logprobs
+            if want is not None:
+                first = start + want.first_row
+                rows += range(first, first + len(want.target_ids))
+                targets += want.target_ids
+                nums += [want.num_logprobs] * len(want.target_ids)
+                owners.append((s.seq_id, len(want.target_ids)))
+            start += s.num_new_tokens
+        if not rows:
+            return {}
+        entries: list[LogprobInfo] = []
+        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            part = slice(i, i + PROMPT_LOGPROB_ROWS)
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
+            raw = torch.log_softmax(logits[:, : self.sampler.vocab_size], dim=-1)
+            entries += logprob_rows(raw, torch.tensor(targets[part], device=self.device), nums[part])
+        out, pos = {}, 0
+        for seq_id, count in owners:
+            out[seq_id] = entries[pos : pos + count]
+            pos += count
+        return out
 
     def _sample(
         self, logits: torch.Tensor, plain: list[ScheduledSeq], num_plain: int, spec: list[ScheduledSeq]

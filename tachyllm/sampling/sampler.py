@@ -42,8 +42,8 @@ class Sampler:
             sampled = self.draw(self.probs(logits, seqs), seqs)
             is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
             tokens = torch.where(is_greedy, tokens, sampled)
-        logprob_rows = self.logprob_rows(raw_logprobs, tokens, seqs) if raw_logprobs is not None else [None] * len(seqs)
-        return SampleResult(tokens.tolist(), logprob_rows)
+        rows = logprob_rows(raw_logprobs, tokens, num_logprobs) if raw_logprobs is not None else [None] * len(seqs)
+        return SampleResult(tokens.tolist(), rows)
 
     def constrain(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """Structured outputs: the tokens its grammar forbids set to -inf in each constrained row, in
@@ -117,26 +117,6 @@ class Sampler:
         """count uniforms in [0, 1) from the sequence's own stream (or the engine's)."""
         return torch.rand(count, generator=seq.generator or self.generator, device=self.device)
 
-    def logprob_rows(
-        self, raw_logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[SamplingInput]
-    ) -> list[LogprobInfo | None]:
-        """Per row that asked for logprobs: the chosen token's logprob and rank, and the top-N."""
-        num_logprobs = [s.params.logprobs for s in seqs]
-        rows: list[LogprobInfo | None] = [None] * len(seqs)
-        k = max(n or 0 for n in num_logprobs)
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-        top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-        top_ids_l = top_ids.tolist() if k else None
-        top_lp_l = top_lp.tolist() if k else None
-        for i, n in enumerate(num_logprobs):
-            if n is not None:
-                top = zip(top_ids_l[i][:n], top_lp_l[i][:n]) if n else ()
-                kept = [(t, lp) for t, lp in top if lp != float("-inf")]  # a grammar forbade them
-                rows[i] = (chosen_l[i], ranks_l[i], [t for t, _ in kept], [lp for _, lp in kept])
-        return rows
-
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         rows, cols = [], []
         for i, s in enumerate(seqs):
@@ -180,6 +160,27 @@ class Sampler:
         logits = torch.where(seen, penalised, logits)
         # OpenAI presence / frequency penalties count output tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0)
+
+
+def logprob_rows(
+    raw_logprobs: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]
+) -> list[LogprobInfo | None]:
+    """Per row with a number of logprobs (the others None): the chosen token's logprob and rank, and
+    the top-N. raw_logprobs: [rows, vocab]; tokens: [rows], the token each row is scored for."""
+    rows: list[LogprobInfo | None] = [None] * len(num_logprobs)
+    k = max(n or 0 for n in num_logprobs)
+    chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+    top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+    top_ids_l = top_ids.tolist() if k else None
+    top_lp_l = top_lp.tolist() if k else None
+    for i, n in enumerate(num_logprobs):
+        if n is not None:
+            top = zip(top_ids_l[i][:n], top_lp_l[i][:n]) if n else ()
+            kept = [(t, lp) for t, lp in top if lp != float("-inf")]  # a grammar forbade them
+            rows[i] = (chosen_l[i], ranks_l[i], [t for t, _ in kept], [lp for _, lp in kept])
+    return rows
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

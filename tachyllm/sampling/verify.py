@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tachyllm.sampling.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler, logprob_rows
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq
 
@@ -104,7 +104,7 @@ def verify(
         if seq.params.logprobs is not None:
             emitted = slice(first, first + len(tokens))
             chosen = torch.tensor(tokens, device=logits.device)
-            logprobs = sampler.logprob_rows(raw_logprobs[emitted], chosen, rows[emitted])
+            logprobs = logprob_rows(raw_logprobs[emitted], chosen, [seq.params.logprobs] * len(tokens))
         out.append((tokens, logprobs))
     return out
 

@@ -93,8 +93,10 @@ def reject_unsupported(body: p.SamplingFields) -> None:
             raise bad_request("suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != (body.n or 1):
             raise bad_request("best_of other than n is not supported", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", param="echo")
-    else:
+        if body.max_tokens == 0 and not body.echo:
+            raise bad_request("max_tokens 0 needs echo (it returns the prompt alone)", param="max_tokens")
+    if body.prompt_logprobs is not None and body.stream:
+        raise bad_request("prompt_logprobs are not available with stream (as in vLLM)", param="prompt_logprobs")
+    if not isinstance(body, p.CompletionRequest):
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -115,6 +115,8 @@ class SamplingFields(Request):
     repetition_penalty: PositiveFloat | None = None
     ignore_eos: bool = False
     min_tokens: NonNegInt | None = None
+    # Each prompt token's logprob and top-N alternatives (not with stream, as in vLLM).
+    prompt_logprobs: NumLogprobs | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKENS)] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -132,6 +134,8 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
+    # 0 only with echo: the prompt (and its logprobs) alone.
+    max_tokens: NonNegInt | None = None
     logprobs: NumLogprobs | None = None
     echo: bool = False
     best_of: PositiveInt | None = None
@@ -229,9 +233,22 @@ class UsageInfo(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    # None for an echoed prompt's first token (nothing precedes it).
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as its prompt_logprobs return it."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, then token id -> PromptLogprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -239,6 +256,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: with the request's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -297,6 +315,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM: with the request's prompt_logprobs
 
 
 class FunctionCallDelta(BaseModel):
@@ -356,6 +375,18 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class TokenizerInfoResponse(BaseModel):
+    """vLLM's /tokenizer_info: what a client-side tokenizer needs (lm-eval's remote tokenizer reads it)."""
+
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None = None
+    add_bos_token: bool
+    chat_template: str | None
+    model_max_length: int
 
 
 class VersionResponse(BaseModel):

@@ -10,7 +10,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
 from tachyllm.engine.input_processor import Prompt
-from tachyllm.outputs import CompletionOutput, Logprob, RequestOutput
+from tachyllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tachyllm.server import protocol as p
 from tachyllm.server.async_engine import EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead, request_aborted, request_failed
@@ -31,16 +31,67 @@ def top_entries(entry: dict[int, Logprob], n: int) -> list[Logprob]:
     return sorted((lp for lp in entry.values() if lp.rank <= n), key=lambda lp: lp.rank)
 
 
+def top_texts(entry: dict[int, Logprob], n: int) -> dict[str, float]:
+    """The legacy shape's top_logprobs: decoded text -> logprob; of tokens that print alike, the likeliest."""
+    top: dict[str, float] = {}
+    for lp in top_entries(entry, n):
+        top.setdefault(lp.decoded_token, lp.logprob)
+    return top
+
+
 def completion_logprobs(c: CompletionOutput, start: int, top_n: int, text_offset: int) -> p.CompletionLogprobs:
     out = p.CompletionLogprobs()
     for token, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
         chosen = entry[token]
         out.tokens.append(chosen.decoded_token)
         out.token_logprobs.append(chosen.logprob)
-        out.top_logprobs.append({lp.decoded_token: lp.logprob for lp in top_entries(entry, top_n)})
+        out.top_logprobs.append(top_texts(entry, top_n))
         out.text_offset.append(text_offset)
         text_offset += len(chosen.decoded_token)
     return out
+
+
+def echo_logprobs(
+    token_ids: list[int], entries: PromptLogprobs | None, top_n: int, first_token: str
+) -> p.CompletionLogprobs:
+    """An echoed prompt's logprobs in OpenAI's legacy shape: its first token (`first_token`, its text)
+    has none (null), the others their logprob and top-N given the tokens before them."""
+    out = p.CompletionLogprobs()
+    offset = 0
+    for token, entry in zip(token_ids, entries or []):
+        text = first_token if entry is None else entry[token].decoded_token
+        out.tokens.append(text)
+        out.token_logprobs.append(None if entry is None else entry[token].logprob)
+        out.top_logprobs.append(None if entry is None else top_texts(entry, top_n))
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def joined_logprobs(first: p.CompletionLogprobs, then: p.CompletionLogprobs) -> p.CompletionLogprobs:
+    return p.CompletionLogprobs(
+        text_offset=first.text_offset + then.text_offset,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        tokens=first.tokens + then.tokens,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+    )
+
+
+def prompt_logprobs(out: RequestOutput, top_n: int | None) -> p.PromptLogprobs | None:
+    """vLLM's prompt_logprobs of a response: each entry's prompt token and its top_n alternatives
+    (the engine may have computed more, for an echo's logprobs)."""
+    if top_n is None or out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            t: p.PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+            for t, lp in entry.items()
+            if t == token or lp.rank <= top_n
+        }
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)
+    ]
 
 
 def chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> p.ChatLogprobs:

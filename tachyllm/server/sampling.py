@@ -102,6 +102,15 @@ def resolve_max_tokens(
     return requested
 
 
+def prompt_logprobs(body: p.SamplingFields) -> int | None:
+    """How many alternatives each prompt token's logprob entry needs: vLLM's prompt_logprobs, and a
+    completion's echo with logprobs (the echoed prompt's, in the choice's logprobs)."""
+    wanted = [body.prompt_logprobs]
+    if isinstance(body, p.CompletionRequest) and body.echo:
+        wanted.append(body.logprobs)
+    return max((n for n in wanted if n is not None), default=None)
+
+
 def sampling_params(
     body: p.SamplingFields,
     max_tokens: int,
@@ -131,6 +140,7 @@ def sampling_params(
         "stop": body.stop,
         "stop_token_ids": body.stop_token_ids,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs(body),
         "logit_bias": bias,
         "structured_outputs": constraint or tool_constraint,
     }

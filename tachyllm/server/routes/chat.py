@@ -24,6 +24,7 @@ from tachyllm.server.responses import (
     event_stream,
     finish_reason,
     json_response,
+    prompt_logprobs,
     sse,
     stream_errors,
     usage,
@@ -73,7 +74,11 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
     return json_response(
         p.ChatCompletionResponse(
-            id=request_id, model=model.name, choices=choices, usage=usage([prompt], num_output_tokens)
+            id=request_id,
+            model=model.name,
+            choices=choices,
+            usage=usage([prompt], num_output_tokens),
+            prompt_logprobs=prompt_logprobs(out, body.prompt_logprobs),
         )
     )
 

@@ -1,15 +1,17 @@
-"""/tokenize and /detokenize (vLLM's): the model's tokenizer, and chat template, over HTTP."""
+"""/tokenize, /detokenize and /tokenizer_info (vLLM's): the model's tokenizer, and chat template, over
+HTTP. With them lm-eval's local-completions uses the server's own tokenizer (its "remote" backend,
+which it picks by itself), with nothing to download."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
-from tachyllm.server.openapi import route_doc
+from tachyllm.server.openapi import ERROR_RESPONSES, route_doc
 from tachyllm.server.parsing import parse_body
 from tachyllm.server.prompts import chat_token_ids
 from tachyllm.server.responses import json_object, json_response
@@ -47,3 +49,21 @@ async def detokenize(request: Request, state: ServerState = Depends(server_state
         raise bad_request(f"token ids must be below the vocabulary size {engine.vocab_size}", param="tokens")
     text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
     return json_response(p.DetokenizeResponse(prompt=text))
+
+
+@router.get("/tokenizer_info", response_model=p.TokenizerInfoResponse, responses={404: ERROR_RESPONSES[404]})
+async def tokenizer_info(model: str | None = Query(None), state: ServerState = Depends(server_state)) -> Response:
+    engine = state.model(model).engine
+    tokenizer = engine.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+    info = p.TokenizerInfoResponse(
+        bos_token=text(tokenizer.bos_token_id),
+        eos_token=text(tokenizer.eos_token_id),
+        add_bos_token=tokenizer.add_bos,
+        chat_template=tokenizer.chat_template,
+        model_max_length=engine.max_model_len,
+    )
+    return json_response(info)
