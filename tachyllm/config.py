@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tachyllm.argtypes import byte_size
+from tachyllm.chat_template import chat_template_flag, read_chat_template
 from tachyllm.errors import ConfigError
 from tachyllm.speculative_config import SpeculativeConfig
 
@@ -134,6 +135,11 @@ class EngineConfig:
         ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
         parse=str,
     )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template replacing the model's: a file, or the template itself (default: the model's)",
+        parse=chat_template_flag,
+    )
     backend: str = option(
         "auto",
         "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops); auto = cpu when the device"
@@ -142,6 +148,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -64,6 +64,7 @@ NON_DEFAULTS = [
     (["--kv-cache-dtype", "int8"], "kv_cache_dtype", "int8"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'], "speculative_config",
      SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
+    (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
 ]  # fmt: skip
 
 

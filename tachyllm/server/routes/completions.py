@@ -28,7 +28,13 @@ from tachyllm.server.responses import (
     stream_errors,
     usage,
 )
-from tachyllm.server.sampling import compile_constraint, logit_bias, resolve_max_tokens, sampling_params
+from tachyllm.server.sampling import (
+    compile_constraint,
+    constraint_field,
+    logit_bias,
+    resolve_max_tokens,
+    sampling_params,
+)
 from tachyllm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -49,7 +55,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for pr in prompts
     ]
     state.check_requested_tokens(prompts, params, "max_tokens")
-    await compile_constraint(model, params[0], body)
+    await compile_constraint(model, params[0], constraint_field(body) or "structured_outputs")
     engine = model.engine
     if body.echo and (missing := [pr for pr in prompts if pr.text is None]):
         texts = await asyncio.to_thread(
@@ -85,6 +91,7 @@ async def completion_events(
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
     progress = [ChoiceProgress() for _ in range(len(prompts) * n)]
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
     def chunk(choices: list[p.CompletionChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
@@ -110,7 +117,7 @@ async def completion_events(
                 choice = p.CompletionChoice(
                     index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason
                 )
-                yield chunk([choice])
+                yield chunk([choice], usage(prompts, sum(pg.num_tokens for pg in progress)) if continuous else None)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage(prompts, num_output_tokens))
         yield SSE_DONE
