@@ -202,6 +202,36 @@ def test_include_stop_str_in_output_offline(offline):
     assert out.text == full[: full.index(stop) + len(stop)] and out.finish_reason == "stop" and out.stop_reason == stop
 
 
+def test_stop_token_text_is_output_only_when_asked(offline):
+    # vLLM's rule: the stop token (a stop_token_ids entry, or EOS) that ends the output is not
+    # detokenized into its text, unless include_stop_str_in_output.
+    full = offline.generate("The quick", SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0].outputs[0]
+    stop = full.token_ids[3]
+    texts = []
+    for include in (False, True):
+        params = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop], include_stop_str_in_output=include)
+        out = offline.generate("The quick", params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full.token_ids[:4] and out.stop_reason == stop
+        texts.append(out.text)
+    tokenizer = offline.get_tokenizer()
+    assert texts == [tokenizer.decode(full.token_ids[:3]), tokenizer.decode(full.token_ids[:4])]
+
+
+def test_tokenize_takes_the_chat_template_options(http, tokenizer):
+    history = [*ASK, {"role": "assistant", "content": "fox jumps"}]
+    body = {"messages": history, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = http.post("/tokenize", json=body).json()["tokens"]
+    rendered = "<|im_start|>user\nThe quick brown<|im_end|>\n<|im_start|>assistant\nfox jumps"
+    assert tokens == tokenizer.encode(rendered, add_special_tokens=False)
+    body = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+    thinking_off = "<|im_start|>user\nThe quick brown<|im_end|>\n<|im_start|>assistant\n<think></think>"
+    assert http.post("/tokenize", json=body).json()["tokens"] == tokenizer.encode(
+        thinking_off, add_special_tokens=False
+    )
+    response = http.post("/tokenize", json={"messages": ASK, "continue_final_message": True})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize("call", [complete, chat])
 def test_skip_special_tokens(client, tokenizer, call):
     # A bias forces a special token: shown only when special tokens are kept.

@@ -130,9 +130,12 @@ class OutputProcessor:
             if logprob is not None:
                 self._add_logprob(out, token, logprob)
             faults.check("detokenize", (seq,))
+            stop_token = _ended_by(seq, token, i == last)
+            if stop_token and not out.include_stop:
+                continue  # as vLLM: the stop token's text is not output, unless asked for
             delta = out.detokenizer.add_tokens([token])
             out.add_text(delta)
-            if not out.stop_strings or len(out.token_ids) < params.min_tokens or _ended_by(seq, token, i == last):
+            if not out.stop_strings or len(out.token_ids) < params.min_tokens or stop_token:
                 continue
             hit = out.find_stop(len(delta))
             if hit is not None:

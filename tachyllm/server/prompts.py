@@ -125,11 +125,23 @@ async def chat_prompt(
     )
 
 
-async def chat_token_ids(model: ServedModel, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+async def chat_token_ids(
+    model: ServedModel,
+    messages: list[p.ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_vars: dict[str, Any] | None,
+) -> list[int]:
     """The conversation's token ids, as /tokenize shows them (no prompt checks: nothing will run)."""
     conversation, _ = rendered_conversation(model, messages, None)
     return await in_thread_for_messages(
-        "messages", lambda: model.processor.chat_prompt_ids(conversation, add_generation_prompt)
+        "messages",
+        lambda: model.processor.chat_prompt_ids(
+            conversation,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_vars=template_vars,
+        ),
     )
 
 

@@ -305,6 +305,8 @@ class TokenizeRequest(Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, object] | None = None
     return_token_strs: bool = False
 
 

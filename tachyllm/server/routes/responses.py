@@ -33,7 +33,15 @@ from tachyllm.server.state import EngineClient, ServerState, server_state
 router = APIRouter()
 
 
-@router.post("/v1/responses", **route_doc(p.ResponsesRequest, p.ResponseObject, generates=True))
+STREAM_EVENTS = (
+    "with `stream: true`: the Responses API's events, `event: <type>` and `data: {type, sequence_number, ...}`: "
+    "response.created, response.in_progress, response.output_item.added, response.content_part.added, "
+    "response.output_text.delta..., response.output_text.done, response.content_part.done, "
+    "response.output_item.done, then response.completed or response.incomplete (response.failed on a failure)"
+)
+
+
+@router.post("/v1/responses", **route_doc(p.ResponsesRequest, p.ResponseObject, generates=True, events=STREAM_EVENTS))
 async def create_response(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body = await parse_body(request, p.ResponsesRequest)
     model = state.model(body.model)
