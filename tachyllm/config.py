@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from tachyllm.argtypes import byte_size
+from tachyllm.chat_template import chat_template_flag, read_chat_template
 from tachyllm.errors import ConfigError
 from tachyllm.speculative_config import SpeculativeConfig
 
@@ -159,6 +160,11 @@ class EngineConfig:
         "fraction (0-1] of a CUDA device's memory for this engine (weights, KV cache) as in vLLM; the KV cache gets"
         " what the weights leave; ignored on the CPU (default: 0.9 on CUDA)",
     )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template replacing the model's: a file, or the template itself (default: the model's)",
+        parse=chat_template_flag,
+    )
     backend: str = option(
         "auto",
         "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops); auto = cpu when the device"
@@ -168,6 +174,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -28,9 +28,16 @@ class IncrementalDetokenizer:
     to a bounded number of decoded tokens.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._spaces_between_special = spaces_between_special_tokens
         self._window = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # The prompt tail is context only: its text counts as already emitted.
         self._emitted = len(self._decode(self._window))
@@ -81,4 +88,4 @@ class IncrementalDetokenizer:
                 return
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode(ids, self._skip_special, self._spaces_between_special)

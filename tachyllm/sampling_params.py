@@ -95,6 +95,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> value added to its logit, in [-100, 100]
     skip_special_tokens: bool = True
+    # With special tokens kept: False writes consecutive special tokens with nothing decoded between them.
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # a stop string that ends the output is part of its text
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, repr=False)
@@ -160,6 +163,10 @@ class SamplingParams:
         ):
             why = f"must map non-negative token ids to numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"
             raise bad("logit_bias", self.logit_bias, why)
+        flags = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+        for name in flags:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "must be a bool")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or None")
 

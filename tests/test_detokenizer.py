@@ -86,9 +86,9 @@ class CountingTokenizer:
         self.inner = inner
         self.sizes: list[int] = []
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
         self.sizes.append(len(ids))
-        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.inner.decode(ids, skip_special_tokens, spaces_between_special_tokens)
 
 
 def test_work_per_token_is_bounded(smollm: Tokenizer) -> None:
@@ -152,3 +152,17 @@ def test_sentencepiece_continuation_keeps_space(spm: Tokenizer) -> None:
     prompt = spm.encode("hello")
     deltas = stream(IncrementalDetokenizer(spm, prompt), spm.encode("world", add_special_tokens=False))
     assert "".join(deltas) == " world"
+
+
+def test_spaces_between_special_tokens(spm: Tokenizer) -> None:
+    # vLLM's option: False writes special tokens with nothing the decoder adds beside them (here
+    # SentencePiece's word space), True is the tokenizer's own decode; it matters only when specials are kept.
+    hello, world = (spm.encode(w, add_special_tokens=False) for w in ("hello", "world"))
+    ids = [*hello, spm.eos_token_id, spm.bos_token_id, *world]
+    assert spm.decode(ids, skip_special_tokens=False) == "hello</s><s> world"
+    assert spm.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == "hello</s><s>world"
+    assert spm.decode(ids, spaces_between_special_tokens=False) == spm.decode(ids) == "hello world"
+    # Streamed after a prompt, in context: the first word keeps its space unless a special token precedes it.
+    for spaces, text in ((True, " hello</s><s> world"), (False, "hello</s><s>world")):
+        detokenizer = IncrementalDetokenizer(spm, [spm.bos_token_id], False, spaces)
+        assert "".join(stream(detokenizer, ids)) == text

@@ -66,6 +66,7 @@ NON_DEFAULTS = [
     (["--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'], "speculative_config",
      SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
+    (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
 ]  # fmt: skip
 
 

@@ -142,6 +142,18 @@ def test_openai_client_streams_through_the_ingress(base):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
 
 
+def test_responses_api_through_the_ingress(base):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    response = client.responses.create(
+        model="tiny", input="Say something.", instructions="Be brief.", max_output_tokens=6
+    )
+    assert response.status == "incomplete" and response.usage.output_tokens == 6 and response.output_text
+    events = list(client.responses.create(model="tiny-qwen", input="Hi", max_output_tokens=4, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="Hi", previous_response_id="resp_1")
+
+
 def test_multi_model_routing_and_unknown_model(http):
     listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
     assert listed == ["tiny", "tiny-qwen"]

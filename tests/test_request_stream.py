@@ -1,4 +1,4 @@
-"""RequestStream: how a consumer that fell behind reads the DELTA outputs waiting for it."""
+"""RequestStream: how a consumer that fell behind reads the outputs waiting for it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tachyllm.sampling_params import RequestOutputKind
 from tachyllm.server.async_engine import RequestStream
 
 
@@ -26,7 +27,7 @@ def _delta(text: str, token_ids: list[int], finish_reason: str | None = None) ->
 def test_waiting_outputs_are_read_as_one() -> None:
     async def main() -> list[RequestOutput]:
         engine = _Engine()
-        stream = RequestStream(engine, "r")
+        stream = RequestStream(engine, "r", RequestOutputKind.DELTA)
         stream.put(_delta("Hel", [5]))
         stream.put(_delta("", [6]))  # a token that completes no text yet
         stream.put(_delta("lo", [7], "length"))
@@ -42,10 +43,24 @@ def test_waiting_outputs_are_read_as_one() -> None:
     assert out.finished
 
 
+def test_waiting_cumulative_outputs_give_the_newest() -> None:
+    """Each CUMULATIVE output holds everything before it: added up, the text would repeat."""
+
+    async def main() -> list[RequestOutput]:
+        stream = RequestStream(_Engine(), "r", RequestOutputKind.CUMULATIVE)
+        stream.put(_delta("Hel", [5]))
+        stream.put(_delta("Hel", [5, 6]))
+        stream.put(_delta("Hello", [5, 6, 7], "length"))
+        return [out async for out in stream]
+
+    (out,) = asyncio.run(main())
+    assert (out.outputs[0].text, out.outputs[0].token_ids, out.finished) == ("Hello", [5, 6, 7], True)
+
+
 def test_an_error_queued_behind_outputs_ends_the_stream() -> None:
     async def main() -> None:
         engine = _Engine()
-        stream = RequestStream(engine, "r")
+        stream = RequestStream(engine, "r", RequestOutputKind.DELTA)
         stream.put(_delta("a", [5]))
         stream.put(RuntimeError("engine died"))
         with pytest.raises(RuntimeError, match="engine died"):
@@ -61,7 +76,7 @@ def test_an_error_queued_behind_outputs_ends_the_stream() -> None:
 def test_closing_an_unfinished_stream_aborts_its_request() -> None:
     async def main() -> list[str]:
         engine = _Engine()
-        stream = RequestStream(engine, "r")
+        stream = RequestStream(engine, "r", RequestOutputKind.DELTA)
         stream.put(_delta("a", [5]))
         assert (await stream.__anext__()).outputs[0].text == "a"
         stream.close()

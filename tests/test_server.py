@@ -275,7 +275,8 @@ def test_chat_stream_sends_nothing_before_the_first_token(http, model_path):
     chunk = json.loads(first.removeprefix("data: "))
     assert chunk["choices"][0]["delta"]["role"] == "assistant" and chunk["choices"][0]["delta"]["content"]
     roles = [json.loads(line.removeprefix("data: "))["choices"][0]["delta"]["role"] for line in rest[:-1]]
-    assert roles and set(roles) == {None}  # the role once per choice
+    # The role once per choice (a busy machine may have merged every token into the first chunk).
+    assert set(roles) <= {None}
 
 
 def test_streamed_completion_equals_whole(client, model_path):

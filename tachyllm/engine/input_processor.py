@@ -56,11 +56,33 @@ def chat_prompt_ids(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    *,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    template_vars: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The token ids of a conversation in the model's chat template (with the tools it renders, if any)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
-    # The template spells out its special tokens; adding a BOS again would double it.
-    return tokenizer.encode(text, add_special_tokens=False)
+    """The token ids of a conversation in the model's chat template, or `chat_template` (with the tools
+    it renders, if any); the other options are Tokenizer.apply_chat_template's."""
+    if continue_final_message:
+        if add_generation_prompt:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true: continuing the final "
+                "message adds no new assistant turn (set add_generation_prompt to false)",
+                param="continue_final_message",
+            )
+        if not messages or messages[-1].get("role") != "assistant":
+            raise RequestError(
+                "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
+            )
+    return tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        continue_final_message=continue_final_message,
+        chat_template=chat_template,
+        template_vars=template_vars,
+        tokenize=True,
+    )
 
 
 class InputProcessor:
@@ -89,8 +111,10 @@ class InputProcessor:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        **template_options: Any,
     ) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, tools)
+        """`template_options`: chat_prompt_ids'."""
+        return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, tools, **template_options)
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
         """Tokenizes and checks a request; raises RequestError when it can never run."""

@@ -67,6 +67,8 @@ class LLMEngine:
         ckpt = load_checkpoint(config.model)
         self.model_config = mc = ckpt.config
         self.tokenizer = ckpt.tokenizer
+        if config.chat_template is not None:
+            self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.model_name = config.model or DEFAULT_MODEL_NAME
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)

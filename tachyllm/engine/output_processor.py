@@ -23,6 +23,7 @@ class _SeqOutput:
 
     detokenizer: IncrementalDetokenizer
     stop_strings: list[str]
+    include_stop: bool  # the stop string that ends the text stays in it
     want_logprobs: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
@@ -60,15 +61,16 @@ class _SeqOutput:
         return None if best is None else (offset + best[0], best[1])
 
     def truncate(self, num_chars: int) -> None:
-        """Cuts the text at a stop string (which is not part of the output)."""
+        """Cuts the text at the end of the output (at a stop string, or after it)."""
         sent = self.num_chars - len(self.unsent)
         self.pieces = ["".join(self.pieces)[:num_chars]]
         self.unsent = self.unsent[: num_chars - sent]
         self.num_chars = num_chars
 
     def held_back(self, finished: bool) -> int:
-        """Characters not shown yet: a possible stop-string prefix until it is confirmed or ruled out."""
-        return 0 if finished or not self.stop_strings else self.max_stop_len - 1
+        """Characters not shown yet: a possible stop-string prefix until it is confirmed or ruled out
+        (shown at once when a stop string stays in the text: what precedes it is output either way)."""
+        return 0 if finished or not self.stop_strings or self.include_stop else self.max_stop_len - 1
 
     def text(self, finished: bool) -> str:
         text = self.pieces[0] if len(self.pieces) == 1 else "".join(self.pieces)
@@ -100,8 +102,14 @@ class OutputProcessor:
         params = req.params
         seqs = [
             _SeqOutput(
-                IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens),
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    req.prompt_token_ids,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                ),
                 params.stop_strings,
+                params.include_stop_str_in_output,
                 params.logprobs is not None,
             )
             for _ in req.seqs
@@ -123,14 +131,18 @@ class OutputProcessor:
             if logprob is not None:
                 self._add_logprob(out, token, logprob)
             faults.check("detokenize", (seq,))
+            stop_token = _ended_by(seq, token, i == last)
+            if stop_token and not out.include_stop:
+                continue  # as vLLM: the stop token's text is not output, unless asked for
             delta = out.detokenizer.add_tokens([token])
             out.add_text(delta)
-            if not out.stop_strings or len(out.token_ids) < params.min_tokens or _ended_by(seq, token, i == last):
+            if not out.stop_strings or len(out.token_ids) < params.min_tokens or stop_token:
                 continue
             hit = out.find_stop(len(delta))
             if hit is not None:
-                out.truncate(hit[0])
-                scheduler.finish_at_stop_string(seq, hit[1], len(out.token_ids))
+                position, stop = hit
+                out.truncate(position + len(stop) if out.include_stop else position)
+                scheduler.finish_at_stop_string(seq, stop, len(out.token_ids))
                 return
 
     def _add_logprob(self, out: _SeqOutput, token: int, info: LogprobInfo) -> None:

@@ -8,19 +8,22 @@ import threading
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import fields, replace
+from typing import Any
 
 from tqdm import tqdm
 
+from tachyllm.chat_template import read_chat_template
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import RequestError
+from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.outputs import RequestMetrics, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tachyllm")
 
 Prompt = str | list[int] | dict
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
 class LLM:
@@ -36,7 +39,9 @@ class LLM:
         self._built_in = threading.get_ident()
         self._warned_thread = False
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (with --chat-template's template, if one was given): encode, decode,
+        apply_chat_template (text, or token ids with tokenize=True), get_vocab, special token ids."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -119,13 +124,33 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        """Renders one conversation, or each of a list of them, in the model's chat template (or
+        `chat_template`: the template's text or a Jinja file), then generates: one output per
+        conversation, in order (vLLM's LLM.chat). `continue_final_message` continues the last
+        (assistant) message instead of starting a new turn; `chat_template_kwargs` are template
+        variables (e.g. {"enable_thinking": False}). A conversation the template refuses raises
+        RequestError before anything runs."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = read_chat_template(chat_template) if chat_template is not None else None
         processor = self.engine.input_processor
         prompts: list[Prompt] = [
-            {"prompt_token_ids": processor.chat_prompt_ids(conv, add_generation_prompt)} for conv in conversations
+            {
+                "prompt_token_ids": processor.chat_prompt_ids(
+                    conv,
+                    add_generation_prompt,
+                    tools,
+                    continue_final_message=continue_final_message,
+                    chat_template=template,
+                    template_vars=chat_template_kwargs,
+                )
+            }
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -6,24 +6,25 @@ vocabulary a GGUF file stores as metadata, rebuilt into the equivalent `tokenize
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from tachyllm.chat_template import compile_chat_template
 from tachyllm.errors import ConfigError, ModelLoadError, RequestError
 from tachyllm.loading.gguf import gguf_value
 
-# jinja2 is slow to import, so it loads with the first chat template
-# (measurements: docs/design_measurements.md#jinja-import).
-if TYPE_CHECKING:
-    import jinja2
+# What the renderer itself passes a chat template.
+RESERVED_TEMPLATE_VARS = frozenset(
+    {"messages", "add_generation_prompt", "tools", "bos_token", "eos_token", "chat_template", "continue_final_message"}
+)
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
@@ -77,7 +78,9 @@ class Tokenizer:
         # A GGUF vocabulary may repeat a string, leaving holes in the id range, so the size is the
         # highest id + 1 rather than the number of distinct strings.
         self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
-        self.special_ids = frozenset(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        added = backend.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
+        self._added_texts = {i: tok.content for i, tok in added.items()}
 
     # -- constructors -------------------------------------------------------------------------
 
@@ -155,6 +158,13 @@ class Tokenizer:
             chat_template=state["chat_template"],
         )
 
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with another chat template; the original (which a checkpoint cache may
+        still write out) keeps its own."""
+        other = copy.copy(self)
+        other.chat_template = chat_template
+        return other
+
     # -- text <-> ids ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -168,8 +178,27 @@ class Tokenizer:
             return [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
+        """`spaces_between_special_tokens=False` (vLLM's option; it matters only with special tokens
+        kept): added tokens are written as their exact text and each run of other tokens is decoded
+        on its own, so nothing the decoder adds around a token (SentencePiece's word space) lands
+        next to them."""
+        if skip_special_tokens or spaces_between_special_tokens:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for token in ids:
+            if token in self._added_texts:
+                if run:
+                    parts.append(self._backend.decode(run, skip_special_tokens=False))
+                    run = []
+                parts.append(self._added_texts[token])
+            else:
+                run.append(token)
+        if run:
+            parts.append(self._backend.decode(run, skip_special_tokens=False))
+        return "".join(parts)
 
     @cached_property
     def max_token_chars(self) -> int:
@@ -199,16 +228,33 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        **template_vars: Any,
-    ) -> str:
-        """Render `messages` with the model's chat template, as transformers does.
+        *,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        template_vars: dict[str, Any] | None = None,
+        tokenize: bool = False,
+        **more_vars: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's chat template (or `chat_template`), as transformers does;
+        with `tokenize` its token ids (unlike transformers, text is the default).
 
-        Extra keyword arguments become template variables (e.g. Qwen3's enable_thinking).
+        `template_vars` and extra keyword arguments become template variables (e.g. Qwen3's enable_thinking).
+        `continue_final_message`: the text ends where the last message's content does, so that the
+        model continues that message (a prefilled assistant answer) rather than starting a new one.
         """
         import jinja2
 
+        template_vars = {**(template_vars or {}), **more_vars}
+        if reserved := sorted(RESERVED_TEMPLATE_VARS & template_vars.keys()):
+            raise RequestError(
+                f"chat template variables may not set {', '.join(reserved)} (the server sets them)",
+                param="chat_template_kwargs",
+            )
+        text = chat_template if chat_template is not None else self.chat_template
+        if text is None:
+            raise ConfigError("this model has no chat template; send a plain-text prompt instead of chat messages")
         try:
-            return self._compiled_template.render(
+            rendered = compile_chat_template(text).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
@@ -219,24 +265,10 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             # raise_exception() in a template rejects the conversation (e.g. roles not alternating).
             raise RequestError(f"chat template rejected the messages: {exc}") from exc
-
-    @cached_property
-    def _compiled_template(self) -> jinja2.Template:
-        import jinja2
-        import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        if self.chat_template is None:
-            raise ConfigError("this model has no chat template; send a plain-text prompt instead of chat messages")
-        # Same environment settings as transformers, so templates render identically.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ConfigError(f"the model's chat template is not valid Jinja: {exc}") from exc
+        if continue_final_message:
+            rendered = _cut_after_final_message(rendered, messages)
+        # The template spells out its special tokens; adding a BOS again would double it.
+        return self.encode(rendered, add_special_tokens=False) if tokenize else rendered
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.decode([token_id], skip_special_tokens=False)
@@ -353,15 +385,16 @@ def _hf_chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-# -- Jinja globals matching transformers ----------------------------------------------------------
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-    # Jinja's own tojson HTML-escapes <, >, & and '; chat templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    import jinja2
-
-    raise jinja2.TemplateError(message)
+def _cut_after_final_message(rendered: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered conversation up to the end of the last message's content (transformers' rule:
+    its last occurrence; a template that strips the content's whitespace is allowed for)."""
+    final = messages[-1]["content"] if messages else None
+    if not isinstance(final, str) or not final.strip() or final.strip() not in rendered:
+        raise RequestError(
+            "continue_final_message: the final message's content does not appear in the rendered chat template",
+            param="messages",
+        )
+    at = rendered.rindex(final.strip())
+    if rendered[at : at + len(final.lstrip())] == final.lstrip():
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(final.strip())]

@@ -25,7 +25,7 @@ from tachyllm.server.guard import RequestGuard, default_allowed_hosts
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
-from tachyllm.server.routes import chat, completions, models, service, tokenize
+from tachyllm.server.routes import chat, completions, models, responses, service, tokenize
 from tachyllm.server.state import MetricsSource, RequestLimits, ServedModel, ServerState, authorize
 from tachyllm.version import __version__
 
@@ -73,7 +73,7 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
     app.add_exception_handler(Exception, on_bug)
 
     app.include_router(service.router)
-    for routes in (models, completions, chat, tokenize):
+    for routes in (models, completions, chat, responses, tokenize):
         app.include_router(routes.router, dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
     # Refusals (host, content type, size) happen before routing, for every route; CORS, when on,
     # is added last and so wraps them: an allowed page can read a refusal too.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.outputs import DeltaAccumulator, RequestOutput
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -50,11 +50,13 @@ class RequestStream:
     """One request's outputs, in order, as an async iterator; close() aborts the request if unfinished.
 
     The server asks for DELTA outputs (what each step added), so a consumer that fell behind gets the
-    outputs waiting for it added up into one.
+    outputs waiting for it added up into one; of CUMULATIVE (or FINAL_ONLY) outputs, each holds all
+    before it, so the newest waiting one is the one to give.
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, output_kind: RequestOutputKind) -> None:
         self.request_id = request_id
+        self._deltas = output_kind == RequestOutputKind.DELTA
         self.loop = asyncio.get_running_loop()
         self._engine = engine
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -81,14 +83,15 @@ class RequestStream:
 
     def _add_up_waiting(self, first: RequestOutput) -> RequestOutput | BaseException:
         """`first` and the outputs queued behind it as one; an error among them wins (it ends the request)."""
-        total = DeltaAccumulator()
+        total, latest = DeltaAccumulator(), first
         total.add(first)
         while not self._queue.empty():
-            item = self._queue.get_nowait()
-            if isinstance(item, BaseException):
-                return item
-            total.add(item)
-        return total.result()
+            latest = self._queue.get_nowait()
+            if isinstance(latest, BaseException):
+                return latest
+            if self._deltas:
+                total.add(latest)
+        return total.result() if self._deltas else latest
 
     def close(self) -> None:
         """Aborts the request unless it already finished; safe to call any number of times."""
@@ -209,7 +212,7 @@ class AsyncEngine:
         now = time.time()
         adds = []
         for request_id, prompt, params in requests:
-            stream = RequestStream(self, request_id)
+            stream = RequestStream(self, request_id, params.output_kind)
             adds.append(_Add(stream, prompt, params, now, priority, loop.create_future()))
         with self._cond:
             if self._closed:  # the loop is gone: nobody would ever answer

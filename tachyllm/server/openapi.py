@@ -31,11 +31,13 @@ ERROR_RESPONSES: dict[int, dict[str, Any]] = {
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {}  # by name: every app built documents the same
 
 
-def route_doc(request: type[BaseModel], response: type[BaseModel], generates: bool = False) -> dict[str, Any]:
+def route_doc(
+    request: type[BaseModel], response: type[BaseModel], generates: bool = False, events: str | None = None
+) -> dict[str, Any]:
     """The route-decorator arguments that document a JSON route: its request body, its response, and
     the errors it can answer; a route that `generates` also answers with server-sent events when the
-    body asks to stream, and with the engine's errors (500, 503). 421 is documented for every route
-    at the app."""
+    body asks to stream (`events` describes them, when they are not OpenAI's chunks ending in [DONE]),
+    and with the engine's errors (500, 503). 421 is documented for every route at the app."""
     _REQUEST_MODELS[request.__name__] = request
     ok: dict[str, Any] = {"model": response}
     if generates:
@@ -48,7 +50,8 @@ def route_doc(request: type[BaseModel], response: type[BaseModel], generates: bo
                     "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
                     "required": ["data"],
                 },
-                "description": f"with `stream: true`: `data: <{response.__name__} chunk>` events, then `data: [DONE]`",
+                "description": events
+                or f"with `stream: true`: `data: <{response.__name__} chunk>` events, then `data: [DONE]`",
             }
         }
     errors = (400, 404, 413, 415) + ((500, 503) if generates else ())

@@ -24,6 +24,7 @@ UNION_HINTS = {
     "tool_choice": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "guided_json": "a JSON schema (an object, or its JSON text)",
     "json": "a JSON schema (an object, or its JSON text)",
+    "input": "a string or a list of messages",
 }
 
 
@@ -65,14 +66,27 @@ def invalid_body(e: ValidationError) -> APIError:
         path = loc_path(common)
         # The value had the type of one alternative and broke its constraint (too long, < 0, ...):
         # that one says what is wrong (its location, less the alternative's name).
-        broken = [err for err in related if not err["type"].endswith("_type")]
+        # An unknown field inside the one alternative that has fields says it best.
+        broken = [err for err in related if err["type"] == "extra_forbidden"]
+        broken = broken or [err for err in related if not err["type"].endswith("_type")]
         if len(broken) == 1:
             err = broken[0]
             where = loc_path(common + err["loc"][len(common) + 1 :])
+            if err["type"] == "extra_forbidden":
+                return unknown_field(where)
             return bad_request(f"{where}: {err['msg']}{got(err)}", param=path)
         return bad_request(f"{path} must be {UNION_HINTS[common[-1]]}", param=path)
     path = loc_path(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return unknown_field(path)
     return bad_request(f"{path}: {first['msg']}{got(first)}", param=path)
+
+
+def unknown_field(path: str) -> APIError:
+    name = path.rsplit(".", 1)[-1]
+    if "." not in path and name in p.UNSUPPORTED_FIELDS:
+        return bad_request(f"{name}: {p.UNSUPPORTED_FIELDS[name]}", param=name)
+    return bad_request(f"unknown field {path!r}: this server does not support it", param=path)
 
 
 def got(err: dict) -> str:
@@ -100,3 +114,5 @@ def reject_unsupported(body: p.SamplingFields) -> None:
     if not isinstance(body, p.CompletionRequest):
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if body.modalities is not None and any(m != "text" for m in body.modalities):
+            raise bad_request('only text output is supported: modalities must be ["text"]', param="modalities")

@@ -96,25 +96,61 @@ def rendered_conversation(
     return plan.prompt(conversation), plan.template_tools()
 
 
-async def chat_prompt(model: ServedModel, messages: list[p.ChatMessage], plan: ToolPlan | None = None) -> Prompt:
-    """The prompt of a chat completion: the conversation rendered, tokenized and checked."""
+async def chat_prompt(
+    model: ServedModel,
+    messages: list[p.ChatMessage],
+    plan: ToolPlan | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_vars: dict[str, Any] | None = None,
+    param: str = "messages",
+) -> Prompt:
+    """The prompt of a chat completion: the conversation rendered, tokenized and checked.
+    `template_vars`: the request's chat_template_kwargs; `param`: the field the messages came in."""
     conversation, tools = rendered_conversation(model, messages, plan)
-    model.check_prompt_chars(sum(len(m["content"]) for m in conversation), "messages")
+    model.check_prompt_chars(sum(len(m["content"]) for m in conversation), param)
     processor = model.processor
     return await in_thread_for_messages(
-        lambda: processor.process_prompt(processor.chat_prompt_ids(conversation, tools=tools))
+        param,
+        lambda: processor.process_prompt(
+            processor.chat_prompt_ids(
+                conversation,
+                add_generation_prompt,
+                tools,
+                continue_final_message=continue_final_message,
+                template_vars=template_vars,
+            )
+        ),
     )
 
 
-async def chat_token_ids(model: ServedModel, messages: list[p.ChatMessage], add_generation_prompt: bool) -> list[int]:
+async def chat_token_ids(
+    model: ServedModel,
+    messages: list[p.ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_vars: dict[str, Any] | None,
+) -> list[int]:
     """The conversation's token ids, as /tokenize shows them (no prompt checks: nothing will run)."""
     conversation, _ = rendered_conversation(model, messages, None)
-    return await in_thread_for_messages(lambda: model.processor.chat_prompt_ids(conversation, add_generation_prompt))
+    return await in_thread_for_messages(
+        "messages",
+        lambda: model.processor.chat_prompt_ids(
+            conversation,
+            add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_vars=template_vars,
+        ),
+    )
 
 
-async def in_thread_for_messages(render: Callable[[], R]) -> R:
-    """Runs `render` off the event loop; a template that refuses the conversation is the messages' fault."""
+async def in_thread_for_messages(param: str, render: Callable[[], R]) -> R:
+    """Runs `render` off the event loop; a template that refuses the conversation is the fault of the
+    messages (in the field `param`)."""
     try:
         return await asyncio.to_thread(render)
-    except (RequestError, ConfigError) as e:
-        raise bad_request(str(e), param="messages") from None
+    except RequestError as e:
+        raise bad_request(str(e), param=e.param or param) from None
+    except ConfigError as e:
+        raise bad_request(str(e), param=param) from None

@@ -4,7 +4,9 @@ Requests are validated in strict mode (no "5" -> 5 coercion), so a wrong type is
 field rather than a silent guess; an integral number (17.0) is an integer, as JSON Schema has it.
 Every number must be finite (no Infinity, NaN, or 1e400). Ranges live here too, as the API's
 contract; SamplingParams checks them again for offline callers. Optional sampling fields accept an
-explicit null as "default".
+explicit null as "default". A field no model here declares is a 400 naming it (never silently dropped:
+the client would believe it was applied); UNSUPPORTED_FIELDS says why for the features we know and
+do not serve.
 """
 
 from __future__ import annotations
@@ -52,13 +54,31 @@ MAX_TOOLS = 128  # OpenAI's cap
 Text = Annotated[str, Field(min_length=1)]
 
 
+# OpenAI and vLLM request fields this server knows and does not serve: refused with this reason.
+UNSUPPORTED_FIELDS = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "functions": "the legacy functions field is not supported; send tools",
+    "function_call": "the legacy function_call field is not supported; send tool_choice",
+    "reasoning_effort": "reasoning_effort is not supported; a model whose chat template has a thinking switch "
+    'takes it in chat_template_kwargs, e.g. {"enable_thinking": false}',
+    "use_beam_search": "beam search is not supported",
+    "chat_template": "a chat template per request is not supported; start the server with --chat-template",
+    "previous_response_id": "responses are not stored by this server; send the whole conversation as input",
+    "conversation": "conversations are not stored by this server; send the whole conversation as input",
+}
+
+
 class Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI-compatible servers commonly do: clients send extras.
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # Unknown fields are refused: a dropped field is a feature the client believes it got.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(Request):
     include_usage: bool = False
+    # vLLM's: every streamed chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(Request):
@@ -118,6 +138,9 @@ class SamplingFields(Request):
     # Each prompt token's logprob and top-N alternatives (not with stream, as in vLLM).
     prompt_logprobs: NumLogprobs | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKENS)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -145,6 +168,10 @@ class CompletionRequest(SamplingFields):
 class ContentPart(Request):
     type: Annotated[str, route_checked({"enum": ["text"]})]
     text: str | None = None
+    # OpenAI's other parts, declared so that the route refuses them by their type.
+    image_url: dict | None = None
+    input_audio: dict | None = None
+    file: dict | None = None
 
 
 class FunctionCallIn(Request):
@@ -200,6 +227,78 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    modalities: Annotated[list[str], route_checked({"items": {"enum": ["text"]}})] | None = None
+    # Accepted and unused: nothing is stored, and there is one service tier.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # vLLM's chat extensions.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, object] | None = None
+
+
+class ResponseContentPart(Request):
+    """A text part of a Responses API input message: the client's (input_text) or an earlier answer's (output_text)."""
+
+    type: Annotated[str, route_checked({"enum": ["input_text", "output_text"]})]
+    text: str | None = None
+    # What an output_text part of an earlier response carries when a client sends it back.
+    annotations: list | None = None
+    logprobs: list | None = None
+    # Other input parts, declared so that the route refuses them by their type.
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+class ResponseInputMessage(Request):
+    """A message of the Responses API's input (an earlier response's output message items too)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponseContentPart]
+    type: Literal["message"] | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class ResponseTextFormat(Request):
+    """text.format: OpenAI's response formats, the json_schema one flattened."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseTextConfig(Request):
+    format: ResponseTextFormat | None = None
+    verbosity: str | None = None  # accepted, unused
+
+
+class ResponsesRequest(Request):
+    """POST /v1/responses: stateless (nothing is stored, so nothing can be continued by id)."""
+
+    model: str | None = None
+    input: Text | Annotated[list[ResponseInputMessage], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: NonNegFloat | None = None
+    top_p: TopP | None = None
+    stream: bool = False
+    text: ResponseTextConfig | None = None
+    # No tools are served: an empty list and tool_choice "none" / "auto" mean no tools, anything else is refused.
+    tools: Annotated[list[dict], route_checked({"maxItems": 0})] | None = None
+    tool_choice: Annotated[str, route_checked({"enum": ["none", "auto"]})] | dict | None = None
+    parallel_tool_calls: bool | None = None
+    previous_response_id: Annotated[str, route_checked({"maxLength": 0})] | None = None
+    # Accepted and unused: nothing is stored.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    truncation: Annotated[str, route_checked({"enum": ["disabled"]})] | None = None
 
 
 class TokenizeRequest(Request):
@@ -210,6 +309,8 @@ class TokenizeRequest(Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, object] | None = None
     return_token_strs: bool = False
 
 
@@ -350,6 +451,71 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+    logprobs: list = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: dict[str, int] = Field(default_factory=lambda: {"cached_tokens": 0})
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """The Responses API's response; the streamed events carry it too, as it stands at each point."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=_now)
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[ResponseOutputMessage]
+    usage: ResponseUsage | None = None
+    error: ResponseError | None = None
+    incomplete_details: dict[str, str] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
+    tools: list = Field(default_factory=list)
+    tool_choice: str = "none"
+    parallel_tool_calls: bool = False
+    previous_response_id: None = None
+    store: bool = False
+    truncation: Literal["disabled"] = "disabled"
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+
+
+class ResponseStreamEvent(BaseModel):
+    """One server-sent event of a streamed response: its `type`, its place in the stream, and the
+    fields of that type (OpenAI's names)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    sequence_number: int
 
 
 class ModelCard(BaseModel):

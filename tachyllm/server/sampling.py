@@ -49,13 +49,8 @@ def structured_outputs(body: p.SamplingFields) -> StructuredOutputsParams | None
     try:
         if field == "response_format":
             fmt = body.response_format
-            if fmt.type == "json_object":
-                return StructuredOutputsParams(json_object=True)
-            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise bad_request(
-                    "response_format of type json_schema needs json_schema.schema", param="response_format"
-                )
-            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+            schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+            return format_constraint(fmt.type, schema, "response_format", "json_schema.schema")
         if field == "structured_outputs":
             so = body.structured_outputs
             return StructuredOutputsParams(
@@ -66,15 +61,26 @@ def structured_outputs(body: p.SamplingFields) -> StructuredOutputsParams | None
         raise bad_request(f"{field}: {e}", param=field) from None
 
 
-async def compile_constraint(model: ServedModel, params: SamplingParams, body: p.SamplingFields) -> None:
+def format_constraint(kind: str, schema: dict | None, param: str, schema_path: str) -> StructuredOutputsParams | None:
+    """OpenAI's output formats (chat's response_format, the Responses API's text.format) as a constraint:
+    "text" is none, "json_object" any JSON object, "json_schema" the schema at `schema_path` (in `param`)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if schema is None:
+        raise bad_request(f"{param} of type json_schema needs {schema_path}", param=param)
+    return StructuredOutputsParams(json=schema)
+
+
+async def compile_constraint(model: ServedModel, params: SamplingParams, field: str) -> None:
     """Compiles the request's grammar off the event loop (the engine then finds it cached); a
-    constraint that cannot be compiled is a 400 naming the field it came in."""
+    constraint that cannot be compiled is a 400 naming the `field` it came in."""
     if params.structured_outputs is None:
         return
     try:
         await asyncio.to_thread(model.processor.compile_grammar, params)
     except RequestError as e:
-        field = constraint_field(body) or "tool_choice"
         raise bad_request(f"{field}: {e}", param=field) from None
 
 
@@ -109,6 +115,13 @@ def prompt_logprobs(body: p.SamplingFields) -> int | None:
     if isinstance(body, p.CompletionRequest) and body.echo:
         wanted.append(body.logprobs)
     return max((n for n in wanted if n is not None), default=None)
+
+
+def with_defaults(options: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """The request's set (not None) sampling options over the model's generation-config defaults;
+    max_tokens excepted (resolve_max_tokens applies that one)."""
+    fallback = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}
+    return {**fallback, **{k: v for k, v in options.items() if v is not None}}
 
 
 def sampling_params(
@@ -147,11 +160,12 @@ def sampling_params(
     try:
         # Unset (None) fields take `defaults`, else SamplingParams' defaults, which are OpenAI's.
         # Per-step deltas, streamed or not: a response accumulates them (output_stream.py).
-        given = {k: v for k, v in options.items() if v is not None}
-        fallback = {k: v for k, v in (defaults or {}).items() if k != "max_tokens"}  # resolve_max_tokens' part
         return SamplingParams(
             max_tokens=max_tokens, ignore_eos=body.ignore_eos, output_kind=RequestOutputKind.DELTA,
-            **{**fallback, **given},
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            **with_defaults(options, defaults),
         )  # fmt: skip
     except ValueError as e:  # cross-field checks (e.g. min_tokens > max_tokens); messages start with the field
         raise bad_request(str(e), param=str(e).split(" ", 1)[0]) from None

@@ -29,7 +29,13 @@ from tachyllm.server.responses import (
     stream_errors,
     usage,
 )
-from tachyllm.server.sampling import compile_constraint, logit_bias, resolve_max_tokens, sampling_params
+from tachyllm.server.sampling import (
+    compile_constraint,
+    constraint_field,
+    logit_bias,
+    resolve_max_tokens,
+    sampling_params,
+)
 from tachyllm.server.state import ServerState, server_state
 from tachyllm.server.tools import ToolCall, ToolCallStream, ToolPlan, check_tool_schemas, tool_plan
 
@@ -43,7 +49,14 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     plan = tool_plan(body, model.engine.tokenizer.chat_template)
     if plan is not None:
         await check_tool_schemas(model.processor.grammars, plan)
-    prompt = await chat_prompt(model, body.messages, plan)
+    prompt = await chat_prompt(
+        model,
+        body.messages,
+        plan,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_vars=body.chat_template_kwargs,
+    )
     requested, max_param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, max_param = body.max_tokens, "max_tokens"
@@ -52,7 +65,7 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     constraint = plan.constraint() if plan is not None else None
     params = sampling_params(body, max_tokens, top_logprobs, bias, constraint, defaults=model.sampling_defaults)
     state.check_requested_tokens([prompt], [params], max_param)
-    await compile_constraint(model, params, body)
+    await compile_constraint(model, params, constraint_field(body) or "tool_choice")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, model, request_id, [prompt], [params], "messages")
     if body.stream:
@@ -98,6 +111,7 @@ async def chat_events(
     n, created = body.n or 1, int(time.time())
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     progress = [ChoiceProgress() for _ in range(n)]
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
     # With tools, what may be a tool call is held back, then sent as calls (or as content after all).
     tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan is not None else None
 
@@ -145,7 +159,7 @@ async def chat_events(
                     logprobs=logprobs,
                     finish_reason=reason,
                 )
-                yield chunk([choice])
+                yield chunk([choice], usage([prompt], sum(pg.num_tokens for pg in progress)) if continuous else None)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage([prompt], num_output_tokens))
         yield SSE_DONE

@@ -34,7 +34,13 @@ from tachyllm.server.responses import (
     stream_errors,
     usage,
 )
-from tachyllm.server.sampling import compile_constraint, logit_bias, resolve_max_tokens, sampling_params
+from tachyllm.server.sampling import (
+    compile_constraint,
+    constraint_field,
+    logit_bias,
+    resolve_max_tokens,
+    sampling_params,
+)
 from tachyllm.server.state import ServerState, server_state
 
 router = APIRouter()
@@ -57,7 +63,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for pr in prompts
     ]
     state.check_requested_tokens(prompts, params, "max_tokens")
-    await compile_constraint(model, params[0], body)
+    await compile_constraint(model, params[0], constraint_field(body) or "structured_outputs")
     engine = model.engine
     echoes = await asyncio.to_thread(echo_texts, engine.tokenizer, prompts, body) if body.echo else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -151,6 +157,7 @@ async def completion_events(
     # An echoed prompt's outputs are held until its first chunk can go: with the prompt's logprobs
     # (which come with the first output after the prefill), or, echo_only, at the request's end.
     held: list[DeltaAccumulator | None] = [DeltaAccumulator() for _ in prompts] if echoes else [None] * len(prompts)
+    continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
 
     def chunk(choices: list[p.CompletionChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
@@ -189,7 +196,7 @@ async def completion_events(
                 choice = p.CompletionChoice(
                     index=update.index, text=update.text, logprobs=logprobs, finish_reason=update.finish_reason
                 )
-                yield chunk([choice])
+                yield chunk([choice], usage(prompts, sum(pg.num_tokens for pg in progress)) if continuous else None)
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage(prompts, num_output_tokens))
         yield SSE_DONE

@@ -29,7 +29,9 @@ async def tokenize(request: Request, state: ServerState = Depends(server_state))
     engine = model.engine
     tokenizer = engine.tokenizer
     if body.messages is not None:
-        ids = await chat_token_ids(model, body.messages, body.add_generation_prompt)
+        ids = await chat_token_ids(
+            model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        )
     else:
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
 
