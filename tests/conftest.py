@@ -148,3 +148,19 @@ def serving(server) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+# A server test module defines `url` (its server's base URL); these clients talk to it.
+@pytest.fixture(scope="module")
+def client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(url: str):
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=60) as c:
+        yield c

@@ -209,26 +209,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 
 @pytest.fixture(scope="module")
-def served(tiny):
+def url(tiny):
     from test_server import running_server
 
     with running_server(str(tiny[0])) as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def client(served):
-    import openai
-
-    return openai.OpenAI(base_url=f"{served}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(served):
-    import httpx
-
-    with httpx.Client(base_url=served, timeout=30) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from conftest import CHATML
@@ -42,17 +41,6 @@ def template_file(tmp_path_factory) -> Path:
 def url(model_path, template_file) -> Iterator[str]:
     with running_server(model_path, "--chat-template", str(template_file), "--served-model-name", "m") as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=30) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

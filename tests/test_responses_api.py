@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -37,17 +36,6 @@ EVENTS = [
 def url(tiny_model_factory) -> Iterator[str]:
     with running_server(str(tiny_model_factory("llama")), "--served-model-name", "m") as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=30) as c:
-        yield c
 
 
 def as_chat(client, messages: list[dict], max_tokens: int) -> tuple[str, str, int]:

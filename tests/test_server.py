@@ -88,17 +88,6 @@ def offline(model_path) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(url) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=url, timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def limited_http(limited_url) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=limited_url, timeout=30, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c

@@ -7,7 +7,6 @@ import json
 import re
 import threading
 
-import httpx
 import jsonschema
 import numpy as np
 import openai
@@ -224,17 +223,6 @@ def test_sampler_masks_exactly_the_forbidden_tokens():
 def url(path):
     with running_server(str(path), "--served-model-name", "m") as base:
         yield base
-
-
-@pytest.fixture(scope="module")
-def http(url):
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def test_every_request_field_on_both_endpoints(client):

@@ -169,17 +169,6 @@ def url(path):
         yield base
 
 
-@pytest.fixture(scope="module")
-def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(url):
-    with httpx.Client(base_url=url, timeout=60) as c:
-        yield c
-
-
 def ask(client, **options):
     options = {"model": "m", "messages": ASK, "tools": [WEATHER, TIME], "max_tokens": 120, "temperature": 0, **options}
     return client.chat.completions.create(**options)
