@@ -141,12 +141,12 @@ class EngineConfig:
         ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
         parse=str,
     )
-    # Batch invariance (docs/determinism.md): fp32 is invariant without it; bf16 linears need the C++
-    # kernel at every row count, at the cost of slower prefill GEMMs.
+    # Batch invariance (docs/determinism.md): bf16 linears run the C++ kernel at every row count; off,
+    # steps above NATIVE_MAX_ROWS tokens use oneDNN, faster for long prefills. float32 is invariant either way.
     deterministic: bool = option(
-        False,
-        "batch-invariant bf16: outputs independent of prefix-cache hits, prompt chunking and the batch"
-        " (default: off; float32 is invariant anyway)",
+        True,
+        "batch-invariant outputs: the same tokens whether a prefix was cached, how the prompt was chunked, what"
+        " else was in the batch (default: on; --no-deterministic: oneDNN for large steps, faster long prefills)",
     )
     # "auto": the model directory's generation_config.json (vLLM's default); "vllm": none; else a folder holding one.
     generation_config: str = option(

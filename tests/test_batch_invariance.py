@@ -11,7 +11,7 @@ import torch
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.kernels import native
-from tachyllm.kernels.linear import PackedLinear, onednn_packing_available
+from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available
 
 ops = native.native_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
@@ -122,10 +122,10 @@ def test_bf16_linear_rows_do_not_depend_on_the_row_count_when_batch_invariant(sh
     out_features, in_features = shape
     linear = torch.nn.Linear(in_features, out_features, dtype=torch.bfloat16)
     _linear_rows_invariant(PackedLinear(linear, ops, batch_invariant=True), in_features, torch.bfloat16)
-    # Without the mode, rows above the kernel's limit go to oneDNN: another summation order.
+    # Not batch invariant, rows above the kernel's limit go to oneDNN: another summation order.
     fast = PackedLinear(linear, ops)
-    x = torch.randn(100, in_features, dtype=torch.bfloat16)
-    assert not torch.equal(fast(x)[:48], fast(x[:48])), "the default path was expected to switch implementations"
+    x = torch.randn(NATIVE_MAX_ROWS + 72, in_features, dtype=torch.bfloat16)
+    assert not torch.equal(fast(x)[:48], fast(x[:48])), "the fast path was expected to switch implementations"
 
 
 # -- the engine ----------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ prepacked for oneDNN instead; so is every float32 weight.
 Batch invariance (docs/determinism.md): a token's output must not depend on how many rows share the
 call. The C++ kernel and oneDNN's GEMM each keep that (one fixed summation order per output), except
 oneDNN with a single row, which it sums another way: a lone row is computed as two. Between the two
-implementations the sums differ, so a deterministic engine (`batch_invariant`) sends every row count
-to the C++ kernel.
+implementations the sums differ, so a deterministic engine (`batch_invariant`, the default) sends
+every row count to the C++ kernel.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Largest row count (tokens) sent to the C++ kernel. Against F.linear on the same weight, at the
-# default model's shapes, it is faster up to 16 rows and about even at 64 (slower with 1 thread,
-# faster with 2); 48 splits the difference (measurements: docs/design_measurements.md#bf16-linears).
-NATIVE_MAX_ROWS = 48
+# Largest row count (tokens) sent to the C++ kernel when the engine is not batch invariant
+# (--no-deterministic). Against F.linear on the same weight, at the default model's shapes with 2
+# threads, it is faster up to about 128 rows, 1.1-1.2x slower above (with 1 thread the crossover is
+# near 48; measurements: docs/design_measurements.md#bf16-linears).
+NATIVE_MAX_ROWS = 128
 
 
 def onednn_packing_available(dtype: torch.dtype) -> bool:

@@ -1,5 +1,7 @@
-// bf16 matrix-vector products for the few-token matmuls of decoding: y = x @ W^T (+ bias), with
-// x [..., in] and W [out, in] in bf16, fp32 accumulation and y [..., out] rounded to bf16.
+// bf16 matrix products y = x @ W^T (+ bias), with x [..., in] and W [out, in] in bf16, fp32
+// accumulation and y [..., out] rounded to bf16: the matrix-vector products of decoding, and (with
+// --deterministic) every row count, since each output is summed in one order however many tokens
+// share the call (batch invariance, docs/determinism.md).
 //
 // For one token a linear layer is a single pass over its weight, so its speed is memory bandwidth.
 // The weight stays in PyTorch's own row-major [out, in] layout: each row is contiguous, so no
@@ -7,7 +9,7 @@
 // computed together: every step loads 32 bf16 of each of those rows (one register each) and
 // multiplies them with the same 32 inputs of up to kTokens token rows via VDPBF16PS (pairs of bf16
 // products summed into 16 fp32 lanes), so each weight load serves every token of the pass. The
-// lanes are summed once per row at the end. A thread's rows form one contiguous range of memory,
+// lanes are summed once per output at the end (4 x 4 outputs at a time: store_4x4). A thread's rows form one contiguous range of memory,
 // requested ahead by software prefetches (see dot_block). Inputs whose length is not a multiple of
 // 32 end with a masked (zero-filled) load.
 // Without AVX512-BF16 a scalar loop of the same structure computes the same sums (correct but
@@ -18,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "ops.h"
@@ -30,8 +33,8 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-constexpr int kRows = 4;    // weight rows streamed together
-constexpr int kTokens = 6;  // token rows per pass over a block of weight rows (kRows * kTokens accumulators)
+constexpr int kRows = 4;    // weight rows streamed together (store_4x4 takes a block of 4 x 4 outputs)
+constexpr int kTokens = 4;  // token rows per pass over a block of weight rows (kRows * kTokens accumulators)
 // Smallest share of the weight worth a thread: below it the pool's wake-up costs more than it saves.
 constexpr int64_t kMinBytesPerTask = 64 * 1024;
 // Input bytes of the tokens one pass over the weight serves (a share of L2).
@@ -62,6 +65,47 @@ struct Problem {
 
 inline __m512bh load_bf16x32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bf16x32(const bf16* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
+
+// Outputs of 4 weight rows x 4 tokens at once: a[j], b[j], c[j], d[j] are the accumulators of rows
+// row .. row + 3 for token + j. A tree of shuffles sums all 16 vectors' lanes together, adding each
+// vector's lanes in the order _mm512_reduce_add_ps does (lane i with i + 8, then i + 4, i + 2,
+// i + 1), so every output has the bits of the one-at-a-time path, in about a quarter of its
+// instructions (at prefill sizes those reductions were a large share of the kernel's time). The
+// bias is added and the sums rounded to bf16 as Problem::store does (nearest even, NaN kept).
+__attribute__((always_inline)) inline void store_4x4(const Problem& p, int64_t row, int64_t token, const __m512* a,
+                                                     const __m512* b, const __m512* c, const __m512* d) {
+  const __m512* rows[4] = {a, b, c, d};
+  __m512 s1[8];  // s1[i]: vectors 2i, 2i + 1 with v[4r + j] = rows[r][j]; lane i + 8 folded onto lane i
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = rows[i / 2][2 * (i % 2)], y = rows[i / 2][2 * (i % 2) + 1];
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  __m512 s2[4];  // 128-bit quarter q of s2[i]: vector 4i + q, lane i + 4 folded onto lane i
+  for (int i = 0; i < 4; ++i)
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
+  __m512 s3[2];  // quarter q of s3[i]: vectors 8i + q and 8i + 4 + q, two partial sums each
+  for (int i = 0; i < 2; ++i) {
+    const __m512d x = _mm512_castps_pd(s2[2 * i]), y = _mm512_castps_pd(s2[2 * i + 1]);
+    s3[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Lane 4q + e: the sum of vector 4e + q, i.e. token j = q, weight row r = e.
+  __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_ps(s3[0], s3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  if (p.bias_f32 || p.bias_bf16) {
+    alignas(16) float bias[4];
+    for (int r = 0; r < 4; ++r) bias[r] = p.bias(row + r);
+    sums = _mm512_add_ps(sums, _mm512_broadcast_f32x4(_mm_load_ps(bias)));
+  }
+  // Round to nearest even as c10::BFloat16 does: add 0x7FFF plus the lowest kept bit, keep the high half.
+  const __m512i bits = _mm512_castps_si512(sums);
+  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  alignas(32) uint64_t halves[4];  // token j's four outputs: 4 bf16 in one 64-bit word
+  _mm256_store_si256(reinterpret_cast<__m256i*>(halves), _mm512_cvtepi32_epi16(rounded));
+  for (int j = 0; j < 4; ++j) std::memcpy(p.y + (token + j) * p.y_stride + row, &halves[j], sizeof(uint64_t));
+}
 
 // Rows [row, row + R) of y for tokens [token, token + T).
 template <int R, int T>
@@ -99,8 +143,12 @@ void dot_block(const Problem& p, int64_t row, int64_t token, int64_t pass, int64
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
     }
   }
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < R; ++r) p.store(token + t, row + r, _mm512_reduce_add_ps(acc[r][t]));
+  if constexpr (R == 4 && T == 4) {
+    store_4x4(p, row, token, acc[0], acc[1], acc[2], acc[3]);
+  } else {
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) p.store(token + t, row + r, _mm512_reduce_add_ps(acc[r][t]));
+  }
 }
 
 #else
@@ -130,21 +178,19 @@ void dot_pass(const Problem& p, int64_t row, int64_t token, int64_t count, int64
     case 2: dot_block<R, 2>(p, row, token, pass, passes); break;
     case 3: dot_block<R, 3>(p, row, token, pass, passes); break;
     case 4: dot_block<R, 4>(p, row, token, pass, passes); break;
-    case 5: dot_block<R, 5>(p, row, token, pass, passes); break;
-    case 6: dot_block<R, 6>(p, row, token, pass, passes); break;
     default: TORCH_CHECK(false, "bf16_linear: bad pass size ", count);
   }
 }
 
-// All tokens for rows [row, row + R): ceil(tokens / kTokens) passes of near-equal size (9 tokens
-// run as 5 + 4, not 6 + 3). After the first pass the block's rows come from L1; the passes share
-// the prefetching of the rows ahead (pass i requests rows r with r % passes == i), so that memory
-// stays busy during every pass, not only the first.
+// All tokens for rows [row, row + R): ceil(tokens / kTokens) passes, full ones first (9 tokens run
+// as 4 + 4 + 1: a full pass stores its outputs through store_4x4). After the first pass the block's
+// rows come from L1; the passes share the prefetching of the rows ahead (pass i requests rows r with
+// r % passes == i), so that memory stays busy during every pass, not only the first.
 template <int R>
 void dot_rows(const Problem& p, int64_t row, int64_t tokens) {
   const int64_t passes = (tokens + kTokens - 1) / kTokens;
   for (int64_t i = 0, token = 0; i < passes; ++i) {
-    const int64_t count = (tokens - token) / (passes - i);
+    const int64_t count = std::min<int64_t>(kTokens, tokens - token);
     dot_pass<R>(p, row, token, count, i, passes);
     token += count;
   }
