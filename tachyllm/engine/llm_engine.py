@@ -79,9 +79,9 @@ class LLMEngine:
             batch_invariant=config.deterministic,
         )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
-            logger.warning(
-                "--deterministic: the %s backend's attention is not batch invariant; outputs may still depend "
-                "on the batch and on prefix-cache hits (docs/determinism.md)", self.backend.name,
+            logger.info(
+                "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
+                "(docs/determinism.md)", self.backend.name,
             )  # fmt: skip
         model = self.model
 
