@@ -8,7 +8,7 @@ transformers dequantizes the file (as tachyllm does without --quantization gguf)
 same fp32 weights. A divergence is reported with the reference's top-2 logit margin at that token:
 a near-tie (margin < 0.1) is rounding, not a bug.
 
-    .venv/bin/python benchmarks/gemma3_check.py [--wheels DIR] [--dtype float32] [--max-tokens 32]
+    .venv/bin/python benchmarks/gemma3_check.py [--wheels DIR] [--dtype float32] [--max-tokens 32] [--quantization gguf]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "cpu"])
+    parser.add_argument("--quantization", choices=["gguf"], help="tachyllm keeps the file's blocks packed where it can")
     args = parser.parse_args()
     import transformers
 
@@ -86,7 +87,8 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
     print(f"transformers loaded in {time.perf_counter() - start:.1f} s")
     start = time.perf_counter()
-    llm = LLM(str(path), dtype=args.dtype, backend=args.backend, kv_cache_memory=256 << 20)
+    llm = LLM(str(path), dtype=args.dtype, backend=args.backend, quantization=args.quantization,
+              kv_cache_memory=256 << 20)  # fmt: skip
     print(f"tachyllm loaded in {time.perf_counter() - start:.1f} s (backend {llm.engine.backend.name})")
     ours_tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -244,7 +244,7 @@ def paged_attention(
         # The chunk's first key: the start of its first query's window.
         key_start = 0 if window is None else max(0, span.num_cached - window + 1)
         if span.buffer is not None:
-            kh, vh = _append_to_buffer(span, layer, k, v, k_flat, v_flat)
+            kh, vh = _append_to_buffer(span, layer, k, v, k_flat, v_flat, key_start)
             kh, vh = kh[:, key_start:], vh[:, key_start:]
             out[span.start : span.end] = _causal_head_major(qs, kh, vh, span.num_cached, scale, window, key_start)
             continue
@@ -258,16 +258,24 @@ def paged_attention(
 
 
 def _append_to_buffer(
-    span: PrefillSpan, layer: int, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
+    span: PrefillSpan,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    key_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes this chunk's K/V (and, the first time, the cached context) into the sequence's
-    contiguous buffer; returns head-major views of its whole context."""
+    """Writes this chunk's K/V (and, the first time, the cached context from `key_start` on: a
+    sliding-window layer's chunks never look before it) into the sequence's contiguous buffer;
+    returns head-major views of its whole context."""
     kb, vb = span.buffer[layer, 0], span.buffer[layer, 1]
     end = span.num_cached + span.end - span.start
-    if span.buffer_filled < span.num_cached:
-        slots = span.context_slots[span.buffer_filled : span.num_cached]
-        kb[:, span.buffer_filled : span.num_cached] = k_flat[slots].transpose(0, 1)
-        vb[:, span.buffer_filled : span.num_cached] = v_flat[slots].transpose(0, 1)
+    begin = max(span.buffer_filled, key_start)
+    if begin < span.num_cached:
+        slots = span.context_slots[begin : span.num_cached]
+        kb[:, begin : span.num_cached] = k_flat[slots].transpose(0, 1)
+        vb[:, begin : span.num_cached] = v_flat[slots].transpose(0, 1)
     kb[:, span.num_cached : end] = k[span.start : span.end].transpose(0, 1)
     vb[:, span.num_cached : end] = v[span.start : span.end].transpose(0, 1)
     return kb[:, :end], vb[:, :end]
