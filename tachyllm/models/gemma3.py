@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV, LayerOps
+from tachyllm.backends.base import PORTABLE_OPS, AttentionMetadata, Backend, LayerKV, LayerOps
 from tachyllm.config import ModelConfig
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from tachyllm.models.llama import Attention, LlamaForCausalLM
@@ -48,7 +48,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(LlamaForCausalLM):
     layer_class = Gemma3DecoderLayer
 
-    def __init__(self, cfg: ModelConfig, ops: LayerOps):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps = PORTABLE_OPS):
         super().__init__(cfg, ops)
         self.local_rotary: RotaryEmbedding | None = None  # the sliding-window layers'
 
