@@ -107,6 +107,22 @@ def test_chunked_prefill_and_prefix_cache_keep_the_output(gemma_path, backend):
     assert cached.engine.stats.prefix_cache_hits >= hits_before + 3 * 44  # 11 blocks of 4 per prompt
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_speculative_decoding_keeps_the_output(gemma_path, backend):
+    """Verification rows (a decode's few queries) with sliding windows: n-gram drafts on prompts that
+    repeat themselves past the window, and a 2-layer self-draft, give transformers' greedy output."""
+    if backend == "cpu" and ops is None:
+        pytest.skip("C++ kernels could not be built here")
+    hf = _hf(gemma_path)
+    prompts = [p * 3 for p in _prompts(hf.config.vocab_size, (9, 13), seed=5)]
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3}, {"method": "draft_model", "model": "self:layers=2"}):
+        llm = LLM(str(gemma_path), dtype="float32", block_size=4, kv_cache_memory=4 << 20, backend=backend,
+                  speculative_config={"num_speculative_tokens": 3, **spec})  # fmt: skip
+        assert _greedy(llm, prompts) == expected, spec
+        assert llm.engine.stats.spec_num_draft_tokens > 0, spec
+
+
 def _gguf_from_hf(hf_dir: Path, path: Path) -> None:
     """The tiny HF Gemma 3 written as llama.cpp's converter writes it: its names, norms stored as 1 + w,
     F32 tensors, the HF byte-level BPE vocabulary as a gpt2 tokenizer."""
