@@ -68,6 +68,21 @@ def test_config_reads_the_layer_types_window_and_rope(gemma_path):
     assert config.qk_norm and config.tie_word_embeddings and config.num_kv_heads == 1
 
 
+def test_older_config_keys():
+    """Configs written before transformers 5 (rope_theta, rope_local_base_freq, rope_scaling for the
+    global layers, sliding_window_pattern instead of layer_types), as the larger Gemma 3 checkpoints are."""
+    from tachyllm.loading.hf import _gemma3_fields
+
+    fields = _gemma3_fields({
+        "num_hidden_layers": 6, "sliding_window": 1024, "sliding_window_pattern": 3, "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "query_pre_attn_scalar": 168, "final_logit_softcapping": None,
+    })  # fmt: skip
+    assert fields["rope"] == (1_000_000.0, {"rope_type": "linear", "factor": 8.0})
+    assert fields["sliding_layers"] == (0, 1, 3, 4) and fields["sliding_window"] == 1024
+    assert (fields["rope_local_theta"], fields["query_pre_attn_scalar"]) == (10_000.0, 168)
+
+
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_greedy_matches_transformers(gemma_path, backend):
     """Prompts up to 70 tokens (4x the window) in 64-token chunks, decodes running past the window."""
