@@ -19,7 +19,7 @@ from tachyllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("tachyllm")
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # vLLM's other spellings of --dtype.
@@ -65,7 +65,15 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    # Gemma 3. Attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
+    query_pre_attn_scalar: float | None = None
+    # Sliding-window attention: the layers whose index is in `sliding_layers` see only the last
+    # `sliding_window` positions (their own included), and rotate with `rope_local_theta` (unscaled).
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None  # logits <- cap * tanh(logits / cap)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     # dtype the checkpoint was stored in; used by dtype="auto".
@@ -78,6 +86,12 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_layers and not (self.sliding_window or 0) >= 1:
+            raise ConfigError(f"sliding-window layers need sliding_window >= 1, got {self.sliding_window!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer's attention, or None where it sees its whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
 
 @dataclass

@@ -71,7 +71,7 @@ def build_tokenizer(directory: Path, vocab_size: int = 400) -> int:
 
 
 def make_tiny_model(directory: Path, arch: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> Path:
-    """Saves a random-weight HF model of the given family (llama, mistral, qwen2, qwen3) and a tokenizer."""
+    """Saves a random-weight HF model of the given family (llama, mistral, qwen2, qwen3, gemma3) and a tokenizer."""
     import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -97,9 +97,10 @@ def make_tiny_model(directory: Path, arch: str = "llama", tie: bool = False, see
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }
     config_cls, model_cls = classes[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         common.setdefault("head_dim", 16)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common))
@@ -108,7 +109,7 @@ def make_tiny_model(directory: Path, arch: str = "llama", tie: bool = False, see
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
-            elif "bias" in name:
+            elif "bias" in name or (arch == "gemma3" and "norm" in name):  # Gemma's norms start at w = 0: 1 + w
                 p.normal_(0, 0.1)
     model.save_pretrained(directory)
     return directory

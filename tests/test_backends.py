@@ -165,7 +165,8 @@ class NaiveBackend(Backend):
     def metadata_builder(self, kv_caches: list[LayerKV], block_size: int) -> NaiveBuilder:
         return NaiveBuilder(self, kv_caches, block_size)
 
-    def attention(self, q, k, v, kv_cache, meta: NaiveMetadata, scale, layer):
+    def attention(self, q, k, v, kv_cache, meta: NaiveMetadata, scale, layer, window=None):
+        assert window is None  # the test's Llama model has no sliding-window layers
         k_flat, v_flat = (c.view(-1, *c.shape[2:]) for c in kv_cache)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)

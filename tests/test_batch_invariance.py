@@ -25,14 +25,16 @@ def _paged_cache(context: int, block_size: int, kv_heads: int, head_dim: int, dt
     return k_cache, v_cache, table
 
 
-def _attend(q, k_cache, v_cache, table, pieces: list[tuple[int, int]], scale: float) -> torch.Tensor:
+def _attend(q, k_cache, v_cache, table, pieces: list[tuple[int, int]], scale: float, window: int = 0) -> torch.Tensor:
     """Attention for the queries of one sequence, computed as the given (start, count) pieces, each
     a separate call (as chunked prefill or a decode step would); returns all rows."""
     out = torch.empty_like(q)
     for start, count in pieces:
         info = torch.tensor([[0, count, start]], dtype=torch.int32)
         part = torch.empty_like(q[start : start + count])
-        ops.paged_attention(part, q[start : start + count].contiguous(), k_cache, v_cache, table, info, scale)
+        ops.paged_attention(
+            part, q[start : start + count].contiguous(), k_cache, v_cache, table, info, scale, window=window
+        )
         out[start : start + count] = part
     return out
 
@@ -61,6 +63,25 @@ def test_attention_rows_do_not_depend_on_chunking(dtype, head_dim, group):
     # Decodes: the last queries one per call.
     tail = [(i, 1) for i in range(total - 20, total)]
     assert torch.equal(_attend(q, k_cache, v_cache, table, tail, scale)[total - 20 :], whole[total - 20 :])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window, block_size", [(40, 16), (512, 16), (700, 24), (1, 16)])
+def test_windowed_attention_rows_do_not_depend_on_chunking(dtype, window, block_size):
+    """Sliding-window attention (Gemma 3's local layers): a chunk's work starts at the block of its first
+    query's window and skips whole segments before it, so a row's first tiles depend on its chunk; every
+    row still gets the same bits whole, chunked, after a cached prefix, or as a decode. Block size 24 puts
+    segment starts (multiples of 512) inside blocks."""
+    torch.manual_seed(2)
+    total, kv_heads, group, head_dim = 1300, 1, 4, 64
+    k_cache, v_cache, table = _paged_cache(total, block_size, kv_heads, head_dim, dtype)
+    q = torch.randn(total, kv_heads * group, head_dim, dtype=dtype)
+    whole = _attend(q, k_cache, v_cache, table, [(0, total)], 0.125, window)
+    for pieces in (_cuts(total, 16), _cuts(total, 100), _cuts(total, 64, first=700)):
+        assert torch.equal(_attend(q, k_cache, v_cache, table, pieces, 0.125, window), whole), pieces[:3]
+    tail = [(i, 1) for i in range(total - 20, total)]
+    assert torch.equal(_attend(q, k_cache, v_cache, table, tail, 0.125, window)[total - 20 :], whole[total - 20 :])
 
 
 @needs_kernels

@@ -11,7 +11,8 @@ used to ask "are the C++ kernels here?" at call time:
 - each model runner gets a `MetadataBuilder` from it (`metadata_builder`), which turns a StepBatch
   into the model's inputs and this backend's AttentionMetadata; per-sequence state it keeps between
   steps is its own;
-- the model's attention layers call `attention` of the backend that built the step's metadata.
+- the model's attention layers call `attention` of the backend that built the step's metadata
+  (with a sliding window for the layers that have one).
 
 A new backend is one module: subclass Backend (and MetadataBuilder / AttentionMetadata), decorate
 it with `@register_backend`, and import it in tachyllm/backends/__init__.py.
@@ -82,6 +83,11 @@ class LayerOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GELU (tanh approximation) of the gate times up: Gemma's MLP."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -197,6 +203,9 @@ class Backend(ABC):
         meta: AttentionMetadata,
         scale: float,
         layer: int,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Writes this step's K/V into the layer's cache and returns attention over each
-        sequence's context, [tokens, heads, head_dim]."""
+        sequence's context, [tokens, heads, head_dim]. With a `window`, a query sees only the
+        `window` positions up to its own, and cache blocks wholly before every query's window of
+        the step are not read."""

@@ -167,9 +167,10 @@ class CpuBackend(Backend):
         meta: CpuMetadata,
         scale: float,
         layer: int,
+        window: int | None = None,
     ) -> torch.Tensor:
         (kc, ks), (vc, vs) = kernel_caches(*kv_cache)
         self._write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
-        self._paged_attention(out, q, kc, vc, meta.block_tables, meta.seq_info, scale, ks, vs)
+        self._paged_attention(out, q, kc, vc, meta.block_tables, meta.seq_info, scale, ks, vs, window or 0)
         return out

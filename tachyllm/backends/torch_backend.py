@@ -7,6 +7,7 @@ padded contexts, with their queries padded to the longest decode's; each prefill
 causal grouped matmul + softmax over query tiles. Both beat SDPA's CPU paths for these shapes
 (SDPA with a mask and grouped KV heads was several times slower per layer for a chunk with cached
 context; measurements: docs/design_measurements.md#attention-paths and docs/scheduler.md).
+A sliding-window layer gathers and multiplies only the positions inside its queries' windows.
 """
 
 from __future__ import annotations
@@ -54,6 +55,25 @@ class TorchMetadata(AttentionMetadata):
     # ([num_decodes * decode_queries]), and the padded row of each real decode token.
     decode_query_rows: torch.Tensor | None = None
     decode_output_rows: torch.Tensor | None = None
+    # What decode_slots / decode_bias are made from, for the windowed views of sliding-window layers:
+    # the decodes' block tables [num_decodes, longest], first query positions and query counts.
+    decode_tables: torch.Tensor | None = None
+    decode_starts: torch.Tensor | None = None
+    decode_counts: torch.Tensor | None = None
+    block_size: int = 0
+    _windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def decode_context(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots, bias) of the decodes' contexts: decode_slots / decode_bias, or with a window only the
+        positions some query of the decode sees (made at the first layer that asks, then reused)."""
+        if window is None:
+            return self.decode_slots, self.decode_bias
+        if window not in self._windowed:
+            slots, bias = decode_context(
+                self.decode_tables, self.decode_starts, self.decode_counts, self.decode_queries, self.block_size, window
+            )
+            self._windowed[window] = slots.to(self.decode_slots.device), bias.to(self.decode_slots.device)
+        return self._windowed[window]
 
 
 @dataclass(eq=False)
@@ -135,20 +155,43 @@ class TorchMetadataBuilder(MetadataBuilder):
         positions <= p + j (padding queries repeat the decode's last one)."""
         queries = max(counts)
         starts_t, counts_t = torch.tensor(starts), torch.tensor(counts)
-        max_len = int((starts_t + counts_t).max())
-        meta.decode_slots = self._slots(tables, max_len).to(self.device)
-        j = torch.arange(queries).unsqueeze(0)
-        last_visible = starts_t.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)  # [B, queries]
-        hidden_slot = torch.arange(max_len).view(1, 1, -1) > last_visible.unsqueeze(-1)
-        bias = torch.zeros(len(tables), queries, max_len).masked_fill(hidden_slot, float("-inf"))
-        meta.decode_bias = bias.view(len(tables), 1, queries, 1, max_len).to(self.device)
+        width = max(len(t) for t in tables)
+        meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        meta.decode_starts, meta.decode_counts, meta.block_size = starts_t, counts_t, self.block_size
+        slots, bias = decode_context(meta.decode_tables, starts_t, counts_t, queries, self.block_size, None)
+        meta.decode_slots, meta.decode_bias = slots.to(self.device), bias.to(self.device)
         meta.decode_queries = queries
+        j = torch.arange(queries).unsqueeze(0)
         if min(counts) != queries:
             first_row = counts_t.cumsum(0) - counts_t
             padded = first_row.unsqueeze(1) + torch.minimum(j, counts_t.unsqueeze(1) - 1)
             real = (j < counts_t.unsqueeze(1)).flatten()
             meta.decode_query_rows = padded.flatten().to(self.device)
             meta.decode_output_rows = torch.arange(len(tables) * queries)[real].to(self.device)
+
+
+def decode_context(
+    tables: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, queries: int, block_size: int, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat cache slots [B, T] of the positions the decodes read, from the first one a query of the
+    decode sees (0, or the start of its first query's window), padded; and the bias [B, 1, queries,
+    1, T]: 0 where query j (at position start + j; padding queries repeat the last) sees the slot,
+    else -inf."""
+    ends = starts + counts
+    first = torch.zeros_like(starts) if window is None else (starts - window + 1).clamp(min=0)
+    width = int((ends - first).max())
+    positions = first.unsqueeze(1) + torch.arange(width)  # [B, T]
+    real = positions < ends.unsqueeze(1)
+    positions = torch.where(real, positions, 0)
+    slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+    j = torch.arange(queries).unsqueeze(0)
+    query_pos = (starts.unsqueeze(1) + torch.minimum(j, counts.unsqueeze(1) - 1)).unsqueeze(-1)  # [B, queries, 1]
+    key_pos = positions.unsqueeze(1)  # [B, 1, T]
+    hidden = (key_pos > query_pos) | ~real.unsqueeze(1)
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    bias = torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))
+    return slots, bias.view(len(tables), 1, queries, 1, width)
 
 
 @register_backend
@@ -168,8 +211,9 @@ class TorchBackend(Backend):
         meta: TorchMetadata,
         scale: float,
         layer: int,
+        window: int | None = None,
     ) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, layer)
+        return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, scale, layer, window)
 
 
 def paged_attention(
@@ -181,6 +225,7 @@ def paged_attention(
     meta: TorchMetadata,
     scale: float,
     layer: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     head_dim = q.shape[2]
     num_kv_heads = k.shape[1]
@@ -192,34 +237,45 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
-        out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale)
+        out[:nd] = _decode_attention(q, k_flat, v_flat, meta, num_kv_heads, scale, window)
 
     for span in meta.prefills:
         qs = q[span.start : span.end]
+        # The chunk's first key: the start of its first query's window.
+        key_start = 0 if window is None else max(0, span.num_cached - window + 1)
         if span.buffer is not None:
-            kh, vh = _append_to_buffer(span, layer, k, v, k_flat, v_flat)
-            out[span.start : span.end] = _causal_head_major(qs, kh, vh, span.num_cached, scale)
+            kh, vh = _append_to_buffer(span, layer, k, v, k_flat, v_flat, key_start)
+            kh, vh = kh[:, key_start:], vh[:, key_start:]
+            out[span.start : span.end] = _causal_head_major(qs, kh, vh, span.num_cached, scale, window, key_start)
             continue
         if span.context_slots is None:
-            ks, vs = k[span.start : span.end], v[span.start : span.end]
+            ks, vs, key_start = k[span.start : span.end], v[span.start : span.end], 0
         else:
-            ks = kv_read(k_flat, span.context_slots, q.dtype)
-            vs = kv_read(v_flat, span.context_slots, q.dtype)
-        out[span.start : span.end] = causal_attention(qs, ks, vs, span.num_cached, scale)
+            ks = kv_read(k_flat, span.context_slots[key_start:], q.dtype)
+            vs = kv_read(v_flat, span.context_slots[key_start:], q.dtype)
+        out[span.start : span.end] = causal_attention(qs, ks, vs, span.num_cached, scale, window, key_start)
     return out
 
 
 def _append_to_buffer(
-    span: PrefillSpan, layer: int, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
+    span: PrefillSpan,
+    layer: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    key_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes this chunk's K/V (and, the first time, the cached context) into the sequence's
-    contiguous buffer; returns head-major views of its whole context."""
+    """Writes this chunk's K/V (and, the first time, the cached context from `key_start` on: a
+    sliding-window layer's chunks never look before it) into the sequence's contiguous buffer;
+    returns head-major views of its whole context."""
     kb, vb = span.buffer[layer, 0], span.buffer[layer, 1]
     end = span.num_cached + span.end - span.start
-    if span.buffer_filled < span.num_cached:
-        slots = span.context_slots[span.buffer_filled : span.num_cached]
-        kb[:, span.buffer_filled : span.num_cached] = k_flat[slots].transpose(0, 1)
-        vb[:, span.buffer_filled : span.num_cached] = v_flat[slots].transpose(0, 1)
+    begin = max(span.buffer_filled, key_start)
+    if begin < span.num_cached:
+        slots = span.context_slots[begin : span.num_cached]
+        kb[:, begin : span.num_cached] = k_flat[slots].transpose(0, 1)
+        vb[:, begin : span.num_cached] = v_flat[slots].transpose(0, 1)
     kb[:, span.num_cached : end] = k[span.start : span.end].transpose(0, 1)
     vb[:, span.num_cached : end] = v[span.start : span.end].transpose(0, 1)
     return kb[:, :end], vb[:, :end]
@@ -232,14 +288,16 @@ def _decode_attention(
     meta: TorchMetadata,
     num_kv_heads: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
-    batch, queries = meta.decode_slots.shape[0], meta.decode_queries
+    slots, bias = meta.decode_context(window)
+    batch, queries = slots.shape[0], meta.decode_queries
     # Head-major copies ([B, kvh, T, hd]) make both matmuls run on contiguous matrices, which is
     # faster (measurements: docs/design_measurements.md#attention-paths).
-    kc = kv_read(k_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
-    vc = kv_read(v_flat, meta.decode_slots, q.dtype).transpose(1, 2).contiguous()
+    kc = kv_read(k_flat, slots, q.dtype).transpose(1, 2).contiguous()
+    vc = kv_read(v_flat, slots, q.dtype).transpose(1, 2).contiguous()
     qd = q[: meta.num_decode_tokens] if meta.decode_query_rows is None else q.index_select(0, meta.decode_query_rows)
     # Query head h reads KV head h // group, so heads are grouped kv-major; a decode's queries and
     # groups share one matrix row range. Scaling the few query values is cheaper than the scores.
@@ -248,7 +306,7 @@ def _decode_attention(
         qd = qd.transpose(1, 2)
     qd = qd.reshape(batch, num_kv_heads, queries * group, head_dim) * scale
     scores = torch.matmul(qd, kc.transpose(2, 3)).float()  # [B, kvh, queries * group, T]
-    scores = scores.view(batch, num_kv_heads, queries, group, -1) + meta.decode_bias
+    scores = scores.view(batch, num_kv_heads, queries, group, -1) + bias
     probs = torch.softmax(scores, dim=-1).to(q.dtype).view(batch, num_kv_heads, queries * group, -1)
     o = torch.matmul(probs, vc).view(batch, num_kv_heads, queries, group, head_dim)
     if queries > 1:
@@ -257,17 +315,33 @@ def _decode_attention(
     return o if meta.decode_output_rows is None else o.index_select(0, meta.decode_output_rows)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int, scale: float) -> torch.Tensor:
-    """q: [L, heads, hd] at positions num_cached .. num_cached + L - 1; k, v: [num_cached + L, kv_heads, hd].
-    Query i sees keys j <= num_cached + i. Each query tile reads only the keys it can see."""
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    num_cached: int,
+    scale: float,
+    window: int | None = None,
+    key_start: int = 0,
+) -> torch.Tensor:
+    """q: [L, heads, hd] at positions num_cached .. num_cached + L - 1; k, v: [num_cached + L - key_start,
+    kv_heads, hd], the keys from position key_start on. Query i sees keys j <= num_cached + i (and, with a
+    window, j > num_cached + i - window). Each query tile reads only the keys it can see."""
     # [kvh, T, hd]: contiguous matrices for the matmuls
-    return _causal_head_major(q, k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), num_cached, scale)
+    kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    return _causal_head_major(q, kh, vh, num_cached, scale, window, key_start)
 
 
 def _causal_head_major(
-    q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, num_cached: int, scale: float
+    q: torch.Tensor,
+    kh: torch.Tensor,
+    vh: torch.Tensor,
+    num_cached: int,
+    scale: float,
+    window: int | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
-    """causal_attention with K/V given head-major: kh, vh [kv_heads, num_cached + L, hd]."""
+    """causal_attention with K/V given head-major: kh, vh [kv_heads, num_cached + L - key_start, hd]."""
     length, num_heads, head_dim = q.shape
     num_kv_heads = kh.shape[0]
     group = num_heads // num_kv_heads
@@ -275,15 +349,21 @@ def _causal_head_major(
     for i0 in range(0, length, QUERY_TILE):
         i1 = min(i0 + QUERY_TILE, length)
         rows, first, visible = (i1 - i0) * group, num_cached + i0, num_cached + i1
+        lowest = key_start if window is None else max(key_start, first - window + 1)  # the tile's first key
         # Rows ordered (query, group) so that row r is query i0 + r // group of its KV head.
         qt = q[i0:i1].view(i1 - i0, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, rows, head_dim)
-        scores = torch.matmul(qt * scale, kh[:, :visible].transpose(1, 2)).float()  # [kvh, rows, visible]
-        # Keys before the tile's first query are visible to all its rows: only the tail needs a mask.
-        positions = torch.arange(first, visible, device=q.device).repeat_interleave(group)
-        future = torch.arange(first, visible, device=q.device).unsqueeze(0) > positions.unsqueeze(1)
-        scores[..., first:].masked_fill_(future, float("-inf"))
+        keys = kh[:, lowest - key_start : visible - key_start]
+        scores = torch.matmul(qt * scale, keys.transpose(1, 2)).float()  # [kvh, rows, visible - lowest]
+        positions = torch.arange(first, visible, device=q.device).repeat_interleave(group).unsqueeze(1)
+        if window is None:
+            # Keys before the tile's first query are visible to all its rows: only the tail needs a mask.
+            future = torch.arange(first, visible, device=q.device).unsqueeze(0) > positions
+            scores[..., first - lowest :].masked_fill_(future, float("-inf"))
+        else:
+            key_pos = torch.arange(lowest, visible, device=q.device).unsqueeze(0)
+            scores.masked_fill_((key_pos > positions) | (key_pos <= positions - window), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, vh[:, :visible])  # [kvh, rows, hd]
+        o = torch.matmul(probs, vh[:, lowest - key_start : visible - key_start])  # [kvh, rows, hd]
         out[i0:i1] = (
             o.view(num_kv_heads, i1 - i0, group, head_dim).transpose(0, 1).reshape(i1 - i0, num_heads, head_dim)
         )

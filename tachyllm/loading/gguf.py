@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral GGUFs say "llama"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # Mistral GGUFs say "llama"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -39,6 +39,17 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's sandwich norms: its ffn_norm is the norm before the MLP, and two more follow attention and MLP.
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp's Gemma 3 layout, which its converter and llama.cpp fix rather than store: every 6th layer
+# is global (the rest see a sliding window) and the local layers' rope theta is 10,000.
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)")
 # Llama 3.1-style rope scaling is stored as per-frequency divisors, not as metadata; it is turned
 # back into a rope_scaling dict (see _llama3_rope_scaling) and is not a model weight.
@@ -90,6 +101,8 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     names = {t.name for t in reader.tensors}
     hidden = meta("embedding_length")
     heads = meta("attention.head_count")
+    head_dim = meta("attention.key_length", hidden // heads)
+    gemma = _gemma3_fields(meta, head_dim) if arch == "gemma3" else {}
     token_list = reader.fields.get("tokenizer.ggml.tokens")
     eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
     eos_ids = [gguf_value(reader, f"tokenizer.ggml.{k}") for k in eos_keys]
@@ -101,7 +114,7 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         num_layers=meta("block_count"),
         num_heads=heads,
         num_kv_heads=meta("attention.head_count_kv", heads),
-        head_dim=meta("attention.key_length", hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=meta("rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(reader, arch),
@@ -112,7 +125,21 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(i for i in eos_ids if i is not None)),
         checkpoint_dtype=torch.float32,
+        **gemma,
     )
+
+
+def _gemma3_fields(meta: Callable[..., Any], head_dim: int) -> dict[str, Any]:
+    layers = meta("block_count")
+    return {
+        # llama.cpp's attention scale for Gemma 3 (the 27B's query_pre_attn_scalar differs; transformers
+        # reads these files with its default of 256, which is head_dim for every other size).
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": meta("attention.sliding_window"),
+        "sliding_layers": tuple(i for i in range(layers) if (i + 1) % _GEMMA3_SLIDING_PATTERN),
+        "rope_local_theta": _GEMMA3_LOCAL_ROPE_THETA,
+        "final_logit_softcapping": meta("final_logit_softcapping", False) or None,
+    }
 
 
 def gguf_weights(reader: GGUFReader, config: ModelConfig) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
@@ -121,7 +148,7 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> Callable[[], Iterat
     for tensor in reader.tensors:
         if tensor.name == _ROPE_FREQS:
             continue
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, config.architecture)
         if name is None:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
         plan.append((name, tensor))
@@ -135,13 +162,14 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> Callable[[], Iterat
     return weights
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
 
 
 def _check_dequantizable(tensor: ReaderTensor) -> None:
@@ -158,8 +186,9 @@ def _check_dequantizable(tensor: ReaderTensor) -> None:
 
 def raw_tensors(reader: GGUFReader) -> Iterator[tuple[str, ReaderTensor]]:
     """(HF name, tensor) with the stored blocks untouched, for loaders that keep weights quantized."""
+    arch = gguf_value(reader, "general.architecture")
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         if name is not None:
             yield name, tensor
 
@@ -171,7 +200,11 @@ def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Ten
         values = values.copy()
     # GGUF lists dimensions fastest-varying first; torch wants them slowest first ([out, in]).
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return fix_rotary_rows(torch.from_numpy(values).reshape(shape), name, config)
+    weight = torch.from_numpy(values).reshape(shape)
+    if config.architecture == "gemma3" and name.endswith("norm.weight"):
+        # llama.cpp's converter stores Gemma's norm weights as 1 + w; the checkpoint form is w.
+        weight = weight - 1
+    return fix_rotary_rows(weight, name, config)
 
 
 def fix_rotary_rows(weight: torch.Tensor, name: str, config: ModelConfig) -> torch.Tensor:

@@ -18,7 +18,10 @@ HF_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# model_type of a bare config (saved without a model class) -> architecture
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -62,8 +65,8 @@ def tensor_files(directory: Path) -> dict[str, Path]:
 def _architecture(cfg: dict[str, Any]) -> str:
     declared = cfg.get("architectures") or []
     arch = next((HF_ARCHITECTURES[a] for a in declared if a in HF_ARCHITECTURES), None)
-    if not declared and cfg.get("model_type") in HF_ARCHITECTURES.values():
-        arch = cfg["model_type"]  # a bare config saved without a model class
+    if not declared and cfg.get("model_type") in _MODEL_TYPES:
+        arch = _MODEL_TYPES[cfg["model_type"]]  # a bare config saved without a model class
     if arch is None:
         shown = ", ".join(declared) or f"model_type {cfg.get('model_type')!r}"
         raise ModelLoadError(f"unsupported architecture {shown} (supported: {', '.join(HF_ARCHITECTURES)})")
@@ -75,6 +78,9 @@ def hf_config(directory: Path, cfg: dict[str, Any], arch: str, tensors: dict[str
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
     rope_theta, rope_scaling = _rope(cfg)
+    gemma = _gemma3_fields(cfg) if arch == "gemma3" else {}
+    if gemma:
+        rope_theta, rope_scaling = gemma.pop("rope")
     return ModelConfig(
         architecture=arch,
         vocab_size=cfg["vocab_size"],
@@ -96,7 +102,47 @@ def hf_config(directory: Path, cfg: dict[str, Any], arch: str, tensors: dict[str
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(directory, cfg),
         checkpoint_dtype=_checkpoint_dtype(cfg, tensors),
+        **gemma,
     )
+
+
+# Gemma 3's activation under its two names in configs.
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
+
+
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's own ModelConfig fields, "rope" = the global layers' (theta, scaling). Layer types come
+    from layer_types, or from the older sliding_window_pattern (every Nth layer global, 6 by default)."""
+    activation = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation not in _GELU_TANH:
+        raise ModelLoadError(f"unsupported Gemma 3 config: hidden_activation = {activation!r}")
+    # Neither is in any Gemma 3 checkpoint; the attention kernels have no place for them.
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(key):
+            raise ModelLoadError(f"unsupported Gemma 3 config: {key} = {cfg[key]!r}")
+    layers = cfg["num_hidden_layers"]
+    pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+    ]
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if len(types) != layers or unknown:
+        raise ModelLoadError(f"config layer_types must name {layers} sliding_attention / full_attention layers")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers >= 5: one rope dict per layer type
+        rope = _rope({"rope_theta": 1_000_000.0, "rope_parameters": params["full_attention"]})
+        local_theta = (params.get("sliding_attention") or {}).get("rope_theta", 10_000.0)
+    else:
+        rope = _rope({"rope_theta": 1_000_000.0, **cfg})
+        local_theta = cfg.get("rope_local_base_freq", 10_000.0)
+    return {
+        "rope": rope,
+        "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar", 256),
+        "sliding_window": cfg.get("sliding_window"),
+        "sliding_layers": tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        "rope_local_theta": float(local_theta),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+    }
 
 
 def hf_weights(tensors: dict[str, Path], config: ModelConfig) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:

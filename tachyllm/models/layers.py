@@ -76,13 +76,14 @@ class RotaryEmbedding:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward with gate and up projections fused into one matmul."""
+    """Gated feed-forward, act(gate) * up, with gate and up projections fused into one matmul:
+    SwiGLU (activation "silu"), or GELU with the tanh approximation (Gemma's "gelu_tanh")."""
 
-    def __init__(self, hidden: int, intermediate: int, ops: LayerOps = PORTABLE_OPS):
+    def __init__(self, hidden: int, intermediate: int, ops: LayerOps = PORTABLE_OPS, activation: str = "silu"):
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self._silu_mul = ops.silu_mul
+        self._act_mul = {"silu": ops.silu_mul, "gelu_tanh": ops.gelu_tanh_mul}[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self._act_mul(self.gate_up_proj(x)))

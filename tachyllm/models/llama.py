@@ -26,7 +26,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.window = cfg.layer_window(layer_index)  # sliding-window attention (Gemma 3's local layers)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache: LayerKV, meta: AttentionMetadata):
         n = x.shape[0]
@@ -38,7 +39,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         with tracing.span("attention"):
-            o = meta.backend.attention(q, k, v, kv_cache, meta, self.scale, self.layer_index)
+            o = meta.backend.attention(q, k, v, kv_cache, meta, self.scale, self.layer_index, self.window)
         return self.o_proj(o.view(n, self.q_size))
 
 
@@ -64,6 +65,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer  # a subclass of the family may build other layers
+
     def __init__(self, cfg: ModelConfig, ops: LayerOps = PORTABLE_OPS):
         super().__init__()
         self.config = cfg
@@ -73,7 +76,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, ops) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

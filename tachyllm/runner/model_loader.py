@@ -1,4 +1,4 @@
-"""build_model: a loaded checkpoint -> a ready LlamaForCausalLM for a backend (weights, rotary
+"""build_model: a loaded checkpoint -> a ready model of its family (models.model_class) for a backend (weights, rotary
 table, optional weight-only quantization, CPU weight packing, the backend's fused layers), and the
 bytes a decode step streams."""
 
@@ -9,6 +9,7 @@ import torch
 from tachyllm.backends.base import Backend
 from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import Checkpoint
+from tachyllm.models import model_class
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.quantization import quantize_model, quantized_weight_bytes
 from tachyllm.quantization.policy import parse_skip
@@ -29,7 +30,7 @@ def build_model(
     (docs/determinism.md)."""
     device = backend.device
     with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
+        model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
     model = model.to_empty(device=device)
     model.load_weights(ckpt.weights())
     model.init_rotary(max_model_len)

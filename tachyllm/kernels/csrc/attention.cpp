@@ -315,6 +315,8 @@ inline void unpermute_pairs(float* acc, int64_t head_dim) {
 struct Tile {
   int64_t head_dim = 0, rows = 0;
   float scale = 1.0f;
+  // A sliding window: row r sees only the `window` positions up to row_last[r]; 0: its whole context.
+  int64_t window = 0;
   // bf16 pair path (see pair_scores_rows): queries, transposed keys and weights as bf16 pairs.
   bool pairs = false;
   std::vector<float> q, acc, max, sum, rescale, scores, keys_t, values;
@@ -330,8 +332,8 @@ struct Tile {
   }
 
   template <typename T>
-  void reset(int64_t d, int64_t r, float score_scale) {
-    head_dim = d, rows = r, scale = score_scale, pairs = pair_path<T>(d);
+  void reset(int64_t d, int64_t r, float score_scale, int64_t sliding_window) {
+    head_dim = d, rows = r, scale = score_scale, window = sliding_window, pairs = pair_path<T>(d);
     acc.assign(r * d, 0.0f);
     max.assign(r, NEG_INF);
     sum.assign(r, 0.0f);
@@ -367,7 +369,7 @@ struct Tile {
   }
 
   // One tile of n (<= 16) positions starting at `first`, their key and value rows one `stride`
-  // apart; row r may see positions <= row_last[r].
+  // apart; row r may see positions <= row_last[r] (and > row_last[r] - window with a window).
   template <typename T>
   void step(const T* keys, const T* vals, int64_t stride, int64_t first, int64_t n, const int64_t* row_last) {
 #ifdef ATTENTION_BF16_PAIRS
@@ -446,21 +448,25 @@ struct Tile {
   }
 
   // Online softmax: scores become weights relative to each row's running maximum; rescale[r]
-  // is what the row's earlier sums must be multiplied by.
+  // is what the row's earlier sums must be multiplied by. A tile none of whose positions a row
+  // sees leaves the row's sums exactly as they were (rescale 1, weights 0): so a row's result does
+  // not depend on whether such tiles were walked (which other rows share its work item).
   void softmax_update(int64_t first, int64_t n, const int64_t* row_last) {
     for (int64_t r = 0; r < rows; ++r) {
       float* s = scores.data() + r * KEY_TILE;
-      const int64_t visible = std::min<int64_t>(n, row_last[r] - first + 1);
-      if (visible <= 0) {  // the whole tile lies after this row's position
+      const int64_t end = std::min<int64_t>(n, row_last[r] - first + 1);
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, row_last[r] - window + 1 - first) : 0;
+      if (end <= begin) {  // the whole tile lies after this row's position, or before its window
         std::fill(s, s + KEY_TILE, 0.0f);
         rescale[r] = 1.0f;
         continue;
       }
-      std::fill(s + visible, s + KEY_TILE, NEG_INF);
+      std::fill(s, s + begin, NEG_INF);
+      std::fill(s + end, s + KEY_TILE, NEG_INF);
 #if defined(__AVX512F__)
       const float tile_max = _mm512_reduce_max_ps(_mm512_loadu_ps(s));
 #else
-      const float tile_max = *std::max_element(s, s + visible);
+      const float tile_max = *std::max_element(s + begin, s + end);
 #endif
       const float peak = std::max(max[r], tile_max);
       rescale[r] = max[r] == NEG_INF ? 0.0f : std::exp(max[r] - peak);
@@ -623,6 +629,7 @@ inline void prefetch_to_l2(const char* p) {
 
 struct AttentionPlan {
   int64_t num_heads = 0, head_dim = 0, group = 1, kv_heads = 0, block_size = 0, table_width = 0;
+  int64_t window = 0;  // sliding window (positions a query sees, its own included); 0: none
   std::vector<float> k_scales, v_scales;  // per KV head (1 for an unquantized cache)
   std::vector<WorkItem> items;
   std::vector<int64_t> order;  // item indices, heaviest first: the order threads take them in
@@ -650,10 +657,12 @@ struct Partials {
 
 AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                             const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+                             const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                             int64_t window) {
   // q, out: [tokens, heads, head_dim]. seq_info: int32 [seqs, 3] = (first query row, number of
   // queries, position of the first query); query j of a sequence sits at position start + j and
-  // sees positions 0 .. start + j. block_tables: int32 [seqs, max_blocks].
+  // sees positions 0 .. start + j, or with a window only start + j - window + 1 .. start + j.
+  // block_tables: int32 [seqs, max_blocks].
   check_heads(q, "q");
   check_heads(out, "out");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
@@ -666,7 +675,9 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt && block_tables.dim() == 2);
   TORCH_CHECK(seq_info.is_contiguous() && seq_info.scalar_type() == at::kInt && seq_info.dim() == 2 &&
               seq_info.size(1) == 3 && seq_info.size(0) == block_tables.size(0));
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   AttentionPlan plan;
+  plan.window = window;
   plan.num_heads = q.size(1), plan.head_dim = q.size(2);
   plan.block_size = k_cache.size(1), plan.kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == plan.head_dim && plan.num_heads % plan.kv_heads == 0, "head shapes of q and the cache disagree");
@@ -679,17 +690,20 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   // A tile of queries shares every key and value it reads; its rows are bounded by MAX_ROWS.
   const int64_t tile_queries = std::max<int64_t>(1, MAX_ROWS / plan.group);
-  struct Span { int64_t seq, first_query, queries, context; };
+  // A span's queries see positions [begin, context): begin is where the first query's window starts.
+  struct Span { int64_t seq, first_query, queries, begin, context; };
   std::vector<Span> spans;
   for (int64_t b = 0; b < seqs; ++b) {
     const int64_t first = info[3 * b], count = info[3 * b + 1], start = info[3 * b + 2];
     TORCH_CHECK(count >= 1 && first >= 0 && first + count <= q.size(0) && first + count <= out.size(0), "query rows out of range");
     TORCH_CHECK(start >= 0 && (start + count + block_size - 1) / block_size <= width, "block table too short for the context");
-    for (int64_t i = 0; i < (start + count + block_size - 1) / block_size; ++i)
+    // Blocks wholly before every query's window are never read (nor checked: a table may free them).
+    const int64_t first_block = window > 0 ? std::max<int64_t>(0, start - window + 1) / block_size : 0;
+    for (int64_t i = first_block; i < (start + count + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tables[b * width + i] >= 0 && tables[b * width + i] < num_blocks, "block id out of range");
     for (int64_t j = 0; j < count; j += tile_queries) {
       const int64_t n = std::min(tile_queries, count - j);
-      spans.push_back({b, j, n, start + j + n});
+      spans.push_back({b, j, n, window > 0 ? std::max<int64_t>(0, start + j - window + 1) : 0, start + j + n});
     }
   }
   // A context longer than SEGMENT is cut at the multiples of SEGMENT, and its rows merge their
@@ -698,14 +712,21 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   // the other rows of its tile (the chunking of its prompt), the batch, or the thread count. A
   // batch of fewer than two pieces per thread (a single decode) gives each KV head its own item:
   // heads are independent, so that changes no result either.
+  // With a window, segments wholly before the span's first window are skipped, and the first one
+  // starts at the block holding the window's start: its key tiles are those of the whole segment
+  // (tiles never cross a block), less tiles no row sees, which change no row's sums (softmax_update).
+  // A row's segments that it sees at all are the same whatever shares its span; one it does not
+  // see merges as nothing (its max is -inf).
   struct Segment { int64_t span, pos_begin, pos_end, partial; };
   std::vector<Segment> segments;
   for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
     const Span& sp = spans[i];
-    const int64_t count = (sp.context + SEGMENT - 1) / SEGMENT;
+    const int64_t first_segment = sp.begin / SEGMENT * SEGMENT;
+    const int64_t count = (sp.context - first_segment + SEGMENT - 1) / SEGMENT;
     if (count > 1) plan.splits.push_back({sp.seq, sp.first_query, sp.queries, plan.partial_rows, count});
-    for (int64_t p = 0; p < sp.context; p += SEGMENT) {
-      segments.push_back({i, p, std::min(sp.context, p + SEGMENT), count > 1 ? plan.partial_rows : -1});
+    for (int64_t p = first_segment; p < sp.context; p += SEGMENT) {
+      const int64_t from = std::max(p, sp.begin / block_size * block_size);
+      segments.push_back({i, from, std::min(sp.context, p + SEGMENT), count > 1 ? plan.partial_rows : -1});
       if (count > 1) plan.partial_rows += sp.queries * plan.num_heads;
     }
   }
@@ -780,7 +801,7 @@ void run_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::T
       for (int64_t r = 0; r < rows; ++r) row_last[r] = start + r / group;
       for (int64_t h = it.head_begin; h < it.head_end; ++h) {
         Tile& tile = heads[h];
-        tile.reset<cache_t>(head_dim, rows, static_cast<float>(scale) * plan.k_scales[h]);
+        tile.reset<cache_t>(head_dim, rows, static_cast<float>(scale) * plan.k_scales[h], plan.window);
         for (int64_t r = 0; r < rows; ++r) tile.load_query(r, qp + plan.head_row(q.stride(0), first, h, r));
       }
       for (int64_t pos = it.pos_begin; pos < it.pos_end;) {
@@ -852,9 +873,10 @@ struct CacheType {
 
 void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                     double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+                     double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
+                     int64_t window) {
   RECORD_FUNCTION("native::paged_attention", c10::ArrayRef<const c10::IValue>{});
-  const AttentionPlan plan = plan_attention(out, q, k_cache, v_cache, block_tables, seq_info, k_scale, v_scale);
+  const AttentionPlan plan = plan_attention(out, q, k_cache, v_cache, block_tables, seq_info, k_scale, v_scale, window);
   Partials partials(plan.partial_rows, plan.head_dim);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const auto run_and_merge = [&](auto cache_tag) {

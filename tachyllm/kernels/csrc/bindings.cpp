@@ -12,10 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(), ReleaseGil());
   m.def("paged_attention", &paged_attention,
-        "attention of each sequence's queries over its paged context (int8 / fp8 caches with per-KV-head scales)",
+        "attention of each sequence's queries over its paged context (int8 / fp8 caches with per-KV-head scales;"
+        " window > 0: sliding-window attention)",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
         pybind11::arg("seq_info"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
-        pybind11::arg("v_scale") = pybind11::none(), ReleaseGil());
+        pybind11::arg("v_scale") = pybind11::none(), pybind11::arg("window") = 0, ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
   register_decode_layer(m);

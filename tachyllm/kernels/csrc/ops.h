@@ -19,11 +19,13 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
               const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
               const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
 // A quantized cache (int8, float8_e4m3fn, float8_e5m2) holds value / scale, with one fp32 scale per
-// KV head in k_scale / v_scale (required for those caches, unused otherwise).
+// KV head in k_scale / v_scale (required for those caches, unused otherwise). window > 0: sliding-window
+// attention, a query sees only the `window` positions up to its own (blocks before every query's
+// window are not read).
 void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
                      double scale, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
-                     const c10::optional<torch::Tensor>& v_scale = c10::nullopt);
+                     const c10::optional<torch::Tensor>& v_scale = c10::nullopt, int64_t window = 0);
 
 // quant_gemv.cpp
 torch::Tensor quant_gemv_q4_1(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits);
