@@ -118,14 +118,19 @@ def ct_packed_tensors(qz: Quantized, bits: int, sym: bool, act_order: bool) -> d
     return tensors
 
 
-def ct_int_tensors(qz: Quantized) -> dict[str, torch.Tensor]:
-    """compressed-tensors int-quantized (W8A8): signed int8 weight, one scale per output channel."""
-    return {"weight": (qz.q - 128).to(torch.int8), "weight_scale": qz.s}
+def ct_int_tensors(qz: Quantized, bits: int, sym: bool) -> dict[str, torch.Tensor]:
+    """compressed-tensors int-quantized / naive-quantized: the signed values q - 2^(b-1) as an int8
+    `weight`, and (asymmetric) signed int8 zero points, unpacked."""
+    offset = 2 ** (bits - 1)
+    tensors = {"weight": (qz.q - offset).to(torch.int8), "weight_scale": qz.s}
+    if not sym:
+        tensors["weight_zero_point"] = (qz.z - offset).to(torch.int8)
+    return tensors
 
 
 @dataclass
 class Scheme:
-    method: str  # awq, gptq, gptq_v2, ct_packed, ct_int
+    method: str  # awq, gptq, gptq_v2, ct_packed, ct_int (int-quantized W8A8), ct_naive (naive-quantized)
     bits: int = 4
     group: int = 32  # -1: one group per row (channel)
     sym: bool = False
@@ -149,7 +154,7 @@ class Scheme:
         act = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
         return {
             "quant_method": "compressed-tensors",
-            "format": "pack-quantized" if self.method == "ct_packed" else "int-quantized",
+            "format": {"ct_packed": "pack-quantized", "ct_int": "int-quantized"}.get(self.method, "naive-quantized"),
             "config_groups": {
                 "group_0": {
                     "targets": ["Linear"], "weights": weights,
@@ -167,7 +172,7 @@ class Scheme:
             return gptq_tensors(qz, self.bits, v1=self.method == "gptq")
         if self.method == "ct_packed":
             return ct_packed_tensors(qz, self.bits, self.sym, self.act_order)
-        return ct_int_tensors(qz)
+        return ct_int_tensors(qz, self.bits, self.sym)
 
 
 def write_prequantized(source: Path, target: Path, reference: Path | None, scheme: Scheme, seed: int = 0) -> dict:

@@ -44,6 +44,7 @@ SCHEMES = {
     "ct-w8a16": Scheme("ct_packed", bits=8, group=-1, sym=True),
     "ct-w8a8": Scheme("ct_int", bits=8, group=-1, sym=True, scale_dtype=torch.bfloat16),
     "ct-w8a8-fp32-scales": Scheme("ct_int", bits=8, group=-1, sym=True, scale_dtype=torch.float32),
+    "ct-naive-w4-asym": Scheme("ct_naive", group=32),
 }
 # fp32 scales do not fit the kernels' fp16 block scales: rounded (logged), so not greedy-identical.
 GREEDY_EXACT = [name for name in SCHEMES if name != "ct-w8a8-fp32-scales"]
@@ -118,6 +119,20 @@ def test_greedy_equals_the_dequantized_fp32_model(checkpoints, name, caplog):
 
 
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
+@pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
+@pytest.mark.parametrize("scheme", [Scheme("gptq", group=32, act_order=True), Scheme("awq", group=64)])
+def test_biased_projections_qwen2(tmp_path, scheme):
+    """Qwen2's q/k/v biases stay dense tensors beside the packed weights and reach the fused module."""
+    from conftest import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "base", "qwen2", hidden_size=128, intermediate_size=256)
+    write_prequantized(base, tmp_path / "q", tmp_path / "ref", scheme)
+    eng = engine(tmp_path / "q")
+    qkv = eng.model.layers[0].self_attn.qkv_proj
+    assert (qkv.inner if isinstance(qkv, PermutedInput) else qkv).bias is not None
+    assert greedy_tokens(eng, PROMPTS, 12) == greedy_tokens(engine(tmp_path / "ref"), PROMPTS, 12)
+
+
 def test_fp16_block_rounding_is_logged(checkpoints, caplog):
     """Symmetric fp16 / bf16-scaled layers are held exactly (nothing logged); fp32 scales and
     asymmetric mins (-s * z) are rounded to the blocks' fp16, and the largest change is logged."""
