@@ -234,3 +234,19 @@ def _expect_error(source: Path, tmp_path: Path, change: dict, message: str) -> N
     with pytest.raises(ModelLoadError, match=message) as caught:
         load_checkpoint(str(target))
     assert "\n" not in str(caught.value)
+
+
+def test_quality_report_against_the_unquantized_original(checkpoints, base, capsys):
+    """`tachy eval quality --reference-model`: a pre-quantized checkpoint against the model it came
+    from; the labels say what each side ran."""
+    from tachyllm.entrypoints.cli import main
+
+    quantized, reference, _ = checkpoints("gptq4-sym")
+    argv = ["eval", "quality", "--model", str(quantized), "--seq-len", "32", "--max-sequences", "2", "--threads", "1"]
+    assert main([*argv, "--dtype", "float32", "--reference-model", str(reference), "--json"]) == 0
+    same = json.loads(capsys.readouterr().out)
+    assert same["config"] == "float32, weights gptq, kv auto"
+    assert same["reference"] == f"float32, weights unquantized, kv auto, model {reference}"
+    assert same["kl_max"] < 1e-3 and same["top1_agreement"] == 1.0  # the dequantized twin: the same model
+    assert main([*argv, "--reference-model", str(base), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kl_mean"] > 10 * same["kl_mean"]  # vs the original: RTN error
