@@ -250,3 +250,23 @@ def test_quality_report_against_the_unquantized_original(checkpoints, base, caps
     assert same["kl_max"] < 1e-3 and same["top1_agreement"] == 1.0  # the dequantized twin: the same model
     assert main([*argv, "--reference-model", str(base), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kl_mean"] > 10 * same["kl_mean"]  # vs the original: RTN error
+
+
+def test_compressed_tensors_activation_and_kv_scales_are_not_read(checkpoints, tmp_path):
+    """Static activation scales and KV-cache scales of a compressed-tensors checkpoint are skipped
+    (weight-only; the KV cache calibrates its own), not an unknown-tensor error."""
+    from safetensors.torch import save_file
+
+    source = checkpoints("ct-w8a8")[0]
+    target = tmp_path / "with-scales"
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).symlink_to(file)
+    extra = {
+        "model.layers.0.self_attn.q_proj.input_scale": torch.ones(1),
+        "model.layers.0.self_attn.k_scale": torch.ones(1),
+        "model.layers.0.self_attn.v_scale": torch.ones(1),
+    }
+    save_file(extra, target / "scales.safetensors")
+    names = {name for name, _ in load_checkpoint(str(target)).weights()}
+    assert not names & set(extra) and "model.layers.0.self_attn.q_proj.weight" in names

@@ -30,6 +30,10 @@ BITS = (4, 8)
 _AWQ_GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 _CT_PACKED_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
 _CT_INT_PARTS = ("weight", "weight_scale", "weight_zero_point", "weight_g_idx")
+# compressed-tensors scales of what tachyllm does not quantize (static activation scales, KV-cache
+# scales): present in some checkpoints, not read (the engine runs weight-only; --kv-cache-dtype
+# calibrates its own KV scales).
+_CT_UNUSED = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale", "v_scale")
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i of a word holds output column 8c + _AWQ_ORDER[i]
 
 
@@ -170,8 +174,12 @@ class PrequantizedWeights:
             raise ModelLoadError(f"quantization_config says {fmt.method} but no tensor ends in {marker}")
 
     def stored_names(self) -> set[str]:
-        """Checkpoint tensors that belong to the packed linears (read through `read`, not as weights)."""
-        return {f"{m}.{p}" for m in self.modules for p in self._parts} & set(self._tensors)
+        """Checkpoint tensors that belong to the packed linears (read through `read`, not as weights),
+        and those not used at all."""
+        names = {f"{m}.{p}" for m in self.modules for p in self._parts} & set(self._tensors)
+        if self.format.method == "compressed-tensors":
+            names |= {n for n in self._tensors if n.rpartition(".")[2] in _CT_UNUSED}
+        return names
 
     def read(self, module: str) -> PackedLinear:
         def get(part: str) -> torch.Tensor | None:
