@@ -270,3 +270,13 @@ def test_compressed_tensors_activation_and_kv_scales_are_not_read(checkpoints, t
     save_file(extra, target / "scales.safetensors")
     names = {name for name, _ in load_checkpoint(str(target)).weights()}
     assert not names & set(extra) and "model.layers.0.self_attn.q_proj.weight" in names
+
+
+@pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
+def test_self_int4_draft_of_a_prequantized_target(checkpoints):
+    """speculative 'self:int4' on a pre-quantized checkpoint drafts with its own codes (not an
+    int4-vs-gptq mismatch); greedy output stays the target's."""
+    quantized = checkpoints("gptq4-sym")[0]
+    spec = {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 2}
+    plain = greedy_tokens(engine(quantized), PROMPTS, 12)
+    assert greedy_tokens(engine(quantized, speculative_config=spec), PROMPTS, 12) == plain
