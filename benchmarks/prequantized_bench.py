@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/prequantized_bench", help="where the checkpoints are written")
     parser.add_argument("--max-sequences", type=int, default=None, help="score only the first N held-out windows")
+    parser.add_argument("--speed-only", action="store_true", help="decode rates only (no quality)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -90,11 +91,12 @@ def main() -> None:
     def engine(path: Path, **kw) -> LLMEngine:
         return LLMEngine(EngineConfig(model=str(path), threads=args.threads, enable_prefix_caching=False, **kw))
 
-    reference = engine(fp32, dtype="float32", max_num_seqs=1, max_model_len=128)
-    windows = heldout_windows(reference, 128, args.max_sequences)
+    if not args.speed_only:
+        reference = engine(fp32, dtype="float32", max_num_seqs=1, max_model_len=128)
+        windows = heldout_windows(reference, 128, args.max_sequences)
     models = {
         "bf16 (the fp32 checkpoint, unquantized)": (fp32, {}),
-        "int4 (tachyllm RTN, g64)": (fp32, {"quantization": "int4"}),
+        "int4 (tachyllm RTN, g64 / 128)": (fp32, {"quantization": "int4"}),
     }
     for name, scheme in SCHEMES.items():
         target = root / name.split(" (")[0].replace(" ", "-") / f"{scheme.method}-{scheme.bits}-{scheme.group}"
@@ -105,10 +107,15 @@ def main() -> None:
     for name, (path, extra) in models.items():
         eng = engine(path, max_num_seqs=32, max_model_len=256, **extra)
         b1, b32 = decode_rate(eng, 1, 64), decode_rate(eng, 32, 32)
+        if args.speed_only:
+            print(json.dumps({"name": name, "decode_b1": b1, "decode_b32": b32}), flush=True)
+            continue
         report = compare(eng, reference, windows, (name, "fp32"))
         rows.append(Row(name, eng.weight_bytes / 2**20, b1, b32, report.ppl_config, report.top1_agreement,
                         report.kl_mean, report.kl_p99))  # fmt: skip
         print(json.dumps(asdict(rows[-1])), flush=True)
+    if args.speed_only:
+        return
     print(f"\nfp32 reference perplexity {report.ppl_reference:.3f} on {report.num_sequences} x 128-token windows")
     print("| checkpoint | weights MiB | decode tok/s b=1 | b=32 | perplexity | top-1 vs fp32 | KL mean | KL p99 |")
     print("|---|---|---|---|---|---|---|---|")
