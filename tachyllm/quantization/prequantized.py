@@ -4,7 +4,7 @@ A checkpoint linear is w = s * (q - z) per (row, group) (loading/hf_quantized.py
 Int4Weight's w = d * q + m with d = s and m = -s * z; a group of 64 / 128 is 2 / 4 blocks of 32
 sharing (d, m), so the C++ Q4_1 kernel runs it. The codes and s are kept exactly (s is the file's
 fp16); m = -s * z needs up to 15 significant bits and the kernel's block stores it in fp16, so an
-asymmetric group's min can move by at most 2^-12 of itself (< 0.4% of one step: 15 s * 2^-12);
+asymmetric group's min can move by at most 2^-11 of itself (< 0.75% of one step: 15 s * 2^-11);
 symmetric formats (z = 2^(b-1)) are exact. 8-bit with z = 128 (symmetric): q - 128 is an int8 code
 and s its scale, exactly the Q8_0 block kernel. Asymmetric 8-bit (a per-group min the Q8_0 block
 has no room for), group sizes that are not a multiple of 32, and 8-bit without the C++ kernels are
