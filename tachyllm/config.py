@@ -197,7 +197,7 @@ class EngineConfig:
         if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ConfigError(f"quant_activation_bits must be 8 or 16, got {self.quant_activation_bits!r}")
         # Unset quantization may still mean a pre-quantized checkpoint's (checked once it is read).
-        if self.quant_activation_bits != 16 and self.quantization in ("int8",):
+        if self.quant_activation_bits != 16 and self.quantization == "int8":
             raise ConfigError(
                 f"quant_activation_bits applies to quantization int4, awq, gguf, gptq or compressed-tensors, "
                 f"not {self.quantization!r}"
