@@ -280,3 +280,19 @@ def test_self_int4_draft_of_a_prequantized_target(checkpoints):
     spec = {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 2}
     plain = greedy_tokens(engine(quantized), PROMPTS, 12)
     assert greedy_tokens(engine(quantized, speculative_config=spec), PROMPTS, 12) == plain
+
+
+def test_unset_compressed_tensors_g_idx_means_contiguous_groups(checkpoints, tmp_path):
+    """A weight_g_idx of -1s (saved unset, no act-order) reads as contiguous groups."""
+    from safetensors.torch import save_file
+
+    source, _, refs = checkpoints("ct-w4a16-sym")
+    target = tmp_path / "unset-g-idx"
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).symlink_to(file)
+    name = "model.layers.0.mlp.down_proj"
+    save_file({f"{name}.weight_g_idx": torch.full((256,), -1, dtype=torch.int32)}, target / "g_idx.safetensors")
+    assert torch.equal(
+        load_checkpoint(str(target)).prequantized.read(name).dequantize(), refs[f"{name}.weight"].float()
+    )

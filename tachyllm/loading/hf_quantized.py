@@ -276,7 +276,7 @@ def _checked(
     groups = scales.shape[1]
     if scales.shape[0] != out or zeros.shape != scales.shape or k % groups:
         raise ValueError(f"codes {tuple(codes.shape)}, scales {tuple(scales.shape)}, zeros {tuple(zeros.shape)}")
-    if g_idx is None:
+    if g_idx is None or bool((g_idx < 0).all()):  # llm-compressor may save an unset g_idx as -1s
         g_idx = _contiguous_groups(k, groups)
     g_idx = g_idx.long()
     if g_idx.shape != (k,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= groups:
