@@ -296,3 +296,25 @@ def test_unset_compressed_tensors_g_idx_means_contiguous_groups(checkpoints, tmp
     assert torch.equal(
         load_checkpoint(str(target)).prequantized.read(name).dequantize(), refs[f"{name}.weight"].float()
     )
+
+
+def test_without_the_block_kernels(checkpoints):
+    """The torch backend: 4-bit layers on aten's int4 layout, 8-bit ones dequantized; both run."""
+    four = engine(checkpoints("gptq4-act-order")[0], backend="torch")
+    layers = [m for m in four.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 8 and {m.kernel for m in layers} == {"aten"}
+    eight = engine(checkpoints("gptq8-sym")[0], backend="torch")
+    assert not [m for m in eight.model.modules() if isinstance(m, Int4Linear | Q8_0Linear)]
+    assert all(len(t) == 6 for t in greedy_tokens(four, PROMPTS, 6) + greedy_tokens(eight, PROMPTS, 6))
+
+
+def test_modules_are_built_on_the_model_device(checkpoints):
+    """Off the CPU (here the meta device, standing in for CUDA), 4-bit layers take the dequantize
+    layout on that device and act-order permutations move with them; 8-bit stays dense."""
+    weights = load_checkpoint(str(checkpoints("gptq4-act-order")[0])).prequantized
+    meta = torch.device("meta")
+    built = build([weights.read("model.layers.0.mlp.down_proj")], None, BLOCK_KERNELS, meta)
+    assert isinstance(built.module, PermutedInput) and built.module.perm.device == meta
+    assert built.module.inner.kernel == "dequantize" and built.module.inner.packed.device == meta
+    eight = load_checkpoint(str(checkpoints("gptq8-sym")[0])).prequantized
+    assert build([eight.read("model.layers.0.mlp.down_proj")], None, BLOCK_KERNELS, meta).module is None

@@ -239,7 +239,7 @@ def _prequantized(
             result.kept[name] = "stored unquantized in the checkpoint"
             continue
         linear = model.get_submodule(name)
-        built = build(packed, None if linear.bias is None else linear.bias.detach(), kernels)
+        built = build(packed, None if linear.bias is None else linear.bias.detach(), kernels, linear.weight.device)
         if built.module is None:
             result.kept[name] = f"{built.why}: dequantized to {linear.weight.dtype}"
             continue

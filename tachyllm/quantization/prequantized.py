@@ -67,8 +67,14 @@ def act_order(parts: list[PackedLinear]) -> tuple[torch.Tensor | None, str]:
     return (None if identity else perms[0]), ""
 
 
-def build(parts: list[PackedLinear], bias: torch.Tensor | None, kernels: ModuleType | None) -> Built:
-    """The packed module for one model linear made of `parts` stacked along the output (fused qkv / gate_up)."""
+def build(
+    parts: list[PackedLinear],
+    bias: torch.Tensor | None,
+    kernels: ModuleType | None,
+    device: torch.device = torch.device("cpu"),
+) -> Built:
+    """The packed module, on `device`, for one model linear made of `parts` (read on the CPU) stacked
+    along the output (fused qkv / gate_up)."""
     bits = {p.bits for p in parts}
     group = min(p.group_size for p in parts)
     if len(bits) > 1:
@@ -83,17 +89,19 @@ def build(parts: list[PackedLinear], bias: torch.Tensor | None, kernels: ModuleT
     if bits == {4}:
         block = next(b for b in reversed(GROUP_SIZES) if all(p.group_size % b == 0 for p in ordered))
         weight = Int4Weight.concat([_int4(p, block) for p in ordered])
-        module = Int4Linear(weight, bias, kernels=kernels)
+        # The device decides Int4Linear's layout (C++ blocks / aten on the CPU, dequantize elsewhere).
+        on_device = Int4Weight(*(t.to(device) for t in (weight.codes, weight.scales, weight.mins)), block)
+        module = Int4Linear(on_device, bias, kernels=kernels if device.type == "cpu" else None)
         rounding = _fp16_rounding(weight.scales, 15, weight.mins) if module.kernel == "blocks" else 0.0
     else:
         if any(bool((p.zeros != 128).any()) for p in ordered):
             return Built(None, "8-bit with zero points (the Q8_0 kernel has no min term)")
-        if kernels is None:
+        if kernels is None or device.type != "cpu":
             return Built(None, "8-bit needs the C++ Q8_0 kernel (backend cpu)")
         codes = torch.cat([(p.codes - 128).to(torch.int8) for p in ordered])
         scales = torch.cat([p.scales.repeat_interleave(p.group_size // BLOCK, dim=1) for p in ordered])
         module, rounding = Q8_0Linear(Q8_0Weight(codes, scales), kernels, bias), _fp16_rounding(scales, 128)
-    return Built(module if perm is None else PermutedInput(module, perm), fp16_rounding=rounding)
+    return Built(module if perm is None else PermutedInput(module, perm.to(device)), fp16_rounding=rounding)
 
 
 def _fp16_rounding(d: torch.Tensor, max_code: int, m: torch.Tensor | None = None) -> float:
