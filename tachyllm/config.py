@@ -26,7 +26,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # Weight-only quantization methods (tachyllm/quantization) and KV-cache storage types (kernels/kv_quant.py).
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf")
+# awq, gptq, compressed-tensors also name a pre-quantized checkpoint's format (its quantization_config decides).
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "gptq", "compressed-tensors")
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -132,7 +133,11 @@ class EngineConfig:
     threads: int | None = option(
         None, "compute threads (default: OMP_NUM_THREADS, or the usable CPUs: affinity mask, cgroup CPU quota)"
     )
-    quantization: str | None = option(None, "weight-only quantization: int8, int4, awq, gguf (default: none)")
+    quantization: str | None = option(
+        None,
+        "weight-only quantization: int8, int4, awq, gguf; a pre-quantized checkpoint's own (awq, gptq,"
+        " compressed-tensors) is used automatically (default: none, or the checkpoint's quantization_config)",
+    )
     quant_group_size: int | None = option(
         None, "int4/awq group size: 32, 64 or 128 (default: largest that divides each layer)"
     )
@@ -205,9 +210,11 @@ class EngineConfig:
             raise ConfigError(f"quant_group_size applies to quantization int4 or awq, not {self.quantization!r}")
         if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ConfigError(f"quant_activation_bits must be 8 or 16, got {self.quant_activation_bits!r}")
-        if self.quant_activation_bits != 16 and self.quantization not in ("int4", "awq", "gguf"):
+        # Unset quantization may still mean a pre-quantized checkpoint's (checked once it is read).
+        if self.quant_activation_bits != 16 and self.quantization == "int8":
             raise ConfigError(
-                f"quant_activation_bits applies to quantization int4, awq or gguf, not {self.quantization!r}"
+                f"quant_activation_bits applies to quantization int4, awq, gguf, gptq or compressed-tensors, "
+                f"not {self.quantization!r}"
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(

@@ -149,6 +149,30 @@ def test_bf16_linear_rows_do_not_depend_on_the_row_count_when_batch_invariant(sh
     assert not torch.equal(fast(x)[:48], fast(x[:48])), "the fast path was expected to switch implementations"
 
 
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prequantized_act_order_rows_do_not_depend_on_the_row_count(bits, dtype):
+    """A pre-quantized GPTQ act-order layer (activations gathered by the permutation, then the int4 /
+    Q8_0 block kernel), tests/test_prequantized.py: each row alone gives the same bits."""
+    from tachyllm.loading.hf_quantized import PackedLinear as Stored
+    from tachyllm.quantization.prequantized import PermutedInput, build
+
+    torch.manual_seed(4)
+    out_features, in_features, group = 96, 256, 64
+    zeros = torch.full((out_features, in_features // group), 2 ** (bits - 1), dtype=torch.int32)
+    stored = Stored(
+        torch.randint(0, 2**bits, (out_features, in_features), dtype=torch.int32),
+        torch.rand(out_features, in_features // group).half().float() / 50,
+        zeros,
+        torch.randperm(in_features) // group,
+        bits,
+    )
+    layer = build([stored], None, ops).module
+    assert isinstance(layer, PermutedInput)
+    _linear_rows_invariant(layer, in_features, dtype)
+
+
 # -- the engine ----------------------------------------------------------------------------------
 
 # head_dim 64 (the bf16 pair path of the attention kernel), one KV head; long enough for contexts past

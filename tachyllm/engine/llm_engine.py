@@ -70,6 +70,8 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.model_name = config.model or DEFAULT_MODEL_NAME
+        # The weights' quantization: the option, or a pre-quantized checkpoint's own.
+        self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)
 

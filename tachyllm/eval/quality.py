@@ -48,10 +48,12 @@ class QualityReport:
     worst: list[SequenceScore] = field(default_factory=list)
 
 
-def describe(config: EngineConfig) -> str:
+def describe(config: EngineConfig, quantization: str | None = None) -> str:
+    """`quantization`: what the engine resolved (a pre-quantized checkpoint's own), if not the option."""
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
     bits = f" (activations {config.quant_activation_bits}-bit)" if config.quant_activation_bits != 16 else ""
-    return f"{dtype}, weights {config.quantization or 'unquantized'}{bits}, kv {config.kv_cache_dtype}"
+    weights = quantization or config.quantization or "unquantized"
+    return f"{dtype}, weights {weights}{bits}, kv {config.kv_cache_dtype}"
 
 
 def eval_engine(config: EngineConfig, seq_len: int) -> LLMEngine:
@@ -128,13 +130,16 @@ def format_report(r: QualityReport) -> str:
 def cmd_quality(args: argparse.Namespace) -> int:
     config = engine_config(args)
     ref_config = replace(
-        config, dtype=args.reference_dtype, quantization=None, quant_group_size=None, quant_skip=None,
-        quant_activation_bits=16, kv_cache_dtype="auto",
+        config, model=args.reference_model or config.model, dtype=args.reference_dtype, quantization=None,
+        quant_group_size=None, quant_skip=None, quant_activation_bits=16, kv_cache_dtype="auto",
     )  # fmt: skip
     reference = eval_engine(ref_config, args.seq_len)
     engine = eval_engine(config, args.seq_len)
     windows = heldout_windows(engine, args.seq_len, args.max_sequences)
-    report = compare(engine, reference, windows, (describe(config), describe(ref_config)), args.worst)
+    labels = (describe(config, engine.quantization), describe(ref_config, reference.quantization))
+    if args.reference_model:
+        labels = (labels[0], f"{labels[1]}, model {args.reference_model}")
+    report = compare(engine, reference, windows, labels, args.worst)
     print(json.dumps(asdict(report), indent=2) if args.json else format_report(report))
     return 0
 
@@ -151,6 +156,11 @@ def add_eval_parser(sub) -> None:
         default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="dtype of the unquantized reference",
+    )
+    q.add_argument(
+        "--reference-model",
+        default=None,
+        help="the reference's model (default: --model); a pre-quantized checkpoint's unquantized original",
     )
     q.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per held-out sequence")
     q.add_argument("--max-sequences", type=int, default=None, help="score only the first N sequences")

@@ -18,6 +18,7 @@ from tachyllm.loading import cache
 from tachyllm.loading.default_model import default_model_path
 from tachyllm.loading.gguf import load_gguf, raw_tensors
 from tachyllm.loading.hf import load_hf
+from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.loading.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint"]
@@ -36,6 +37,8 @@ class Checkpoint:
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
     source: str
     format: Literal["gguf", "hf"]
+    # A pre-quantized HF checkpoint's packed linears (its weights() yields them dequantized).
+    prequantized: PrequantizedWeights | None = None
 
 
 def load_checkpoint(path: str | None) -> Checkpoint:
@@ -76,8 +79,8 @@ def _load_gguf(source: str) -> Checkpoint:
 
 
 def _load_hf(directory: Path, source: str) -> Checkpoint:
-    config, weights = load_hf(directory)
-    return Checkpoint(config, Tokenizer.from_hf_dir(directory), _guarded(weights, source), source, "hf")
+    config, weights, packed = load_hf(directory)
+    return Checkpoint(config, Tokenizer.from_hf_dir(directory), _guarded(weights, source), source, "hf", packed)
 
 
 def _guarded(

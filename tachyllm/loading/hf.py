@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from tachyllm.config import DTYPES, ModelConfig
 from tachyllm.errors import ModelLoadError
+from tachyllm.loading.hf_quantized import PrequantizedWeights, parse_quant_format
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -26,17 +27,27 @@ _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torc
 _INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_hf(directory: Path) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    """Config and lazy weights of a Hugging Face directory (the tokenizer is Tokenizer.from_hf_dir)."""
+def load_hf(
+    directory: Path,
+) -> tuple[ModelConfig, Callable[[], Iterator[tuple[str, torch.Tensor]]], PrequantizedWeights | None]:
+    """Config, lazy weights and, for a pre-quantized checkpoint (quantization_config), its packed
+    linears, of a Hugging Face directory (the tokenizer is Tokenizer.from_hf_dir)."""
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ModelLoadError("directory has no config.json (expected a Hugging Face model directory)")
     cfg = read_json(config_file)
-    # The architecture is checked before looking for weights: it is the more useful complaint.
+    # The architecture and the quantization format are checked before looking for weights: they
+    # are the more useful complaints.
     arch = _architecture(cfg)
+    quant_format = parse_quant_format(cfg["quantization_config"]) if cfg.get("quantization_config") else None
     tensors = tensor_files(directory)
-    config = hf_config(directory, cfg, arch, tensors)
-    return config, hf_weights(tensors, config)
+    packed = PrequantizedWeights(quant_format, tensors) if quant_format is not None else None
+    # A packed linear stands in for its dense weight (the stream yields it dequantized).
+    names = dict(tensors)
+    if packed is not None:
+        names.update({f"{m}.weight": tensors[next(iter(tensors))] for m in packed.modules})
+    config = hf_config(directory, cfg, arch, names)
+    return config, hf_weights(tensors, config, packed), packed
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -145,12 +156,15 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def hf_weights(tensors: dict[str, Path], config: ModelConfig) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+def hf_weights(
+    tensors: dict[str, Path], config: ModelConfig, packed: PrequantizedWeights | None = None
+) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
     by_file: dict[Path, list[str]] = {}
+    stored_packed = packed.stored_names() if packed is not None else set()
     for name, file in tensors.items():
         tied_head = name == "lm_head.weight" and config.tie_word_embeddings
         # Old checkpoints saved the rotary cache as a buffer; it is recomputed, not loaded.
-        if not tied_head and not name.endswith("rotary_emb.inv_freq"):
+        if not tied_head and not name.endswith("rotary_emb.inv_freq") and name not in stored_packed:
             by_file.setdefault(file, []).append(name)
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -158,6 +172,9 @@ def hf_weights(tensors: dict[str, Path], config: ModelConfig) -> Callable[[], It
             with safe_open(file, framework="pt") as handle:
                 for name in names:
                     yield name, handle.get_tensor(name)
+        for module in packed.modules if packed is not None else ():
+            if not (module == "lm_head" and config.tie_word_embeddings):
+                yield f"{module}.weight", packed.read(module).dequantize()
 
     return weights
 

@@ -10,16 +10,20 @@ from types import ModuleType
 from torch import nn
 
 from tachyllm.errors import ConfigError
+from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
 from tachyllm.quantization.gguf_packed import Q8_0Linear, Q8_0Weight, head_weight_name, packed_gguf_weights
 from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
 from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.quantization.policy import select_linears
+from tachyllm.quantization.prequantized import build, read_parts
 
 logger = logging.getLogger("tachyllm")
 
 AWQ_WINDOWS, AWQ_SEQ_LEN = 8, 256  # ≈2k calibration tokens
+# Methods that name a pre-quantized checkpoint's format (quantization_config.quant_method, vLLM's names).
+PREQUANTIZED_METHODS = ("awq", "gptq", "compressed-tensors")
 
 # Fused modules and the checkpoint weights stacked into them (gguf-native needs every part packed).
 _FUSED_PARTS = {
@@ -68,12 +72,26 @@ def quantize_model(
     gguf_path: str | None = None,
     activation_bits: int = ACTIVATION_BITS,
     kernels: ModuleType | None = None,
+    prequantized: PrequantizedWeights | None = None,
 ) -> QuantizationResult:
     """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / Q8_0 layers pack
-    their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere)."""
+    their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere).
+    `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format)."""
     targets, skipped = select_linears(model, skip)
     result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
     groups: dict[str, int] = {}
+    if prequantized is not None:
+        if method != prequantized.format.method:
+            raise ConfigError(
+                f"quantization={method!r} does not match the checkpoint's quantization_config.quant_method = "
+                f"{prequantized.format.method}; leave quantization unset or pass {prequantized.format.method}"
+            )
+        method = f"{method} (pre-quantized, {prequantized.format.layout})"
+    elif method in ("gptq", "compressed-tensors"):
+        raise ConfigError(
+            f"quantization={method!r} needs a pre-quantized checkpoint (a Hugging Face directory whose config.json "
+            f"has quantization_config.quant_method = {method}); accepted for other models: int8, int4, awq, gguf"
+        )
     if method in ("int4", "awq"):
         for name in targets:
             g = group_size_for(name, model.get_submodule(name).in_features, group_size)
@@ -84,7 +102,9 @@ def quantize_model(
         targets = [n for n in targets if n in groups]
 
     replacements: dict[str, nn.Module]
-    if method == "int8":
+    if prequantized is not None:
+        replacements = _prequantized(model, targets, prequantized, result, kernels)
+    elif method == "int8":
         replacements = {n: Int8Linear.from_linear(model.get_submodule(n)) for n in targets}
     elif method == "int4":
         replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels) for n in targets}
@@ -190,6 +210,46 @@ def _gguf(
     if result.head is None and "lm_head" in result.kept:
         stored = other.get(head_source) or "Q4_0/Q4_1"
         result.head = f"{head_source} ({stored} in the file) dequantized to {dtype}"
+    return out
+
+
+def _prequantized(
+    model: nn.Module,
+    targets: list[str],
+    weights: PrequantizedWeights,
+    result: QuantizationResult,
+    kernels: ModuleType | None,
+) -> dict[str, nn.Module]:
+    """The checkpoint's own codes for each targeted linear (fused modules stack their parts); what
+    the kernels cannot run exactly keeps the dequantized weight the model was loaded with."""
+    if weights.format.activations:
+        logger.info(
+            "%s: activations quantized as %s in the checkpoint run unquantized (weight-only, as W%dA16): "
+            "the C++ kernels round them per 32 inputs instead (quant_activation_bits)",
+            weights.format.method, weights.format.activations, weights.format.bits or 8,
+        )  # fmt: skip
+    out, rounding = {}, 0.0
+    for name in targets:
+        prefix, _, suffix = name.partition("layers.")
+        layer, _, kind = suffix.partition(".")
+        parts = _FUSED_PARTS.get(kind, (kind,)) if suffix else (name,)
+        keys = [f"model.layers.{layer}.{p}" for p in parts] if suffix else [name]
+        packed = read_parts(weights, keys)
+        if packed is None:
+            result.kept[name] = "stored unquantized in the checkpoint"
+            continue
+        linear = model.get_submodule(name)
+        built = build(packed, None if linear.bias is None else linear.bias.detach(), kernels, linear.weight.device)
+        if built.module is None:
+            result.kept[name] = f"{built.why}: dequantized to {linear.weight.dtype}"
+            continue
+        out[name] = built.module
+        rounding = max(rounding, built.fp16_rounding)
+    if rounding > 0:
+        logger.info(
+            "%s: the C++ blocks hold scales (and mins, -scale * zero) in fp16: weights move by up to %.2g of a "
+            "quantization step (codes are kept exactly)", weights.format.method, rounding,
+        )  # fmt: skip
     return out
 
 

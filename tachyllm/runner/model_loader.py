@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tachyllm.backends.base import Backend
+from tachyllm.errors import ConfigError
 from tachyllm.kernels.linear import onednn_packing_available, pack_linears
 from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
@@ -36,14 +37,22 @@ def build_model(
     model.init_rotary(max_model_len)
     # Bytes a decode step streams from memory (packing below hides parameters from the module).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if ckpt.prequantized is not None:
+        # vLLM's rule: the checkpoint's quantization_config decides; --quantization may only repeat it.
+        quantization = quantization or ckpt.prequantized.format.method
+        if quant_group_size is not None:
+            raise ConfigError("quant_group_size does not apply to a pre-quantized checkpoint (its groups are stored)")
+    elif quantization is None and quant_activation_bits != 16:
+        raise ConfigError("quant_activation_bits applies to quantized weights; set quantization (int4, awq, gguf)")
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
         gguf_path = ckpt.source if ckpt.format == "gguf" else None
         skip = parse_skip(quant_skip)
         kernels = backend.block_kernels()
         quantize_model(
-            model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels
-        )
+            model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels,
+            ckpt.prequantized,
+        )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
         pack_linears(model, backend.bf16_linear_kernels(), batch_invariant)

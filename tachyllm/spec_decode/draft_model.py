@@ -44,8 +44,9 @@ def build_draft_model(
     """The draft for a speculative_config 'model' entry; a foreign checkpoint must share the tokenizer."""
     if spec_model == "self:int4":
         # A GGUF file's own 4-bit weights are packed as they are (the draft then differs from the
-        # target only by rounding); other checkpoints are quantized round-to-nearest.
-        method = "gguf" if ckpt.format == "gguf" else "int4"
+        # target only by rounding), a pre-quantized checkpoint keeps its own codes (None: the
+        # checkpoint's method); other checkpoints are quantized round-to-nearest.
+        method = "gguf" if ckpt.format == "gguf" else None if ckpt.prequantized is not None else "int4"
         draft, _ = build_model(ckpt, dtype, backend, max_len, method, None, "none")
         return draft
     if spec_model.startswith("self:layers="):
