@@ -37,13 +37,15 @@ from tachyllm.loading import load_checkpoint
 from tachyllm.spec_decode.speculator import Speculator
 from tachyllm.speculative_config import SpeculativeConfig
 
-CODE = [
+DOCSTRINGS = [
     "Write the body of this Python function:\n\n```python\ndef is_palindrome(text: str) -> bool:\n"
     '    """True when text reads the same backwards, ignoring case, spaces and punctuation."""\n```',
     "Write the body of this Python function:\n\n```python\ndef merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
     '    """Merge two sorted lists into one sorted list in linear time."""\n```',
     "Write the body of this Python function:\n\n```python\ndef word_counts(path: str) -> dict[str, int]:\n"
     '    """Count how often each lower-cased word occurs in the text file at path."""\n```',
+]
+REFACTORS = [
     "Refactor this code to use a list comprehension and type hints, and keep its behaviour:\n\n```python\n"
     "def squares_of_evens(values):\n    result = []\n    for v in values:\n        if v % 2 == 0:\n"
     "            result.append(v * v)\n    return result\n```",
@@ -56,6 +58,8 @@ CODE = [
     "        print('Role: admin')\n    else:\n        print('Name: ' + user.name)\n"
     "        print('Email: ' + user.email)\n        print('Role: user')\n```",
 ]
+# Alternating, so that the first N prompts hold both kinds.
+CODE = [prompt for pair in zip(DOCSTRINGS, REFACTORS) for prompt in pair]
 CHAT = [
     "Explain why the sky is blue in a few sentences.",
     "Give me three tips for learning to cook.",
