@@ -131,13 +131,13 @@ def run(llm: LLM, prompts: list[str], batch: int, max_tokens: int) -> Sample:
     return Sample(sum(map(len, answers)), seconds, drafts, draft_tokens, accepted, per_pos, answers)
 
 
-def summarise(name: str, task: str, batch: int, samples: list[Sample], reference: list[Sample] | None) -> Row:
+def summarise(name: str, task: str, batch: int, k: int, samples: list[Sample], reference: list[Sample] | None) -> Row:
     rates = [s.tokens / s.seconds for s in samples]
     drafts = sum(s.drafts for s in samples)
     draft_tokens = sum(s.draft_tokens for s in samples)
     accepted = sum(s.accepted for s in samples)
-    width = max((len(s.per_pos) for s in samples), default=0)
-    per_pos = [sum(s.per_pos[i] for s in samples if i < len(s.per_pos)) for i in range(width)]
+    # The engine's per-position counters are shared by the speculators attached to it: k positions are this one's.
+    per_pos = [sum(s.per_pos[i] for s in samples if i < len(s.per_pos)) for i in range(k)]
     row = Row(name, task, batch, len(samples), round(statistics.median(rates), 2), [round(r, 2) for r in rates])
     if draft_tokens:
         row.acceptance_rate = round(accepted / draft_tokens, 3)
@@ -234,7 +234,8 @@ def main() -> None:
     rows = []
     for (name, task, batch), runs in samples.items():
         reference = samples.get(("none", task, batch)) if name != "none" else None
-        rows.append(summarise(name, task, batch, runs, reference))
+        k = specs[name]["num_speculative_tokens"] if specs[name] else 0
+        rows.append(summarise(name, task, batch, k, runs, reference))
     print("| config | task | batch | tok/s (median; runs) | vs target alone (median; rounds) | acceptance rate"
           " | mean acceptance length"
           " | acceptance per position | identical to target alone |")  # fmt: skip
