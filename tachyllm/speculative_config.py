@@ -3,9 +3,10 @@
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH | "self:int4" | "self:layers=N", "num_speculative_tokens": 4}
 
-Common keys: "disable_by_batch_size" (no speculation while more sequences than this are running)
-and "adaptive" (default true: speculate, and pick how many tokens, only where the measured costs
-and acceptance say it is faster).
+A draft model file also takes "quantization" (int8, int4, awq, gguf or none; unset: the target's
+--quantization where it applies to the draft's file). Common keys: "disable_by_batch_size" (no
+speculation while more sequences than this are running) and "adaptive" (default true: speculate,
+and pick how many tokens, only where the measured costs and acceptance say it is faster).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
     model: str | None = None  # draft_model only
+    quantization: str | None = None  # a draft model file's weights; None = as the target's
     prompt_lookup_max: int = 4  # ngram only
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
@@ -83,6 +85,20 @@ class SpeculativeConfig:
                 )
             if self.model.startswith("self:") and self.model != "self:int4" and self.self_layers is None:
                 raise ConfigError(f"unknown self-draft {self.model!r}; accepted: 'self:int4', 'self:layers=N'")
+        if self.quantization is not None:
+            if self.method != "draft_model" or self.model.startswith("self:"):
+                raise ConfigError(
+                    "speculative_config 'quantization' applies to a draft model file, not to "
+                    f"{self.model if self.method == 'draft_model' else self.method!r}"
+                )
+            # Imported here: tachyllm.config imports this module.
+            from tachyllm.config import QUANTIZATION_METHODS
+
+            accepted = ("none", *QUANTIZATION_METHODS)
+            if self.quantization not in accepted:
+                raise ConfigError(
+                    f"speculative_config quantization must be one of {', '.join(accepted)}, got {self.quantization!r}"
+                )
 
     @property
     def self_layers(self) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -113,6 +114,24 @@ def make_tiny_model(directory: Path, arch: str = "llama", tie: bool = False, see
                 p.normal_(0, 0.1)
     model.save_pretrained(directory)
     return directory
+
+
+def first_layers(target: Path, into: Path, layers: int) -> Path:
+    """A separate checkpoint holding the target's embedding, first `layers` layers, norm and head
+    (a real draft's job done by a correlated model, so that some drafts are accepted and some not)."""
+    into.mkdir()
+    for item in target.iterdir():
+        if item.suffix != ".safetensors" and item.name != "config.json":
+            shutil.copy(item, into / item.name)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (into / "config.json").write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(target / "model.safetensors")
+    kept = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(kept, into / "model.safetensors", metadata={"format": "pt"})
+    return into
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import first_layers, make_tiny_model
 from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
 
 from tachyllm import LLM, SamplingParams
@@ -77,8 +78,6 @@ def test_config_rejects_bad_values(options, message):
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_model_factory, tmp_path):
-    from conftest import make_tiny_model
-
     target = tiny_model_factory("llama")
     other = make_tiny_model(tmp_path / "other", "llama")
     vocab = (other / "tokenizer.json").read_text().replace('"<|im_end|>"', '"<|im_stop|>"')
@@ -328,11 +327,15 @@ def test_a_broken_acceptance_rule_fails_the_same_test(broken, monkeypatch):
     assert chi_square_p_value(counts, expected_pairs(params, target)) < SIGNIFICANCE
 
 
-def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factory):
-    """Two-sample test on the engine: many seeded requests, with and without a draft model, on a
-    tiny model with a narrowed vocabulary (top_k=6). The first token comes from the prefill; the
-    second and third from one verification step (the draft token or its replacement, and the bonus)."""
+@pytest.mark.parametrize("draft_model", ["self:layers=1", "file"])
+def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factory, tmp_path, draft_model):
+    """Two-sample test on the engine: many seeded requests, with and without a draft model (the
+    target's first layer, shared or as a separate file), on a tiny model with a narrowed vocabulary
+    (top_k=6). The first token comes from the prefill; the second and third from one verification
+    step (the draft token or its replacement, and the bonus)."""
     path = tiny_model_factory("llama")
+    if draft_model == "file":
+        draft_model = str(first_layers(path, tmp_path / "draft", 1))
     prompt = [11, 12, 13, 14]
     params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s) for s in range(1500)]
 
@@ -345,7 +348,7 @@ def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factor
         return counts
 
     plain = pairs(tiny_llm(path, max_num_seqs=256))
-    spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=draft("self:layers=1", k=1))
+    spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=draft(draft_model, k=1))
     spec = pairs(spec_llm)
     assert spec_llm.engine.stats.spec_num_draft_tokens > 0
     keys = sorted(set(plain) | set(spec))

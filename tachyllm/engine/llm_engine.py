@@ -139,7 +139,7 @@ class LLMEngine:
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
-                config.speculative_config, self.model, ckpt, sampler, num_blocks, config.block_size,
+                config, self.model, ckpt, sampler, num_blocks, config.block_size,
                 self.max_model_len, self.dtype, self.backend, self.scheduler.step_cost,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tachyllm.backends.base import Backend
+from tachyllm.config import EngineConfig
 from tachyllm.core.block_manager import BlockManager, cdiv
 from tachyllm.core.sequence import Sequence
 from tachyllm.errors import ConfigError
@@ -39,22 +40,56 @@ logger = logging.getLogger("tachyllm")
 
 
 def build_draft_model(
-    spec_model: str, target: LlamaForCausalLM, ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, max_len: int
+    config: EngineConfig,
+    target: LlamaForCausalLM,
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    backend: Backend,
+    max_len: int,
 ) -> LlamaForCausalLM:
-    """The draft for a speculative_config 'model' entry; a foreign checkpoint must share the tokenizer."""
-    if spec_model == "self:int4":
+    """The draft for config.speculative_config's 'model' entry; a foreign checkpoint must share the
+    tokenizer. Quantized drafts include their LM head: a draft's rounding costs acceptance, never
+    output tokens, and the head is a large part of a small model's step."""
+    spec = config.speculative_config
+    invariant = config.deterministic
+    if spec.model == "self:int4":
         # A GGUF file's own 4-bit weights are packed as they are (the draft then differs from the
         # target only by rounding), a pre-quantized checkpoint keeps its own codes (None: the
         # checkpoint's method); other checkpoints are quantized round-to-nearest.
         method = "gguf" if ckpt.format == "gguf" else None if ckpt.prequantized is not None else "int4"
-        draft, _ = build_model(ckpt, dtype, backend, max_len, method, None, "none")
+        draft, _ = build_model(ckpt, dtype, backend, max_len, method, None, "none", batch_invariant=invariant)
         return draft
-    if spec_model.startswith("self:layers="):
-        return _truncated(target, int(spec_model.removeprefix("self:layers=")))
-    draft_ckpt = load_checkpoint(spec_model)
-    check_same_vocabulary(ckpt.tokenizer, draft_ckpt.tokenizer, spec_model)
-    draft, _ = build_model(draft_ckpt, dtype, backend, max_len)
+    if spec.model.startswith("self:layers="):
+        return _truncated(target, int(spec.model.removeprefix("self:layers=")))
+    draft_ckpt = load_checkpoint(spec.model)
+    check_same_vocabulary(ckpt.tokenizer, draft_ckpt.tokenizer, spec.model)
+    method = draft_quantization(spec.quantization, config.quantization, draft_ckpt.format, spec.model)
+    blocks = method in ("int4", "awq", "gguf")  # the methods whose kernels round activations
+    draft, weight_bytes = build_model(
+        draft_ckpt, dtype, backend, max_len, method,
+        config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
+        "none" if method else None, config.quant_activation_bits if blocks else 16, batch_invariant=invariant,
+    )  # fmt: skip
+    logger.info(
+        "draft model %s: %s, %d layers, quantization %s, %.1f MiB of weights per step",
+        spec.model, draft_ckpt.config.architecture, draft_ckpt.config.num_layers, method or "none",
+        weight_bytes / 2**20,
+    )  # fmt: skip
     return draft
+
+
+def draft_quantization(requested: str | None, target: str | None, draft_format: str, name: str) -> str | None:
+    """speculative_config's 'quantization' for a draft file, or unset the target's --quantization
+    ('gguf' only where the draft is a GGUF file too)."""
+    if requested == "none":
+        return None
+    if requested == "gguf" and draft_format != "gguf":
+        raise ConfigError(f"speculative_config quantization 'gguf' needs a GGUF draft file; {name} is not one")
+    if requested is not None:
+        return requested
+    if target == "gguf" and draft_format != "gguf":
+        return None
+    return target
 
 
 def _truncated(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
@@ -76,8 +111,9 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, name: str) -> Non
     if target_vocab != draft_vocab:
         differing = sorted(set(target_vocab.items()) ^ set(draft_vocab.items()), key=lambda kv: kv[1])[:3]
         raise ConfigError(
-            f"draft model {name} does not share the target's vocabulary ({len(draft_vocab)} vs {len(target_vocab)} "
-            f"tokens; e.g. {differing}); speculative decoding needs the same tokenizer"
+            f"draft model {name} does not share the target's vocabulary (draft {len(draft_vocab)} tokens, target "
+            f"{len(target_vocab)}; differing (token, id) e.g. {differing}); speculative decoding needs the same "
+            "tokenizer"
         )
 
 
@@ -180,7 +216,8 @@ class DraftModelProposer(Proposer):
         logits = self.runner.last_token_logits(batch)
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
-        return logits[back.to(logits.device)]
+        # Embedding rows past the target's vocabulary (padding of a shared tokenizer) are never proposed.
+        return logits[back.to(logits.device), : self.vocab_size]
 
     def _sync(self, seq: Sequence) -> _Shadow:
         """The shadow of seq, truncated to the prefix it shares with the target and extended to match."""

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from tachyllm.backends.base import Backend
+from tachyllm.config import EngineConfig
 from tachyllm.core.scheduler import Scheduler
 from tachyllm.core.step_cost import StepCostModel
 from tachyllm.loading import Checkpoint
@@ -18,7 +19,6 @@ from tachyllm.spec_decode.adaptive import AdaptiveController
 from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.spec_decode.proposer import Proposer
-from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
@@ -32,7 +32,7 @@ MAX_DRAFT_LAG = 8
 class Speculator:
     def __init__(
         self,
-        config: SpeculativeConfig,
+        engine_config: EngineConfig,
         target: LlamaForCausalLM,
         ckpt: Checkpoint,
         sampler: Sampler,
@@ -43,13 +43,13 @@ class Speculator:
         backend: Backend,
         step_costs: StepCostModel,
     ):
-        self.config = config
+        self.config = config = engine_config.speculative_config
         self.max_model_len = max_model_len
         self.proposer: Proposer
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            model = build_draft_model(config.model, target, ckpt, dtype, backend, max_model_len)
+            model = build_draft_model(engine_config, target, ckpt, dtype, backend, max_model_len)
             self.proposer = DraftModelProposer(
                 model, draft_blocks(num_blocks, block_size, max_model_len), block_size, sampler, dtype, backend
             )
