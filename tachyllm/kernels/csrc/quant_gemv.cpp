@@ -12,7 +12,7 @@
 //
 // Packed layout ("tiles"): 16 output rows are interleaved so that int32 lane j of an AVX-512 register
 // accumulates row j. A tile holds, per super-block (one 32-block for the non-K formats), the codes of
-// each 32-weight sub-block followed by the super-block's scales for the 16 rows:
+// each 32-weight sub-block and the super-block's scales for the 16 rows (K-quants: scales first):
 //   codes per sub-block: 4-bit formats 4 x 64 bytes of nibbles; Q5_0 / Q5_K the same + 64 bytes of
 //     5th bits; Q6_K the same + 2 x 64 bytes of 5th/6th bit pairs; Q8_0 8 x 64 bytes (u = q + 128).
 //   scales: Q4_0 / Q5_0 / Q8_0 16 fp16 d; Q4_1 16 fp16 d, 16 fp16 m; Q4_K / Q5_K 16 fp16 d,
@@ -85,6 +85,12 @@ constexpr int64_t scale_bytes(Format f) {
   return f == Format::Q4_1 ? 64 : f == Format::Q6_K ? 32 + 256 : is_k(f) ? 64 + 256 : 32;
 }
 constexpr int64_t chunk_bytes(Format f) { return sub_blocks(f) * code_bytes(f) + scale_bytes(f); }
+// Where a chunk's scales and codes start. A K-quant super-block's scales come first: the kernel
+// needs them for its first sub-block, and at the end of a 2-3 KiB chunk they would not have been
+// prefetched yet (a demand miss per super-block: 2x the time of a one-row product). A 32-block's
+// scales share its last cache lines, so they follow the codes.
+constexpr int64_t scales_at(Format f) { return is_k(f) ? 0 : code_bytes(f); }
+constexpr int64_t codes_at(Format f) { return is_k(f) ? scale_bytes(f) : 0; }
 // The code offset o of w = d * (u - o) formats (0: a format with its own min).
 constexpr int code_offset(Format f) {
   return f == Format::Q4_0 ? 8 : f == Format::Q5_0 ? 16 : f == Format::Q8_0 ? 128 : f == Format::Q6_K ? 32 : 0;
@@ -335,13 +341,13 @@ void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t 
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += SUB, w += chunk_bytes(F)) {
-    const uint8_t* scales = w + SUB * code_bytes(F);
+    const uint8_t* scales = w + scales_at(F);
     const __m512 d = half16(scales);
     __m512 m2 = _mm512_setzero_ps();  // Q4_1: m; Q4_K / Q5_K: dmin
     if constexpr (F == Format::Q4_1 || F == Format::Q4_K || F == Format::Q5_K) m2 = half16(scales + 32);
     for (int64_t j = 0; j < SUB; ++j) {
       __m512i codes[8];
-      load_codes<F>(w + j * code_bytes(F), codes);
+      load_codes<F>(w + codes_at(F) + j * code_bytes(F), codes);
       __m512 dj = d, mj = m2, dj2 = d;
       if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
         dj = _mm512_mul_ps(d, u8x16(scales + 64 + 16 * j));
@@ -406,7 +412,7 @@ void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows
     float acc[TILE] = {};
     const uint8_t* chunk = w;
     for (int64_t b0 = 0; b0 < nb; b0 += SUB, chunk += chunk_bytes(F)) {
-      const uint8_t* scales = chunk + SUB * code_bytes(F);
+      const uint8_t* scales = chunk + scales_at(F);
       for (int64_t jb = 0; jb < SUB; ++jb) {
         const int64_t b = b0 + jb, at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
         const int8_t* x = xq.q.data() + at;
@@ -415,7 +421,7 @@ void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows
         for (int64_t j = 0; j < TILE; ++j) {
           int32_t half[2] = {0, 0};
           for (int in = 0; in < QK; ++in) {
-            const int32_t code = tile_code(F, chunk + jb * code_bytes(F), j, in);
+            const int32_t code = tile_code(F, chunk + codes_at(F) + jb * code_bytes(F), j, in);
             half[in / 16] += code * (x2 ? 256 * x[in] + x2[in] : x[in]);
           }
           const float d = half_to_float(scales + 2 * j);
@@ -634,7 +640,7 @@ torch::Tensor pack_q8_0(const torch::Tensor& codes_in, const torch::Tensor& scal
 // as the gguf package's dequantization reads them).
 void fill_from_gguf(Format f, uint8_t* chunk, int64_t j, const uint8_t* src) {
   uint8_t codes[256];
-  uint8_t* scales = chunk + sub_blocks(f) * code_bytes(f);
+  uint8_t* scales = chunk + scales_at(f);
   std::memcpy(scales + 2 * j, f == Format::Q6_K ? src + 208 : src, 2);  // d
   auto nibbles = [&](const uint8_t* qs) {  // 32-blocks: low nibbles are weights 0..15, high 16..31
     for (int i = 0; i < 16; ++i) codes[i] = qs[i] & 0xF, codes[16 + i] = qs[i] >> 4;
@@ -686,7 +692,8 @@ void fill_from_gguf(Format f, uint8_t* chunk, int64_t j, const uint8_t* src) {
       break;
     }
   }
-  for (int64_t sb = 0; sb < sub_blocks(f); ++sb) put_codes(f, chunk + sb * code_bytes(f), j, codes + QK * sb);
+  for (int64_t sb = 0; sb < sub_blocks(f); ++sb)
+    put_codes(f, chunk + codes_at(f) + sb * code_bytes(f), j, codes + QK * sb);
 }
 
 // A GGUF tensor's blocks as stored in the file, uint8 [out_features, bytes per row] -> tiles.
