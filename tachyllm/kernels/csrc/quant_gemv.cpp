@@ -15,8 +15,8 @@
 // each 32-weight sub-block and the super-block's scales for the 16 rows (K-quants: scales first):
 //   codes per sub-block: 4-bit formats 4 x 64 bytes of nibbles; Q5_0 / Q5_K the same + 64 bytes of
 //     5th bits; Q6_K the same + 2 x 64 bytes of 5th/6th bit pairs; Q8_0 8 x 64 bytes (u = q + 128).
-//   scales: Q4_0 / Q5_0 / Q8_0 16 fp16 d; Q4_1 16 fp16 d, 16 fp16 m; Q4_K / Q5_K 16 fp16 d,
-//     16 fp16 dmin, 8 x 16 uint8 sub-block scales, 8 x 16 uint8 sub-block mins; Q6_K 16 fp16 d,
+//   scales: Q4_0 / Q5_0 / Q8_0 16 fp16 d; Q4_1 16 fp16 d, 16 fp16 m; Q4_K / Q5_K 16 fp32 d,
+//     16 fp32 dmin, 8 x 16 uint8 sub-block scales, 8 x 16 uint8 sub-block mins; Q6_K 16 fp32 d,
 //     16 x 16 int8 scales (one per 16 weights).
 // Code vector c (0..7) of a sub-block holds, in byte 4j+i, row j's weight 4c+i: the nibble vectors
 // are chunk c's low nibbles (c < 4) or chunk c-4's high nibbles; bit c of the Q5 plane's byte 4j+i is
@@ -80,10 +80,16 @@ constexpr int64_t super_weights(Format f) { return sub_blocks(f) * QK; }
 constexpr int64_t code_bytes(Format f) {
   return f == Format::Q8_0 ? 512 : f == Format::Q6_K ? 384 : has_q5_plane(f) ? 320 : 256;
 }
-// Tile bytes of one super-block's scales (16 rows).
+// Tile bytes of one super-block's scales (16 rows). K-quants keep d (and dmin) as fp32, converted
+// from the file's fp16 at load (exact): their d is often an fp16 subnormal (Q6_K's d ~ max|w| / 4064),
+// and converting those in the kernel (VCVTPH2PS) takes a microcode assist: real Q6_K matrices ran at
+// a quarter of the speed of random ones.
 constexpr int64_t scale_bytes(Format f) {
-  return f == Format::Q4_1 ? 64 : f == Format::Q6_K ? 32 + 256 : is_k(f) ? 64 + 256 : 32;
+  return f == Format::Q4_1 ? 64 : f == Format::Q6_K ? 64 + 256 : is_k(f) ? 128 + 256 : 32;
 }
+// Within a K-quant's scales: fp32 d at 0, fp32 dmin at 64, then the sub-block scales (and mins).
+constexpr int64_t sub_scales_at(Format f) { return f == Format::Q6_K ? 64 : 128; }
+constexpr int64_t SUB_MINS_AT = 256;
 constexpr int64_t chunk_bytes(Format f) { return sub_blocks(f) * code_bytes(f) + scale_bytes(f); }
 // Where a chunk's scales and codes start. A K-quant super-block's scales come first: the kernel
 // needs them for its first sub-block, and at the end of a 2-3 KiB chunk they would not have been
@@ -342,19 +348,20 @@ void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += SUB, w += chunk_bytes(F)) {
     const uint8_t* scales = w + scales_at(F);
-    const __m512 d = half16(scales);
+    const __m512 d = is_k(F) ? _mm512_loadu_ps(scales) : half16(scales);
     __m512 m2 = _mm512_setzero_ps();  // Q4_1: m; Q4_K / Q5_K: dmin
-    if constexpr (F == Format::Q4_1 || F == Format::Q4_K || F == Format::Q5_K) m2 = half16(scales + 32);
+    if constexpr (F == Format::Q4_1) m2 = half16(scales + 32);
+    if constexpr (F == Format::Q4_K || F == Format::Q5_K) m2 = _mm512_loadu_ps(scales + 64);
     for (int64_t j = 0; j < SUB; ++j) {
       __m512i codes[8];
       load_codes<F>(w + codes_at(F) + j * code_bytes(F), codes);
       __m512 dj = d, mj = m2, dj2 = d;
       if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
-        dj = _mm512_mul_ps(d, u8x16(scales + 64 + 16 * j));
-        mj = _mm512_mul_ps(m2, u8x16(scales + 192 + 16 * j));
+        dj = _mm512_mul_ps(d, u8x16(scales + sub_scales_at(F) + 16 * j));
+        mj = _mm512_mul_ps(m2, u8x16(scales + SUB_MINS_AT + 16 * j));
       } else if constexpr (F == Format::Q6_K) {
-        dj = _mm512_mul_ps(d, i8x16(scales + 32 + 32 * j));
-        dj2 = _mm512_mul_ps(d, i8x16(scales + 48 + 32 * j));
+        dj = _mm512_mul_ps(d, i8x16(scales + sub_scales_at(F) + 32 * j));
+        dj2 = _mm512_mul_ps(d, i8x16(scales + sub_scales_at(F) + 16 + 32 * j));
       }
       for (int r = 0; r < R; ++r) {
         const int64_t b = b0 + j, at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
@@ -388,6 +395,12 @@ inline float half_to_float(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
   return static_cast<float>(h);
+}
+
+inline float float_at(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 // Row j's code of input i (0..31) in a sub-block's tile codes (see the layout above).
@@ -424,19 +437,19 @@ void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows
             const int32_t code = tile_code(F, chunk + codes_at(F) + jb * code_bytes(F), j, in);
             half[in / 16] += code * (x2 ? 256 * x[in] + x2[in] : x[in]);
           }
-          const float d = half_to_float(scales + 2 * j);
+          const float d = is_k(F) ? float_at(scales + 4 * j) : half_to_float(scales + 2 * j);
           if constexpr (F == Format::Q6_K) {
             for (int h = 0; h < 2; ++h) {
-              const float sc = static_cast<float>(static_cast<int8_t>(scales[32 + 32 * jb + 16 * h + j]));
+              const float sc = static_cast<float>(static_cast<int8_t>(scales[64 + 32 * jb + 16 * h + j]));
               acc[j] += static_cast<float>(half[h] - 32 * xq.half_sum[2 * i + h]) * s * (d * sc);
             }
           } else if constexpr (code_offset(F) != 0) {
             acc[j] += (static_cast<float>(half[0] + half[1]) * s - O * xq.sum[i]) * d;
           } else {
-            const float m = half_to_float(scales + 32 + 2 * j);
             const bool k_quant = F != Format::Q4_1;
-            const float dj = k_quant ? d * scales[64 + 16 * jb + j] : d;
-            const float mj = k_quant ? -m * scales[192 + 16 * jb + j] : m;
+            const float m = k_quant ? float_at(scales + 64 + 4 * j) : half_to_float(scales + 32 + 2 * j);
+            const float dj = k_quant ? d * scales[128 + 16 * jb + j] : d;
+            const float mj = k_quant ? -m * scales[SUB_MINS_AT + 16 * jb + j] : m;
             acc[j] += static_cast<float>(half[0] + half[1]) * s * dj;
             acc[j] += mj * xq.sum[i];
           }
@@ -641,7 +654,12 @@ torch::Tensor pack_q8_0(const torch::Tensor& codes_in, const torch::Tensor& scal
 void fill_from_gguf(Format f, uint8_t* chunk, int64_t j, const uint8_t* src) {
   uint8_t codes[256];
   uint8_t* scales = chunk + scales_at(f);
-  std::memcpy(scales + 2 * j, f == Format::Q6_K ? src + 208 : src, 2);  // d
+  if (is_k(f)) {  // d, and dmin, as fp32 (see scale_bytes)
+    const float d = half_to_float(f == Format::Q6_K ? src + 208 : src);
+    std::memcpy(scales + 4 * j, &d, 4);
+  } else {
+    std::memcpy(scales + 2 * j, src, 2);
+  }
   auto nibbles = [&](const uint8_t* qs) {  // 32-blocks: low nibbles are weights 0..15, high 16..31
     for (int i = 0; i < 16; ++i) codes[i] = qs[i] & 0xF, codes[16 + i] = qs[i] >> 4;
   };
@@ -663,12 +681,13 @@ void fill_from_gguf(Format f, uint8_t* chunk, int64_t j, const uint8_t* src) {
       break;
     case Format::Q4_K:
     case Format::Q5_K: {
-      std::memcpy(scales + 32 + 2 * j, src + 2, 2);  // dmin
+      const float dmin = half_to_float(src + 2);
+      std::memcpy(scales + 64 + 4 * j, &dmin, 4);
       const uint8_t* s = src + 4;  // 12 bytes: 8 six-bit scales and 8 six-bit mins
       for (int sb = 0; sb < 8; ++sb) {
         const uint8_t sc = sb < 4 ? s[sb] & 63 : (s[sb + 4] & 0xF) | ((s[sb - 4] >> 6) << 4);
         const uint8_t mn = sb < 4 ? s[sb + 4] & 63 : (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4);
-        scales[64 + 16 * sb + j] = sc, scales[192 + 16 * sb + j] = mn;
+        scales[sub_scales_at(f) + 16 * sb + j] = sc, scales[SUB_MINS_AT + 16 * sb + j] = mn;
       }
       const uint8_t* qh = src + 16;  // Q5_K: bit sb of byte e is weight e's 5th bit in sub-block sb
       const uint8_t* qs = f == Format::Q4_K ? src + 16 : src + 48;  // 32 bytes per pair of sub-blocks
@@ -682,7 +701,7 @@ void fill_from_gguf(Format f, uint8_t* chunk, int64_t j, const uint8_t* src) {
     }
     case Format::Q6_K: {
       const uint8_t *ql = src, *qh = src + 128;
-      for (int h = 0; h < 16; ++h) scales[32 + 16 * h + j] = src[192 + h];
+      for (int h = 0; h < 16; ++h) scales[sub_scales_at(f) + 16 * h + j] = src[192 + h];
       for (int w = 0; w < 256; ++w) {  // halves of 128: ql 64 bytes (two nibbles), qh 32 bytes (four pairs)
         const int half = w / 128, r = w % 128;
         const uint8_t low = (ql[64 * half + r % 64] >> (4 * (r / 64))) & 0xF;
