@@ -106,8 +106,8 @@ class GGUFLinear(nn.Module):
     repacked once into 16-row tiles and multiplied in one call, which rounds the activations once
     per 32 inputs (`activation_bits`) and writes each part's output columns. Built only with the
     backend's block kernels: the alternative is the dequantized weight the model already holds.
-    One-token steps stream the tiles at about the file's own bytes per weight (Q4_K 0.58, Q6_K
-    0.82, Q5_0 0.69, Q8_0 1.06)."""
+    One-token steps stream the tiles at about the file's own bytes per weight (Q4_K 0.59, Q6_K
+    0.83, Q5_0 0.69, Q8_0 1.06)."""
 
     def __init__(self, parts: list[GGUFBlocks], kernels: ModuleType, bias: torch.Tensor | None = None):
         super().__init__()
