@@ -12,6 +12,10 @@ quant:     the C++ block kernels (kernels/csrc/quant_gemv.cpp; 16- and 8-bit act
            the Q8_0 LM head vs bf16, at 1 / 4 / 16 / 64 rows. Each call reads a different copy of
            the weights (>= 128 MB in all) so that they come from DRAM, as in a decode step, not
            from the 32 MiB L3; times are the best of 5 runs. GB/s = packed weight bytes / time.
+kquant:    the C++ block kernels on each GGUF block type a Q4_K_M file holds (Q4_K, Q5_K, Q6_K,
+           Q5_0, Q8_0; Q4_1 for reference) vs the engine's bf16 linear (PackedLinear) on the
+           dequantized weight, at Qwen2.5-1.5B's shapes (gate_up 17920 x 1536, down 1536 x 8960)
+           and 1 / 16 / 64 rows, weights from DRAM as in quant. GB/s = tile bytes / time.
 sampling:  drawing a token per row from 64 x 49,152 probabilities: the sampler's CDF inversion vs
            the exponential race it replaced.
 bf16:      the C++ bf16 matrix-vector kernel (kernels/csrc/bf16_gemv.cpp) vs the oneDNN-prepacked
@@ -27,8 +31,11 @@ from __future__ import annotations
 import argparse
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from tachyllm.backends import create_backend
 from tachyllm.backends.torch_backend import causal_attention
@@ -199,6 +206,36 @@ def bench_quant() -> None:
         print(f"| {out_f}x{in_f} Q8_0 head | {rows} | {t16:.0f}{gbs} | {t8:.0f} | - | {tb:.0f} | - | {tb / t16:.1f}x |")
 
 
+def bench_kquant() -> None:
+    ops = native_ops()
+    if ops is None:
+        print("\nkquant: C++ kernels unavailable, skipped")
+        return
+    print(
+        "\n| weight (out x in) | type | rows | native 16-bit µs | native 8-bit µs | bf16 PackedLinear µs | "
+        "native vs bf16 |\n|---|---|---|---|---|---|---|"
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    for out_f, in_f in [(17920, 1536), (1536, 8960)]:
+        packed = _bf16_linears(out_f, in_f)
+        for kind in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_1):
+            block, size = GGML_QUANT_SIZES[kind]
+            # Bytes below 0x3C: every fp16 scale finite and normal (the codes' values do not matter here).
+            raw = torch.from_numpy(rng.integers(0, 0x3C, (out_f, in_f // block * size), dtype=np.uint8))
+            tiles = _copies(ops.quant_pack_gguf(int(kind), raw, in_f))
+            layout = torch.tensor([[int(kind), out_f]])
+            for rows in (1, 16, 64):
+                x = torch.randn(rows, in_f, dtype=torch.bfloat16)
+                calls = 50 if rows == 1 else 10
+                t16, t8 = (
+                    best_us([lambda t=t: ops.quant_gemv(x, t, layout, bits) for t in tiles], calls) for bits in (16, 8)
+                )
+                tb = best_us([lambda p=p: p(x) for p in packed], calls)
+                gbs = f" ({tiles[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
+                name = f"{out_f}x{in_f} | {kind.name}"
+                print(f"| {name} | {rows} | {t16:.0f}{gbs} | {t8:.0f} | {tb:.0f} | {tb / t16:.1f}x |")
+
+
 BF16_ROWS = (1, 4, 16, 64, 512)
 
 
@@ -254,9 +291,9 @@ def bench_sampling() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("sections", nargs="*", help="linear, attention, quant, bf16 and/or sampling (default: all)")
+    ap.add_argument("sections", nargs="*", help="linear, attention, quant, kquant, bf16 and/or sampling (default: all)")
     args = ap.parse_args()
-    args.sections = args.sections or ["linear", "attention", "quant", "bf16", "sampling"]
+    args.sections = args.sections or ["linear", "attention", "quant", "kquant", "bf16", "sampling"]
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads")
     with torch.inference_mode():
@@ -266,6 +303,8 @@ def main() -> None:
             bench_attention()
         if "quant" in args.sections:
             bench_quant()
+        if "kquant" in args.sections:
+            bench_kquant()
         if "bf16" in args.sections:
             bench_bf16()
         if "sampling" in args.sections:

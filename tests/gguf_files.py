@@ -1,11 +1,13 @@
 """Pieces of the tiny GGUF files that tests write themselves: the model-shape metadata, one decoder
-layer's tensors in llama.cpp's names and order, and closing a writer."""
+layer's tensors in llama.cpp's names and order, closing a writer, random valid blocks of any
+quantized type, and a byte-level tokenizer."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from gguf import GGUFWriter
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 # add(name, *shape, quantize=True): writes one tensor; norms are written with quantize=False.
 AddTensor = Callable[..., None]
@@ -41,3 +43,46 @@ def finish(writer: GGUFWriter) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# Offsets of each block type's fp16 fields (d, and m / dmin where it has one) in its bytes, and a
+# typical |code x sub-block scale| to size d so that weights come out around the requested amplitude.
+_HALF_FIELDS = {
+    GGMLQuantizationType.Q4_0: ((0,), 8),
+    GGMLQuantizationType.Q4_1: ((0, 2), 8),
+    GGMLQuantizationType.Q5_0: ((0,), 16),
+    GGMLQuantizationType.Q5_1: ((0, 2), 16),
+    GGMLQuantizationType.Q8_0: ((0,), 64),
+    GGMLQuantizationType.Q4_K: ((0, 2), 250),
+    GGMLQuantizationType.Q5_K: ((0, 2), 500),
+    GGMLQuantizationType.Q6_K: ((208,), 1000),
+}
+
+
+def random_blocks(
+    kind: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator, amplitude: float = 0.1
+) -> np.ndarray:
+    """Random but valid GGUF blocks, uint8 [rows, bytes per row]: any codes and packed sub-block
+    scales / mins (the gguf package cannot quantize K-quants), finite fp16 scales of either sign."""
+    block, size = GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    offsets, typical = _HALF_FIELDS[kind]
+    for at in offsets:
+        d = rng.uniform(-amplitude, amplitude, (rows, cols // block, 1)) / typical
+        raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def add_byte_level_tokenizer(writer: GGUFWriter) -> int:
+    """GPT-2's printable stand-ins for the 256 bytes, one merge ("he") and an EOS; returns the vocabulary size."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    stand_ins = {b: chr(b) for b in keep} | {
+        b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in keep)
+    }
+    tokens = [stand_ins[b] for b in range(256)] + ["he", "<|im_end|>"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 1) + [3])
+    writer.add_token_merges(["h e"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    return len(tokens)

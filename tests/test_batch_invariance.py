@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf_files import random_blocks
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.kernels import native
@@ -171,6 +174,23 @@ def test_prequantized_act_order_rows_do_not_depend_on_the_row_count(bits, dtype)
     layer = build([stored], None, ops).module
     assert isinstance(layer, PermutedInput)
     _linear_rows_invariant(layer, in_features, dtype)
+
+
+@needs_kernels
+@pytest.mark.skipif(not (ops and ops.quant_gemv_isa() != "scalar"), reason="no AVX-512 VNNI block kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_gguf_block_kernels_rows_do_not_depend_on_the_row_count(dtype, bits):
+    """Every GGUF block type the kernels take, stacked in one call as a fused layer's parts would be."""
+    rng = np.random.default_rng(4)
+    in_features, parts = 512, [(kind, 16 * (i + 1) + i) for i, kind in enumerate(ops.quant_gguf_formats())]
+    packed = torch.cat([
+        ops.quant_pack_gguf(kind, torch.from_numpy(random_blocks(GGMLQuantizationType(kind), rows, in_features, rng)),
+                            in_features)
+        for kind, rows in parts
+    ])  # fmt: skip
+    layout = torch.tensor(parts)
+    _linear_rows_invariant(lambda x: ops.quant_gemv(x, packed, layout, bits), in_features, dtype)
 
 
 # -- the engine ----------------------------------------------------------------------------------

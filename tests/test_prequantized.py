@@ -18,7 +18,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import ConfigError, ModelLoadError
 from tachyllm.eval.greedy import greedy_tokens
 from tachyllm.loading import load_checkpoint
-from tachyllm.quantization.gguf_packed import Q8_0Linear
+from tachyllm.quantization.gguf_packed import GGUFLinear
 from tachyllm.quantization.int4 import Int4Linear
 from tachyllm.quantization.prequantized import PermutedInput, build
 
@@ -50,11 +50,11 @@ SCHEMES = {
 GREEDY_EXACT = [name for name in SCHEMES if name != "ct-w8a8-fp32-scales"]
 # What each 8-bit / odd layout runs on; 4-bit is always Int4Linear.
 EXPECTED = {
-    "gptq8-sym": Q8_0Linear,
-    "gptq8-sym-act-order": Q8_0Linear,
-    "ct-w8a16": Q8_0Linear,
-    "ct-w8a8": Q8_0Linear,
-    "ct-w8a8-fp32-scales": Q8_0Linear,
+    "gptq8-sym": GGUFLinear,
+    "gptq8-sym-act-order": GGUFLinear,
+    "ct-w8a16": GGUFLinear,
+    "ct-w8a8": GGUFLinear,
+    "ct-w8a8-fp32-scales": GGUFLinear,
 }
 
 
@@ -103,7 +103,7 @@ def test_greedy_equals_the_dequantized_fp32_model(checkpoints, name, caplog):
     quantized, reference, _ = checkpoints(name)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         eng = engine(quantized)
-    layers = [m for m in eng.model.modules() if isinstance(m, Int4Linear | Q8_0Linear)]
+    layers = [m for m in eng.model.modules() if isinstance(m, Int4Linear | GGUFLinear)]
     expected = EXPECTED.get(name, Int4Linear)
     if name == "gptq8-asym":
         # No exact packed path for 8-bit with zero points: dequantized, said once per reason.
@@ -304,7 +304,7 @@ def test_without_the_block_kernels(checkpoints):
     layers = [m for m in four.model.modules() if isinstance(m, Int4Linear)]
     assert len(layers) == 8 and {m.kernel for m in layers} == {"aten"}
     eight = engine(checkpoints("gptq8-sym")[0], backend="torch")
-    assert not [m for m in eight.model.modules() if isinstance(m, Int4Linear | Q8_0Linear)]
+    assert not [m for m in eight.model.modules() if isinstance(m, Int4Linear | GGUFLinear)]
     assert all(len(t) == 6 for t in greedy_tokens(four, PROMPTS, 6) + greedy_tokens(eight, PROMPTS, 6))
 
 

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf.quants import dequantize
-from gguf_files import add_layer_tensors, add_llama_shape, finish
+from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish
 from torch import nn
 
 from tachyllm.config import EngineConfig
@@ -21,7 +20,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.eval.greedy import agreement, greedy_tokens
 from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
-from tachyllm.quantization.gguf_packed import Q8_0Linear, decode_q8_0
+from tachyllm.quantization.gguf_packed import GGUFLinear
 from tachyllm.quantization.int4 import Int4Linear, quantize_int4
 
 ops = native.native_ops()
@@ -124,15 +123,6 @@ def test_kernels_split_over_threads_and_handle_edge_inputs():
         ops.quant_gemv_q4_1(x, packed, 1000, 4)
 
 
-def test_q8_0_block_decoding_matches_the_gguf_package():
-    rng = np.random.default_rng(0)
-    data = rng.standard_normal((6, 128)).astype(np.float32)
-    raw = gguf.quants.quantize(data, GGMLQuantizationType.Q8_0)
-    ours = decode_q8_0(raw, 6).dequantize()
-    theirs = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0).reshape(6, 128))
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
-
-
 @needs_simd
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("tokens", [1, 5, 70])
@@ -163,22 +153,12 @@ HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
 
 def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
     """A two-layer llama GGUF with Q4_1 layers and a tied token_embd of the given type."""
-    # A byte-level BPE vocabulary: GPT-2's printable stand-ins for the 256 bytes, one merge, an EOS.
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    stand_ins = {b: chr(b) for b in keep} | {
-        b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in keep)
-    }
-    tokens = [stand_ins[b] for b in range(256)] + ["he", "<|im_end|>"]
     rng = np.random.default_rng(1)
     writer = GGUFWriter(path, "llama")
     add_llama_shape(writer, layers=2, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
-    for add, value in [
-        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-5),
-        (writer.add_tokenizer_model, "gpt2"), (writer.add_token_list, tokens),
-        (writer.add_token_types, [1] * (len(tokens) - 1) + [3]),
-        (writer.add_token_merges, ["h e"]), (writer.add_eos_token_id, len(tokens) - 1),
-    ]:  # fmt: skip
-        add(value)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab = add_byte_level_tokenizer(writer)
 
     def tensor(name: str, *shape: int, kind: GGMLQuantizationType | None = GGMLQuantizationType.Q4_1) -> None:
         data = (rng.standard_normal(shape) * 0.2).astype(np.float32)
@@ -187,7 +167,7 @@ def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
-    tensor("token_embd.weight", len(tokens), HIDDEN, kind=embedding)
+    tensor("token_embd.weight", vocab, HIDDEN, kind=embedding)
     tensor("output_norm.weight", HIDDEN, kind=None)
 
     def add(name: str, *shape: int, quantize: bool = True) -> None:
@@ -209,7 +189,7 @@ def _engine(path: Path, **kwargs) -> LLMEngine:
 def test_gguf_q8_0_head_whatever_quant_skip_says(tmp_path, monkeypatch, caplog):
     """A Q8_0 head runs on its blocks with the default skip, an explicit lm_head skip and 'none'
     alike (its dequantized copy would only be rounded once more); without the kernels it is
-    dequantized as before, and the log line says which."""
+    dequantized, and the log line says which."""
     path = write_tiny_gguf(tmp_path / "q8-head.gguf", GGMLQuantizationType.Q8_0)
     ids = list(range(3, 40))
     with caplog.at_level(logging.INFO, logger="tachyllm"):
@@ -217,13 +197,13 @@ def test_gguf_q8_0_head_whatever_quant_skip_says(tmp_path, monkeypatch, caplog):
     assert "lm_head: the file's Q8_0 blocks (model.embed_tokens.weight, tied" in caplog.text
     assert "left unquantized (skipped by quant_skip): lm_head" not in caplog.text
     for engine in engines.values():
-        assert isinstance(engine.model.lm_head, Q8_0Linear)
-        assert engine.model.layers[0].mlp.down_proj.kernel == "blocks"
+        assert isinstance(engine.model.lm_head, GGUFLinear) and engine.model.lm_head.block_types == "Q8_0"
+        assert isinstance(engine.model.layers[0].mlp.down_proj, GGUFLinear)
     caplog.clear()
     with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="tachyllm"):
         m.setattr(native, "native_ops", lambda: None)
         plain = _engine(path)
-        assert not isinstance(plain.model.lm_head, Q8_0Linear)
+        assert not isinstance(plain.model.lm_head, GGUFLinear)
         lp_plain = sequence_logprobs(plain, ids)
     assert "lm_head: model.embed_tokens.weight (Q8_0 in the file) dequantized to torch.bfloat16" in caplog.text
     lp = sequence_logprobs(engines[None], ids)
@@ -232,11 +212,15 @@ def test_gguf_q8_0_head_whatever_quant_skip_says(tmp_path, monkeypatch, caplog):
 
 
 @needs_simd
-def test_gguf_q4_head_follows_quant_skip(tmp_path):
+def test_gguf_q4_head(tmp_path, monkeypatch):
+    """With the kernels a Q4_1 head runs on its blocks like any other; without them it follows
+    quant_skip (skipped by default: dequantized)."""
     path = write_tiny_gguf(tmp_path / "q4-head.gguf", GGMLQuantizationType.Q4_1)
-    assert not isinstance(_engine(path).model.lm_head, Int4Linear | Q8_0Linear)  # skipped by default: dequantized
-    head = _engine(path, quant_skip="none").model.lm_head
-    assert isinstance(head, Int4Linear) and head.kernel == "blocks"  # the tied token_embd's own Q4_1 blocks
+    for skip in (None, "none"):
+        head = _engine(path, quant_skip=skip).model.lm_head
+        assert isinstance(head, GGUFLinear) and head.block_types == "Q4_1"  # the tied token_embd's own blocks
+    monkeypatch.setattr(native, "native_ops", lambda: None)
+    assert not isinstance(_engine(path).model.lm_head, Int4Linear | GGUFLinear)
 
 
 # -- the default model -----------------------------------------------------------------------------
@@ -250,8 +234,8 @@ def test_default_model_gguf_with_and_without_kernels(monkeypatch):
     Measured against the fp32 engine on 6 held-out windows of 128 tokens: mean KL 0.0012 (kernels,
     16-bit activations) vs 0.0015 (aten, bf16 activations); 8-bit activations measured 0.0044."""
     engine = LLMEngine(EngineConfig(quantization="gguf", max_num_seqs=4, max_model_len=256, threads=2))
-    assert isinstance(engine.model.lm_head, Q8_0Linear)
-    assert engine.model.layers[0].self_attn.qkv_proj.kernel == "blocks"
+    assert isinstance(engine.model.lm_head, GGUFLinear)
+    assert isinstance(engine.model.layers[0].self_attn.qkv_proj, GGUFLinear)
     # 66 MB of Q4_1 layers + 30 MB of Q8_0 head (the bf16 table is only gathered from).
     assert 90e6 < engine.weight_bytes < 100e6
     ids = [1, 504, 3458, 282, 4649, 314, 7042, 30, 198, 504, 1678, 282] * 4

@@ -60,7 +60,7 @@ class PackedLinear(nn.Module):
         if self.ops is None:
             return None
         max_rows = -1 if self.max_kernel_rows is None else self.max_kernel_rows
-        return (0, self.weight, self.bias, self.out_features, 0, max_rows)
+        return (0, self.weight, self.bias, self.out_features, 0, max_rows, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:

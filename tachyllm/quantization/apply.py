@@ -13,7 +13,14 @@ from tachyllm.errors import ConfigError
 from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
-from tachyllm.quantization.gguf_packed import Q8_0Linear, Q8_0Weight, head_weight_name, packed_gguf_weights
+from tachyllm.quantization.gguf_packed import (
+    ATEN_TYPES,
+    GGUFLinear,
+    gguf_matrices,
+    head_weight_name,
+    int4_weight,
+    kernel_types,
+)
 from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
 from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.quantization.policy import select_linears
@@ -74,7 +81,7 @@ def quantize_model(
     kernels: ModuleType | None = None,
     prequantized: PrequantizedWeights | None = None,
 ) -> QuantizationResult:
-    """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / Q8_0 layers pack
+    """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / GGUF block layers pack
     their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere).
     `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format)."""
     targets, skipped = select_linears(model, skip)
@@ -128,10 +135,10 @@ def quantize_model(
 
 
 def _set_activation_bits(model: nn.Module, bits: int) -> None:
-    """Activation rounding of every layer on the C++ block kernels (int4/awq/gguf layers, a Q8_0
-    head); the other kernels take the activations as they are, so other bits are only logged."""
+    """Activation rounding of every layer on the C++ block kernels (int4/awq layers, the GGUF blocks
+    of gguf); the other kernels take the activations as they are, so other bits are only logged."""
     block_layers = [
-        m for m in model.modules() if isinstance(m, Q8_0Linear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")
+        m for m in model.modules() if isinstance(m, GGUFLinear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")
     ]
     for m in block_layers:
         m.activation_bits = bits
@@ -167,49 +174,59 @@ def _awq(
 def _gguf(
     model: nn.Module, targets: list[str], path: str | None, result: QuantizationResult, kernels: ModuleType | None
 ) -> dict[str, nn.Module]:
-    """Runs the file's own Q4_0/Q4_1 blocks for the targeted layers, and a Q8_0 LM head (its own
-    output.weight or the tied token_embd) on its Q8_0 blocks with the C++ kernel.
+    """Runs the targeted layers on the file's own blocks: every type the C++ block kernels take
+    (GGUFLinear), or, without those kernels, Q4_0/Q4_1 on aten's int4 kernel (Int4Linear). The LM
+    head (its own output.weight or the tied token_embd) runs on its blocks whenever the kernels take
+    its type. A layer with a part of another type stays dequantized: one log line names them.
 
-    quant_skip under gguf names layers to dequantize to the model dtype instead. The LM head is the
-    exception when it is stored as Q8_0: it runs on those blocks whether lm_head is skipped (the
-    default) or not. The default skip exists so that tachyllm does not round the head more coarsely
-    than the checkpoint; a Q8_0 head *is* the checkpoint's precision, and its dequantized bf16 copy
-    would only round it once more and stream twice the bytes (54 vs 29 MiB per step for the default
-    model). Without the block kernels (the torch backend) the head is dequantized. A Q4_0/Q4_1 head keeps
-    the usual rule: skipped (default) -> dequantized, not skipped -> int4 kernel on its blocks.
+    quant_skip under gguf names layers to dequantize to the model dtype instead, except the LM head.
+    The default skip exists so that tachyllm does not round the head more coarsely than the
+    checkpoint; a GGUF head's blocks *are* the checkpoint's precision, and a dequantized bf16 copy
+    would only round it once more and stream more bytes (the default model's Q8_0 head: 54 vs 29 MiB
+    per step; a Q4_K_M file's Q6_K head: 2.4x). Without the block kernels the head is dequantized,
+    except that a Q4_0/Q4_1 head keeps the usual rule (skipped by default, else aten's int4 kernel).
     """
     if path is None:
         raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
-    head_source = head_weight_name(model.config)
-    head_q8_0 = (head_source,) if kernels is not None else ()
-    packed, other = packed_gguf_weights(path, model.config, q8_0=head_q8_0)
+    matrices = gguf_matrices(path, model.config)
+    packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
     dtype = model.embed_tokens.weight.dtype
-    for name, kind in sorted(other.items()):
-        if name.endswith(".weight") and "norm" not in name:
-            logger.info("gguf: %s is %s, which has no packed mapping: dequantized to %s", name, kind, dtype)
-    if isinstance(packed.get(head_source), Q8_0Weight):
-        model.lm_head = Q8_0Linear(packed.pop(head_source), kernels)
+    head_source = head_weight_name(model.config)
+    head = matrices.get(head_source)
+    if kernels is not None and head is not None and head.qtype in packable:
+        model.lm_head = GGUFLinear([head], kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
         shared = ", tied: the embedding lookup keeps its dequantized table" if model.config.tie_word_embeddings else ""
-        result.head = f"the file's Q8_0 blocks ({head_source}{shared}), C++ kernel"
-    out = {}
+        result.head = f"the file's {head.qtype.name} blocks ({head_source}{shared}), C++ kernel"
+    out, unpacked = {}, {}
     for name in targets:
-        prefix, _, suffix = name.partition("layers.")
+        _, _, suffix = name.partition("layers.")
         layer, _, kind = suffix.partition(".")
-        parts = _FUSED_PARTS.get(kind, (kind,)) if suffix else (name,)
-        keys = [f"model.layers.{layer}.{p}.weight" if suffix else f"{p}.weight" for p in parts]
+        keys = [f"model.layers.{layer}.{p}.weight" for p in _FUSED_PARTS.get(kind, (kind,))] if suffix else [name]
         if name == "lm_head":
             keys = [head_source]
-        if not all(isinstance(packed.get(k), Int4Weight) for k in keys):
-            result.kept[name] = "not stored as Q4_0/Q4_1 in the GGUF file (dequantized)"
+        parts = [matrices.get(k) for k in keys]
+        lacking = {p.qtype.name if p else "absent" for p in parts if p is None or p.qtype not in packable}
+        if lacking:
+            unpacked[name] = "+".join(sorted(lacking))
             continue
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else linear.bias.detach()
-        out[name] = Int4Linear(Int4Weight.concat([packed[k] for k in keys]), bias, kernels=kernels)
-    if result.head is None and "lm_head" in result.kept:
-        stored = other.get(head_source) or "Q4_0/Q4_1"
+        if kernels is not None:
+            out[name] = GGUFLinear(parts, kernels, bias)
+        else:
+            out[name] = Int4Linear(Int4Weight.concat([int4_weight(p) for p in parts]), bias)
+    if "lm_head" in unpacked or (result.head is None and "lm_head" in result.kept):
+        stored = unpacked.pop("lm_head", None) or (head.qtype.name if head is not None else "absent")
         result.head = f"{head_source} ({stored} in the file) dequantized to {dtype}"
+    if unpacked:
+        where = "" if kernels is not None else " here (no C++ block kernels: only Q4_0/Q4_1 run packed, on aten)"
+        names = [f"{n} ({kind})" for n, kind in unpacked.items()]
+        logger.info(
+            "gguf: %d layers dequantized to %s, no packed kernel for their block types%s: %s",
+            len(names), dtype, where, _summarise(names),
+        )  # fmt: skip
     return out
 
 
@@ -278,11 +295,11 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step streams: parameters plus the quantized modules' buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, Int4Linear | Int8Linear | Q8_0Linear):
+        if isinstance(m, Int4Linear | Int8Linear | GGUFLinear):
             total += module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters())
     config = getattr(model, "config", None)
-    if isinstance(getattr(model, "lm_head", None), Q8_0Linear) and getattr(config, "tie_word_embeddings", False):
-        # The tied table counted above as the head's weight; the head now streams its own Q8_0
-        # blocks and the table is only gathered from (one row per token).
+    if isinstance(getattr(model, "lm_head", None), GGUFLinear) and getattr(config, "tie_word_embeddings", False):
+        # The tied table counted above as the head's weight; the head now streams its own blocks
+        # and the table is only gathered from (one row per token).
         total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total

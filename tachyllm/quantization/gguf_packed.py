@@ -1,12 +1,17 @@
 """Keeping a GGUF file's blocks packed instead of dequantizing them.
 
-Q4_1 blocks hold 32 weights as w = d * q + m (fp16 d and m, 4-bit q): exactly Int4Weight with
-group 32, scale d and min m. Q4_0 blocks are w = d * (q - 8): scale d, min -8d. Both therefore map
-without re-rounding (the C++ kernel keeps d and m in fp16, exact; aten's fallback rounds them to
-bf16). Q8_0 blocks (w = d * q, 8-bit q) run on the C++ kernel as Q8_0Linear; only the LM head is
-decoded that way (small GGUFs such as the default model's store the tied token_embd as Q8_0 and
-their layers as Q4). Every other type (K-quants, F16/F32, other Q8_0 tensors) is dequantized and
-stays in the model dtype; the caller logs which tensors those are.
+With the backend's block kernels (kernels/csrc/quant_gemv.cpp) every matrix stored as Q4_0, Q4_1,
+Q5_0, Q8_0, Q4_K, Q5_K or Q6_K (all the types of llama.cpp's Q4_K_M / Q5_K_M / Q8_0 files) runs on
+its own blocks as a GGUFLinear: the file's bytes are repacked into the kernel's 16-row tiles at load,
+codes and scales untouched, so the weights the kernel multiplies are exactly the ones the gguf
+package's dequantization gives. A fused module (q/k/v, gate/up) whose parts the file stores in
+different types (Q4_K_M keeps some attn_v as Q6_K or Q8_0 beside Q4_K q/k) is one GGUFLinear whose
+parts keep their own types.
+
+Without those kernels, Q4_1 blocks (w = d * q + m) are exactly Int4Weight with group 32 (scale d,
+min m) and Q4_0 blocks (w = d * (q - 8)) scale d, min -8d, for aten's int4 kernel (which rounds d and
+m to bf16). Every other type, and F16/F32 matrices, is dequantized and stays in the model dtype; the
+caller logs which tensors those are.
 """
 
 from __future__ import annotations
@@ -22,20 +27,38 @@ from torch import nn
 from tachyllm.config import ModelConfig
 from tachyllm.loading.gguf import fix_rotary_rows, open_gguf, raw_tensors
 from tachyllm.quantization import int4
-from tachyllm.quantization.int4 import BLOCK, KERNEL_DTYPES, Int4Weight
+from tachyllm.quantization.int4 import KERNEL_DTYPES, Int4Weight
 
 GGUF_GROUP_SIZE = 32
-_Q4_1_BYTES, _Q4_0_BYTES, _Q8_0_BYTES = 20, 18, 34  # bytes per 32-weight block
+_Q4_1_BYTES, _Q4_0_BYTES = 20, 18  # bytes per 32-weight block
+# What aten's int4 kernel can take without the block kernels.
+ATEN_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
 
 
 @dataclass
-class Q8_0Weight:
-    codes: torch.Tensor  # int8 [out, in]
-    scales: torch.Tensor  # fp32 [out, in // 32], the file's fp16 values
+class GGUFBlocks:
+    """One matrix as the file stores it: each row a run of GGML blocks."""
 
-    def dequantize(self) -> torch.Tensor:
-        out, k = self.codes.shape
-        return (self.codes.float().view(out, k // BLOCK, BLOCK) * self.scales[..., None]).view(out, k)
+    name: str  # HF weight name
+    qtype: GGMLQuantizationType
+    raw: np.ndarray  # uint8 [out_features, bytes per row], a view of the memory-mapped file
+    in_features: int
+    config: ModelConfig | None  # None: rows already in the model's order (blocks not from a GGUF file)
+
+    def rows(self) -> torch.Tensor:
+        """The blocks as a uint8 tensor (a copy) with rows in the model's order (llama q/k rows
+        have llama.cpp's rotary permutation undone: whole rows move, so any block type can)."""
+        rows = torch.from_numpy(self.raw.copy())
+        return rows if self.config is None else fix_rotary_rows(rows, self.name, self.config)
+
+
+def q8_0_matrix(codes: torch.Tensor, scales: torch.Tensor) -> GGUFBlocks:
+    """int8 codes [out, in] with one scale per 32 of them [out, in / 32] as Q8_0 blocks (each an fp16
+    scale, then its 32 codes), for weights from elsewhere than a GGUF file (pre-quantized checkpoints)."""
+    out, k = codes.shape
+    d = scales.to(torch.float16).contiguous().view(torch.uint8).reshape(out, k // 32, 2)
+    q = codes.to(torch.int8).contiguous().view(torch.uint8).reshape(out, k // 32, 32)
+    return GGUFBlocks("", GGMLQuantizationType.Q8_0, torch.cat([d, q], dim=2).reshape(out, -1).numpy(), k, None)
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -58,14 +81,12 @@ def decode_q4_0(raw: np.ndarray, rows: int) -> Int4Weight:
     return Int4Weight(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(-8 * d), GGUF_GROUP_SIZE)
 
 
-def decode_q8_0(raw: np.ndarray, rows: int) -> Q8_0Weight:
-    blocks = raw.reshape(rows, -1, _Q8_0_BYTES)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-    return Q8_0Weight(torch.from_numpy(codes), torch.from_numpy(d))
-
-
-_DECODERS = {GGMLQuantizationType.Q4_1: decode_q4_1, GGMLQuantizationType.Q4_0: decode_q4_0}
+def int4_weight(blocks: GGUFBlocks) -> Int4Weight:
+    """A Q4_0 / Q4_1 matrix as Int4Weight (aten's int4 kernel), rows in the model's order."""
+    decode = decode_q4_1 if blocks.qtype == GGMLQuantizationType.Q4_1 else decode_q4_0
+    w = decode(np.asarray(blocks.raw), blocks.raw.shape[0])
+    fix = [fix_rotary_rows(t, blocks.name, blocks.config) for t in (w.codes, w.scales, w.mins)]
+    return Int4Weight(*fix, GGUF_GROUP_SIZE)
 
 
 def head_weight_name(config: ModelConfig) -> str:
@@ -73,52 +94,56 @@ def head_weight_name(config: ModelConfig) -> str:
     return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
-def packed_gguf_weights(
-    path: str, config: ModelConfig, q8_0: tuple[str, ...] = ()
-) -> tuple[dict[str, Int4Weight | Q8_0Weight], dict[str, str]]:
-    """HF weight name -> Int4Weight for every Q4_0/Q4_1 matrix, Q8_0Weight for the Q8_0 matrices
-    named in `q8_0`; and name -> type of the others."""
-    packed, other = {}, {}
+def gguf_matrices(path: str, config: ModelConfig) -> dict[str, GGUFBlocks]:
+    """HF weight name -> the file's blocks, for every 2-D tensor (nothing is copied yet)."""
+    out = {}
     for name, tensor in raw_tensors(open_gguf(path)):
-        decode = _DECODERS.get(tensor.tensor_type)
-        if tensor.tensor_type == GGMLQuantizationType.Q8_0 and name in q8_0 and len(tensor.shape) == 2:
-            w8 = decode_q8_0(np.asarray(tensor.data), int(tensor.shape[1]))
-            packed[name] = Q8_0Weight(fix_rotary_rows(w8.codes, name, config), fix_rotary_rows(w8.scales, name, config))
-            continue
-        if decode is None or len(tensor.shape) != 2:
-            other[name] = tensor.tensor_type.name
-            continue
-        rows = int(tensor.shape[1])  # GGUF lists the fastest dimension (in_features) first
-        w = decode(np.asarray(tensor.data), rows)
-        packed[name] = Int4Weight(
-            fix_rotary_rows(w.codes, name, config),
-            fix_rotary_rows(w.scales, name, config),
-            fix_rotary_rows(w.mins, name, config),
-            GGUF_GROUP_SIZE,
-        )
-    return packed, other
+        if len(tensor.shape) == 2:
+            rows = int(tensor.shape[1])  # GGUF lists the fastest dimension (in_features) first
+            raw = np.asarray(tensor.data).reshape(rows, -1)
+            out[name] = GGUFBlocks(name, tensor.tensor_type, raw, int(tensor.shape[0]), config)
+    return out
 
 
-class Q8_0Linear(nn.Module):
-    """A linear layer on Q8_0 blocks with the C++ kernel (16-row tiles, codes stored as q + 128 for
-    VNNI's unsigned operand; quant_gemv.cpp). Built only with the backend's block kernels: the
-    bf16 alternative is the dequantized table, so there is no slower fallback worth keeping here.
-    At the default model's head a one-token step is faster than the bf16 linear on the dequantized
-    table (it reads fewer bytes), and about as fast from 16 to 64 rows, where the dot products
-    dominate (measurements: docs/design_measurements.md#q8_0-head)."""
+def kernel_types(kernels: ModuleType) -> frozenset[GGMLQuantizationType]:
+    """The block types the C++ kernels multiply packed."""
+    return frozenset(GGMLQuantizationType(t) for t in kernels.quant_gguf_formats())
 
-    def __init__(self, weight: Q8_0Weight, kernels: ModuleType, bias: torch.Tensor | None = None):
+
+class GGUFLinear(nn.Module):
+    """A linear layer on a GGUF file's own blocks with the C++ kernels (quant_gemv.cpp): the parts
+    (one matrix, or the q/k/v or gate/up matrices of a fused module, each in its stored type) are
+    repacked once into 16-row tiles and multiplied in one call, which rounds the activations once
+    per 32 inputs (`activation_bits`) and writes each part's output columns. Built only with the
+    backend's block kernels: the alternative is the dequantized weight the model already holds.
+    One-token steps stream the tiles at about the file's own bytes per weight (Q4_K 0.59, Q6_K
+    0.83, Q5_0 0.69, Q8_0 1.06)."""
+
+    def __init__(self, parts: list[GGUFBlocks], kernels: ModuleType, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = weight.codes.shape
-        self.register_buffer("packed", kernels.quant_pack_q8_0(weight.codes, weight.scales))
-        self._gemv = kernels.quant_gemv_q8_0  # the kernel this layout was packed for
+        self.in_features = parts[0].in_features
+        if any(p.in_features != self.in_features for p in parts):
+            raise ValueError(f"GGUFLinear: parts {[p.name for p in parts]} have different in_features")
+        self.out_features = sum(p.raw.shape[0] for p in parts)
+        self.register_buffer(
+            "packed", torch.cat([kernels.quant_pack_gguf(int(p.qtype), p.rows(), p.in_features) for p in parts])
+        )
+        # (GGML block type, rows) per part: a few bytes, not a buffer (weight byte counts skip it).
+        self.layout = torch.tensor([[int(p.qtype), p.raw.shape[0]] for p in parts], dtype=torch.int64)
+        self.block_types = "+".join(p.qtype.name for p in parts)
+        self._gemv = kernels.quant_gemv
         self.bias = bias
         self.activation_bits = int4.ACTIVATION_BITS  # quantize_model sets it
 
+    def native_spec(self) -> tuple:
+        """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp)."""
+        return (1, self.packed, self.bias, self.out_features, self.activation_bits, -1, self.layout)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._gemv(
-            x if x.dtype in KERNEL_DTYPES else x.float(), self.packed, self.out_features, self.activation_bits
-        )
+        y = self._gemv(x if x.dtype in KERNEL_DTYPES else x.float(), self.packed, self.layout, self.activation_bits)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)  # as the fused decode layer adds it: the same bits on either path
         return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={self.block_types}"

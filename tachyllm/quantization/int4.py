@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 INT4_MAX = 15
@@ -106,6 +107,7 @@ class Int4Linear(nn.Module):
             scales, mins = (t.repeat_interleave(per_block, dim=1) for t in (weight.scales, weight.mins))
             self.register_buffer("packed", ops.quant_pack_q4_1(weight.codes, scales, mins))
             self._gemv = ops.quant_gemv_q4_1  # the kernel this layout was packed for
+            self.layout = torch.tensor([[int(GGMLQuantizationType.Q4_1), self.out_features]])  # for decode_layer.cpp
         elif self.kernel == "aten":
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), 1))
             zeros = weight.mins + 8 * weight.scales
@@ -129,7 +131,7 @@ class Int4Linear(nn.Module):
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
         if self.kernel != "blocks" or self.input_scale is not None:
             return None
-        return (1, self.packed, self.bias, self.out_features, self.activation_bits, -1)
+        return (1, self.packed, self.bias, self.out_features, self.activation_bits, -1, self.layout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "blocks" and self.input_scale is None and self.bias is None and x.dtype in KERNEL_DTYPES:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tachyllm.loading.hf_quantized import PackedLinear, PrequantizedWeights
-from tachyllm.quantization.gguf_packed import Q8_0Linear, Q8_0Weight
+from tachyllm.quantization.gguf_packed import GGUFLinear, q8_0_matrix
 from tachyllm.quantization.int4 import BLOCK, GROUP_SIZES, Int4Linear, Int4Weight
 
 logger = logging.getLogger("tachyllm")
@@ -100,7 +100,7 @@ def build(
             return Built(None, "8-bit needs the C++ Q8_0 kernel (backend cpu)")
         codes = torch.cat([(p.codes - 128).to(torch.int8) for p in ordered])
         scales = torch.cat([p.scales.repeat_interleave(p.group_size // BLOCK, dim=1) for p in ordered])
-        module, rounding = Q8_0Linear(Q8_0Weight(codes, scales), kernels, bias), _fp16_rounding(scales, 128)
+        module, rounding = GGUFLinear([q8_0_matrix(codes, scales)], kernels, bias), _fp16_rounding(scales, 128)
     return Built(module if perm is None else PermutedInput(module, perm.to(device)), fp16_rounding=rounding)
 
 

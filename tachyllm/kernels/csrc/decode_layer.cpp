@@ -8,32 +8,36 @@
 
 namespace {
 
-enum class LinearKind : int64_t { Bf16 = 0, Q4_1 = 1 };
+enum class LinearKind : int64_t { Bf16 = 0, Blocks = 1 };
 
 struct Linear {
   LinearKind kind;
-  torch::Tensor weight;  // bf16 [out, in], or packed Q4_1 tiles
+  torch::Tensor weight;  // bf16 [out, in], or packed block tiles (quant_gemv.cpp)
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
   int64_t activation_bits;
   int64_t kernel_max_rows;  // bf16: larger inputs go to at::linear (oneDNN GEMM); -1: no limit
+  c10::optional<torch::Tensor> layout;  // blocks: the (GGML block type, rows) of each stacked matrix
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (kind == LinearKind::Bf16) {
       if (kernel_max_rows >= 0 && x.size(0) > kernel_max_rows) return at::linear(x, weight, bias);
       return bf16_linear(x, weight, bias);
     }
-    torch::Tensor y = quant_gemv_q4_1(x, weight, out_features, activation_bits);
+    torch::Tensor y = quant_gemv(x, weight, *layout, activation_bits);
     if (bias) y.add_(*bias);
     return y;
   }
 };
 
 Linear make_linear(const pybind11::tuple& spec) {
-  TORCH_CHECK(spec.size() == 6, "a linear spec is (kind, weight, bias, out_features, activation_bits, kernel_max_rows)");
-  return Linear{static_cast<LinearKind>(spec[0].cast<int64_t>()), spec[1].cast<torch::Tensor>(),
+  TORCH_CHECK(spec.size() == 7,
+              "a linear spec is (kind, weight, bias, out_features, activation_bits, kernel_max_rows, layout)");
+  Linear linear{static_cast<LinearKind>(spec[0].cast<int64_t>()), spec[1].cast<torch::Tensor>(),
                 spec[2].cast<c10::optional<torch::Tensor>>(), spec[3].cast<int64_t>(), spec[4].cast<int64_t>(),
-                spec[5].cast<int64_t>()};
+                spec[5].cast<int64_t>(), spec[6].cast<c10::optional<torch::Tensor>>()};
+  TORCH_CHECK(linear.kind == LinearKind::Bf16 || linear.layout, "a block linear's spec needs its layout");
+  return linear;
 }
 
 class DecodeLayer {

@@ -27,8 +27,8 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
                      double scale, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
                      const c10::optional<torch::Tensor>& v_scale = c10::nullopt, int64_t window = 0);
 
-// quant_gemv.cpp
-torch::Tensor quant_gemv_q4_1(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits);
+// quant_gemv.cpp: layout int64 [parts, 2] of (GGML block type, out_features), the matrices stacked in `packed`.
+torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout, int64_t activation_bits);
 void register_quant_gemv(pybind11::module_& m);
 
 // bf16_gemv.cpp

@@ -1,25 +1,44 @@
-// Quantized matrix-vector products over GGUF-style 32-weight blocks: Q4_1 (w = d*q + m, q in 0..15)
-// and Q8_0 (w = d*q, q in -128..127), with activations quantized per 32-block to int8 (llama.cpp's
-// Q8_1: s = max|x| / 127, plus s * sum(q) per block), so every block is one integer dot product;
-// or, with activation_bits=16, to two int8 parts (the residual in units of s/256), two dot products.
-// Each activation row is rounded and accumulated on its own, in a fixed order: a row's result does
-// not depend on the other rows of the batch nor on the number of threads.
+// Quantized matrix-vector products over GGUF's block formats, kept in the file's own codes and scales:
+// Q4_0, Q4_1, Q5_0, Q8_0 (32-weight blocks) and the K-quants Q4_K, Q5_K, Q6_K (256-weight super-blocks
+// of 32-weight sub-blocks with 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K, per 16 weights) scales). Activations
+// are quantized per 32-block to int8 (llama.cpp's Q8_1: s = max|x| / 127, plus s * sum(q) per block),
+// so every 32 weights are one integer dot product; or, with activation_bits=16, to two int8 parts (the
+// residual in units of s/256), two dot products. Each activation row is rounded and accumulated on
+// its own, in a fixed order (blocks in input order): a row's result does not depend on the other rows
+// of the batch nor on the number of threads.
 //
 // Portable scalar code reads the same layout where AVX-512 VNNI is missing (correct, not fast: the
-// Python side then prefers aten's int4 kernel, see quantization/int4.py).
+// Python side then prefers aten's int4 kernel or the dequantized weights, see quantization/).
 //
-// Packed layout ("tiles"): 16 output rows are interleaved so that int32 lane j of an AVX-512
-// register accumulates row j. For tile t and block b, one contiguous chunk holds
-//   Q4_1 (320 bytes): 4 x 64 bytes of nibbles, 16 fp16 d, 16 fp16 m
-//   Q8_0 (544 bytes): 8 x 64 bytes of codes stored as u = q + 128, 16 fp16 d
-// In nibble chunk c, byte 4j+i holds row j's weight 4c+i (low nibble) and 16+4c+i (high nibble);
-// in Q8_0 chunk c, byte 4j+i holds row j's weight 4c+i. One VPDPBUSD (u8 weights x s8 activations)
-// then adds 4 products for each of the 16 rows, with the 4 activations broadcast to every lane:
-// no horizontal sums, and the per-row scales d, m load as one vector. The tiles of a matrix follow
-// each other in row order, blocks in input order: each thread streams one contiguous range.
-// Q8_0's +128 offset is undone with the block's activation sum: d*s*dot(q, x) =
-// d * (s*dot(u, x) - 128 * s*sum(x)), i.e. Q8_0 is Q4_1's formula with 8-bit codes and m = -128 d.
+// Packed layout ("tiles"): 16 output rows are interleaved so that int32 lane j of an AVX-512 register
+// accumulates row j. A tile holds, per super-block (one 32-block for the non-K formats), the codes of
+// each 32-weight sub-block and the super-block's scales for the 16 rows (K-quants: scales first):
+//   codes per sub-block: 4-bit formats 4 x 64 bytes of nibbles; Q5_0 / Q5_K the same + 64 bytes of
+//     5th bits; Q6_K the same + 2 x 64 bytes of 5th/6th bit pairs; Q8_0 8 x 64 bytes (u = q + 128).
+//   scales: Q4_0 / Q5_0 / Q8_0 16 fp16 d; Q4_1 16 fp16 d, 16 fp16 m; Q4_K / Q5_K 16 fp32 d,
+//     16 fp32 dmin, 8 x 16 uint8 sub-block scales, 8 x 16 uint8 sub-block mins; Q6_K 16 fp32 d,
+//     16 x 16 int8 scales (one per 16 weights).
+// Code vector c (0..7) of a sub-block holds, in byte 4j+i, row j's weight 4c+i: the nibble vectors
+// are chunk c's low nibbles (c < 4) or chunk c-4's high nibbles; bit c of the Q5 plane's byte 4j+i is
+// that weight's 5th bit; bits 2(c%4), 2(c%4)+1 of Q6 plane c/4 its 5th and 6th. One VPDPBUSD (u8
+// weights x s8 activations) then adds 4 products for each of the 16 rows, with the 4 activations
+// broadcast to every lane: no horizontal sums, and the per-row scales load as one vector. The tiles of
+// a matrix follow each other in row order, super-blocks in input order: each thread streams one
+// contiguous range.
+//
+// Arithmetic per 32-block of a row (s, sum: the activations' scale and sum; dot: the integer dot
+// product of the stored unsigned codes u):
+//   Q4_1:  d*s*dot + m*sum
+//   Q4_0 / Q5_0 / Q8_0 (w = d*(u - o), o = 8 / 16 / 128): d*(s*dot - o*sum)
+//   Q4_K / Q5_K (w = d*sc*u - dmin*mn): (d*sc)*s*dot - (dmin*mn)*sum; d*sc and dmin*mn are exact in
+//     fp32 (an fp16 times a 6-bit integer), so this is Q4_1's formula on the file's exact block values
+//   Q6_K (w = d*sc*(u - 32), one sc per 16 weights): per half, (d*sc)*s*(dot_half - 32*xsum_half), the
+//     integer activation sum of each 16-half kept beside the block's.
 // Rows past the matrix's end (out_features not a multiple of 16) are zero and never stored.
+//
+// One call can multiply several matrices stacked along the output (a fused q/k/v projection whose
+// parts the file stores in different formats): the activations are rounded once, every part's tiles
+// are split over the threads together, and each part writes its own output columns.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -30,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -39,29 +59,102 @@
 
 namespace {
 
-constexpr int64_t QK = 32;    // weights per block
+constexpr int64_t QK = 32;    // weights per (sub-)block, and per block of rounded activations
 constexpr int64_t TILE = 16;  // output rows per tile: one 32-bit lane each
-constexpr int64_t Q4_1_BYTES = TILE * QK / 2 + 2 * TILE * 2;  // 320
-constexpr int64_t Q8_0_BYTES = TILE * QK + TILE * 2;          // 544
 // Activation rows sharing one decoded weight block (accumulators held in registers).
 constexpr int ROWS = 4;
 // Activation rows per pass over a thread's tiles: their int8 copy stays in L1/L2 while the weights
 // stream; only prefill-sized inputs take more than one pass.
 constexpr int64_t ROW_CHUNK = 64;
 
-enum class Kind { Q4_1, Q8_0 };
+// Tile formats, numbered as GGML's block types (the layout tensors from Python hold these ids).
+enum class Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+constexpr Format kFormats[] = {Format::Q4_0, Format::Q4_1, Format::Q5_0, Format::Q8_0,
+                               Format::Q4_K, Format::Q5_K, Format::Q6_K};
 
-int64_t block_bytes(Kind kind) { return kind == Kind::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
+constexpr bool is_k(Format f) { return f == Format::Q4_K || f == Format::Q5_K || f == Format::Q6_K; }
+constexpr bool has_q5_plane(Format f) { return f == Format::Q5_0 || f == Format::Q5_K; }
+constexpr int64_t sub_blocks(Format f) { return is_k(f) ? 8 : 1; }  // 32-blocks per super-block
+constexpr int64_t super_weights(Format f) { return sub_blocks(f) * QK; }
+// Tile bytes of one sub-block's codes (16 rows x 32 weights).
+constexpr int64_t code_bytes(Format f) {
+  return f == Format::Q8_0 ? 512 : f == Format::Q6_K ? 384 : has_q5_plane(f) ? 320 : 256;
+}
+// Tile bytes of one super-block's scales (16 rows). K-quants keep d (and dmin) as fp32, converted
+// from the file's fp16 at load (exact): their d is often an fp16 subnormal (Q6_K's d ~ max|w| / 4064),
+// and converting those in the kernel (VCVTPH2PS) takes a microcode assist: real Q6_K matrices ran at
+// a quarter of the speed of random ones.
+constexpr int64_t scale_bytes(Format f) {
+  return f == Format::Q4_1 ? 64 : f == Format::Q6_K ? 64 + 256 : is_k(f) ? 128 + 256 : 32;
+}
+// Within a K-quant's scales: fp32 d at 0, fp32 dmin at 64, then the sub-block scales (and mins).
+constexpr int64_t sub_scales_at(Format f) { return f == Format::Q6_K ? 64 : 128; }
+constexpr int64_t SUB_MINS_AT = 256;
+constexpr int64_t chunk_bytes(Format f) { return sub_blocks(f) * code_bytes(f) + scale_bytes(f); }
+// Where a chunk's scales and codes start. A K-quant super-block's scales come first: the kernel
+// needs them for its first sub-block, and at the end of a 2-3 KiB chunk they would not have been
+// prefetched yet (a demand miss per super-block: 2x the time of a one-row product). A 32-block's
+// scales share its last cache lines, so they follow the codes.
+constexpr int64_t scales_at(Format f) { return is_k(f) ? 0 : code_bytes(f); }
+constexpr int64_t codes_at(Format f) { return is_k(f) ? scale_bytes(f) : 0; }
+// The code offset o of w = d * (u - o) formats (0: a format with its own min).
+constexpr int code_offset(Format f) {
+  return f == Format::Q4_0 ? 8 : f == Format::Q5_0 ? 16 : f == Format::Q8_0 ? 128 : f == Format::Q6_K ? 32 : 0;
+}
+// Bytes of one block in a GGUF file, and its weights.
+constexpr int64_t file_block_bytes(Format f) {
+  switch (f) {
+    case Format::Q4_0: return 18;
+    case Format::Q4_1: return 20;
+    case Format::Q5_0: return 22;
+    case Format::Q8_0: return 34;
+    case Format::Q4_K: return 144;
+    case Format::Q5_K: return 176;
+    case Format::Q6_K: return 210;
+  }
+  return 0;
+}
+
+bool known_format(int64_t id) {
+  return std::any_of(std::begin(kFormats), std::end(kFormats), [&](Format f) { return static_cast<int64_t>(f) == id; });
+}
+
+// Calls fn(std::integral_constant<Format, f>) for the runtime format f.
+template <typename Fn>
+void with_format(Format f, Fn&& fn) {
+  switch (f) {
+    case Format::Q4_0: fn(std::integral_constant<Format, Format::Q4_0>{}); break;
+    case Format::Q4_1: fn(std::integral_constant<Format, Format::Q4_1>{}); break;
+    case Format::Q5_0: fn(std::integral_constant<Format, Format::Q5_0>{}); break;
+    case Format::Q8_0: fn(std::integral_constant<Format, Format::Q8_0>{}); break;
+    case Format::Q4_K: fn(std::integral_constant<Format, Format::Q4_K>{}); break;
+    case Format::Q5_K: fn(std::integral_constant<Format, Format::Q5_K>{}); break;
+    case Format::Q6_K: fn(std::integral_constant<Format, Format::Q6_K>{}); break;
+  }
+}
+
+// One matrix of a (possibly stacked) packed weight.
+struct Part {
+  Format format;
+  int64_t n;           // output rows
+  int64_t col0;        // first output column
+  int64_t tile0;       // first tile among all parts' tiles
+  int64_t tiles;
+  const uint8_t* w;    // its first tile
+  int64_t tile_bytes;
+};
 
 // Activations as int8 blocks. With `fine`, each value is x = t * (256 q + q2) with a second int8
 // q2 for the residual (t = s / 256): about 16-bit activations for twice the dot products, which
-// VNNI still pays for only at prefill sizes. Per block: the scale t (or s) and x's sum t * (256
-// sum(q) + sum(q2)) (or s * sum(q)).
+// VNNI still pays for only at prefill sizes. Per block: the scale t (or s), x's sum t * (256
+// sum(q) + sum(q2)) (or s * sum(q)), and the integer sums 256 sum(q) + sum(q2) (or sum(q)) of each
+// 16-half (Q6_K's scales change every 16 weights).
 struct QuantizedRows {
   int64_t rows = 0, k = 0, nb = 0;
   bool fine = false;
-  std::vector<int8_t> q, q2;  // [rows, k]
+  std::vector<int8_t> q, q2;      // [rows, k]
   std::vector<float> scale, sum;  // [rows, nb]
+  std::vector<int32_t> half_sum;  // [rows, nb, 2]
 };
 
 inline int32_t load_i32(const int8_t* p) {
@@ -72,23 +165,24 @@ inline int32_t load_i32(const int8_t* p) {
 
 // Scalar block quantizer; nearbyint rounds half to even like the vector path's cvtps2dq.
 template <typename T>
-void quantize_block_scalar(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum) {
+void quantize_block_scalar(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum, int32_t* half) {
   float amax = 0.f;
   for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(static_cast<float>(x[i])));
   const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t total = 0, total2 = 0;
+  int32_t total[2] = {0, 0}, total2[2] = {0, 0};
   for (int i = 0; i < QK; ++i) {
     const float v = static_cast<float>(x[i]) * inv;
     const float r = std::nearbyint(v);
     q[i] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(r), -127, 127));
-    total += q[i];
+    total[i / 16] += q[i];
     if (fine) {
       q2[i] = static_cast<int8_t>(std::clamp(static_cast<int32_t>(std::nearbyint((v - r) * 256.f)), -128, 127));
-      total2 += q2[i];
+      total2[i / 16] += q2[i];
     }
   }
+  for (int h = 0; h < 2; ++h) half[h] = fine ? 256 * total[h] + total2[h] : total[h];
   *scale = fine ? s / 256.f : s;
-  *sum = fine ? *scale * static_cast<float>(256 * total + total2) : s * static_cast<float>(total);
+  *sum = *scale * static_cast<float>(half[0] + half[1]);
 }
 
 #ifdef QGEMV_AVX512
@@ -99,7 +193,7 @@ inline __m512 load16(const c10::BFloat16* x) {
 }
 
 template <typename T>
-void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum) {
+void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum, int32_t* half) {
   const __m512 a = load16(x), b = load16(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -108,26 +202,25 @@ void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, 
   const __m512i qa = _mm512_cvtps_epi32(va), qb = _mm512_cvtps_epi32(vb);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
-  const int32_t total = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
-  if (!fine) {
-    *scale = s;
-    *sum = s * static_cast<float>(total);
-    return;
+  half[0] = _mm512_reduce_add_epi32(qa);
+  half[1] = _mm512_reduce_add_epi32(qb);
+  if (fine) {
+    const __m512 k256 = _mm512_set1_ps(256.f);
+    const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(va, _mm512_cvtepi32_ps(qa)), k256));
+    const __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(vb, _mm512_cvtepi32_ps(qb)), k256));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtsepi32_epi8(ra));  // saturates 128 -> 127
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16), _mm512_cvtsepi32_epi8(rb));
+    const __m512i lim = _mm512_set1_epi32(127);
+    half[0] = 256 * half[0] + _mm512_reduce_add_epi32(_mm512_min_epi32(ra, lim));
+    half[1] = 256 * half[1] + _mm512_reduce_add_epi32(_mm512_min_epi32(rb, lim));
   }
-  const __m512 k256 = _mm512_set1_ps(256.f);
-  const __m512i ra = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(va, _mm512_cvtepi32_ps(qa)), k256));
-  const __m512i rb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(vb, _mm512_cvtepi32_ps(qb)), k256));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q2), _mm512_cvtsepi32_epi8(ra));  // saturates 128 -> 127
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + 16), _mm512_cvtsepi32_epi8(rb));
-  const __m512i lim = _mm512_set1_epi32(127);
-  const int32_t total2 = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_min_epi32(ra, lim), _mm512_min_epi32(rb, lim)));
-  *scale = s / 256.f;
-  *sum = *scale * static_cast<float>(256 * total + total2);
+  *scale = fine ? s / 256.f : s;
+  *sum = *scale * static_cast<float>(half[0] + half[1]);
 }
 #else
 template <typename T>
-void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum) {
-  quantize_block_scalar(x, fine, q, q2, scale, sum);
+void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum, int32_t* half) {
+  quantize_block_scalar(x, fine, q, q2, scale, sum, half);
 }
 #endif
 
@@ -139,14 +232,15 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k, bool fine) {
   if (fine) out.q2.resize(rows * k);
   out.scale.resize(rows * out.nb);
   out.sum.resize(rows * out.nb);
+  out.half_sum.resize(2 * rows * out.nb);
   const int64_t nb = out.nb;
   // Only prefill-sized inputs are worth a parallel region (~1 µs per 576-wide row on one core).
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = r * k + b * QK;
-        quantize_block(x + at, fine, out.q.data() + at, fine ? out.q2.data() + at : nullptr, &out.scale[r * nb + b],
-                       &out.sum[r * nb + b]);
+        const int64_t at = r * k + b * QK, i = r * nb + b;
+        quantize_block(x + at, fine, out.q.data() + at, fine ? out.q2.data() + at : nullptr, &out.scale[i],
+                       &out.sum[i], &out.half_sum[2 * i]);
       }
   });
   return out;
@@ -173,60 +267,123 @@ inline void store16(c10::BFloat16* y, __mmask16 mask, __m512 v) {
 }
 
 inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(load_i32(p)); }
+inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// Moves bit `from` of every byte to bit `to` (the bits in `mask`); 16-bit shifts by at most 4 keep
+// the selected bits inside their byte.
+template <int FROM, int TO>
+inline __m512i move_bits(__m512i v, __m512i mask) {
+  if constexpr (TO > FROM) return _mm512_and_si512(_mm512_slli_epi16(v, TO - FROM), mask);
+  else if constexpr (TO < FROM) return _mm512_and_si512(_mm512_srli_epi16(v, FROM - TO), mask);
+  else return _mm512_and_si512(v, mask);
+}
 
-// Integer dot products of one block for the 16 rows of a tile: w[c] are the 8 code vectors, the
-// first 4 against activations 0..15 and the last 4 against 16..31 (two chains for latency).
+// The 8 code vectors of one sub-block (16 rows x 32 weights) as unsigned bytes.
+template <Format F>
+inline void load_codes(const uint8_t* c, __m512i codes[8]) {
+  if constexpr (F == Format::Q8_0) {
+    for (int i = 0; i < 8; ++i) codes[i] = _mm512_loadu_si512(c + 64 * i);
+    return;
+  }
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = _mm512_loadu_si512(c + 64 * i);
+    codes[i] = _mm512_and_si512(v, low);
+    codes[i + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+  if constexpr (has_q5_plane(F)) {
+    const __m512i h = _mm512_loadu_si512(c + 256), bit = _mm512_set1_epi8(0x10);
+    codes[0] = _mm512_or_si512(codes[0], move_bits<0, 4>(h, bit));
+    codes[1] = _mm512_or_si512(codes[1], move_bits<1, 4>(h, bit));
+    codes[2] = _mm512_or_si512(codes[2], move_bits<2, 4>(h, bit));
+    codes[3] = _mm512_or_si512(codes[3], move_bits<3, 4>(h, bit));
+    codes[4] = _mm512_or_si512(codes[4], move_bits<4, 4>(h, bit));
+    codes[5] = _mm512_or_si512(codes[5], move_bits<5, 4>(h, bit));
+    codes[6] = _mm512_or_si512(codes[6], move_bits<6, 4>(h, bit));
+    codes[7] = _mm512_or_si512(codes[7], move_bits<7, 4>(h, bit));
+  } else if constexpr (F == Format::Q6_K) {
+    const __m512i two = _mm512_set1_epi8(0x30);
+    for (int p = 0; p < 2; ++p) {
+      const __m512i h = _mm512_loadu_si512(c + 256 + 64 * p);
+      codes[4 * p] = _mm512_or_si512(codes[4 * p], move_bits<0, 4>(h, two));
+      codes[4 * p + 1] = _mm512_or_si512(codes[4 * p + 1], move_bits<2, 4>(h, two));
+      codes[4 * p + 2] = _mm512_or_si512(codes[4 * p + 2], move_bits<4, 4>(h, two));
+      codes[4 * p + 3] = _mm512_or_si512(codes[4 * p + 3], move_bits<6, 4>(h, two));
+    }
+  }
+}
+
+// Integer dot products of one block for the 16 rows of a tile, per 16-half of its inputs: w[0..3]
+// against activations 0..15 (lo), w[4..7] against 16..31 (hi).
 template <bool FINE>
-inline __m512i block_dot(const __m512i* w, const int8_t* x, const int8_t* x2) {
+inline void block_dot(const __m512i* w, const int8_t* x, const int8_t* x2, __m512i& lo, __m512i& hi) {
   __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
   for (int c = 0; c < 4; ++c) {
     s0 = _mm512_dpbusd_epi32(s0, w[c], bcast4(x + 4 * c));
     s1 = _mm512_dpbusd_epi32(s1, w[c + 4], bcast4(x + 16 + 4 * c));
   }
-  __m512i dot = _mm512_add_epi32(s0, s1);
   if constexpr (FINE) {
     __m512i f0 = _mm512_setzero_si512(), f1 = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       f0 = _mm512_dpbusd_epi32(f0, w[c], bcast4(x2 + 4 * c));
       f1 = _mm512_dpbusd_epi32(f1, w[c + 4], bcast4(x2 + 16 + 4 * c));
     }
-    dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), _mm512_add_epi32(f0, f1));
+    s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), f0);
+    s1 = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), f1);
   }
-  return dot;
+  lo = s0, hi = s1;
 }
 
 // One tile (16 output rows) against R activation rows starting at r0.
-template <Kind K, bool FINE, int R, typename OutT>
+template <Format F, bool FINE, int R, typename OutT>
 void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, __mmask16 mask, Output<OutT> out) {
+  constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b, w += block_bytes(K)) {
-    __m512i codes[8];
-    __m512 d, m;
-    if constexpr (K == Kind::Q4_1) {
-      for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(w + 64 * c);
-        codes[c] = _mm512_and_si512(v, low);
-        codes[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  for (int64_t b0 = 0; b0 < nb; b0 += SUB, w += chunk_bytes(F)) {
+    const uint8_t* scales = w + scales_at(F);
+    const __m512 d = is_k(F) ? _mm512_loadu_ps(scales) : half16(scales);
+    __m512 m2 = _mm512_setzero_ps();  // Q4_1: m; Q4_K / Q5_K: dmin
+    if constexpr (F == Format::Q4_1) m2 = half16(scales + 32);
+    if constexpr (F == Format::Q4_K || F == Format::Q5_K) m2 = _mm512_loadu_ps(scales + 64);
+    for (int64_t j = 0; j < SUB; ++j) {
+      __m512i codes[8];
+      load_codes<F>(w + codes_at(F) + j * code_bytes(F), codes);
+      __m512 dj = d, mj = m2, dj2 = d;
+      if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
+        dj = _mm512_mul_ps(d, u8x16(scales + sub_scales_at(F) + 16 * j));
+        mj = _mm512_mul_ps(m2, u8x16(scales + SUB_MINS_AT + 16 * j));
+      } else if constexpr (F == Format::Q6_K) {
+        dj = _mm512_mul_ps(d, i8x16(scales + sub_scales_at(F) + 32 * j));
+        dj2 = _mm512_mul_ps(d, i8x16(scales + sub_scales_at(F) + 16 + 32 * j));
       }
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 256)));
-      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 288)));
-    } else {
-      for (int c = 0; c < 8; ++c) codes[c] = _mm512_loadu_si512(w + 64 * c);
-      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 512)));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
-      const __m512i dot = block_dot<FINE>(codes, xq.q.data() + at, FINE ? xq.q2.data() + at : nullptr);
-      if constexpr (K == Kind::Q4_1) {  // d * scale * dot + m * sum
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xq.scale[i]));
-        acc[r] = _mm512_fmadd_ps(t, d, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xq.sum[i]), acc[r]);
-      } else {  // d * (scale * dot(u, x) - 128 * sum)
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(xq.scale[i]), _mm512_set1_ps(-128.f * xq.sum[i]));
-        acc[r] = _mm512_fmadd_ps(t, d, acc[r]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = b0 + j, at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
+        __m512i lo, hi;
+        block_dot<FINE>(codes, xq.q.data() + at, FINE ? xq.q2.data() + at : nullptr, lo, hi);
+        const __m512 s = _mm512_set1_ps(xq.scale[i]);
+        if constexpr (F == Format::Q6_K) {  // per half: (d*sc) * s * (dot - 32 * half_sum)
+          const int32_t* half = &xq.half_sum[2 * i];
+          const __m512i a = _mm512_sub_epi32(lo, _mm512_set1_epi32(code_offset(F) * half[0]));
+          const __m512i c = _mm512_sub_epi32(hi, _mm512_set1_epi32(code_offset(F) * half[1]));
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), s), dj, acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(c), s), dj2, acc[r]);
+        } else if constexpr (code_offset(F) != 0) {  // d * (s * dot - o * sum)
+          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), s,
+                                           _mm512_set1_ps(-static_cast<float>(code_offset(F)) * xq.sum[i]));
+          acc[r] = _mm512_fmadd_ps(t, d, acc[r]);
+        } else {  // (d*sc) * s * dot + m * sum; K-quants subtract (dmin*mn) * sum
+          const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), s);
+          acc[r] = _mm512_fmadd_ps(t, dj, acc[r]);
+          if constexpr (F == Format::Q4_1) acc[r] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xq.sum[i]), acc[r]);
+          else acc[r] = _mm512_fnmadd_ps(mj, _mm512_set1_ps(xq.sum[i]), acc[r]);
+        }
       }
     }
   }
@@ -240,37 +397,62 @@ inline float half_to_float(const uint8_t* p) {
   return static_cast<float>(h);
 }
 
+inline float float_at(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Row j's code of input i (0..31) in a sub-block's tile codes (see the layout above).
+inline int32_t tile_code(Format f, const uint8_t* c, int64_t j, int i) {
+  const int vec = i / 4, e = i % 4;
+  if (f == Format::Q8_0) return c[64 * vec + 4 * j + e];
+  const uint8_t byte = c[64 * (vec % 4) + 4 * j + e];
+  int32_t code = vec < 4 ? byte & 0xF : byte >> 4;
+  if (has_q5_plane(f)) code |= ((c[256 + 4 * j + e] >> vec) & 1) << 4;
+  if (f == Format::Q6_K) code |= ((c[256 + 64 * (vec / 4) + 4 * j + e] >> (2 * (vec % 4))) & 3) << 4;
+  return code;
+}
+
 // Portable version of the same tile: reads the same layout, same arithmetic per block.
-template <Kind K, typename OutT>
+template <Format F, typename OutT>
 void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows, int64_t col0, int64_t valid,
                  Output<OutT> out) {
+  constexpr int64_t SUB = sub_blocks(F);
+  constexpr float O = static_cast<float>(code_offset(F));
   const int64_t nb = xq.nb, k = xq.k;
   for (int r = 0; r < rows; ++r) {
     float acc[TILE] = {};
-    const uint8_t* wb = w;
-    for (int64_t b = 0; b < nb; ++b, wb += block_bytes(K)) {
-      const int64_t at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
-      const int8_t* x = xq.q.data() + at;
-      const int8_t* x2 = xq.fine ? xq.q2.data() + at : nullptr;
-      for (int j = 0; j < TILE; ++j) {
-        int32_t dot = 0, dot2 = 0;
-        for (int c = 0; c < 8; ++c)
-          for (int e = 0; e < 4; ++e) {
-            // Q4_1: chunk c < 4 low nibbles -> inputs 4c+e, high nibbles -> 16+4c+e.
-            const int input = K == Kind::Q4_1 ? (c < 4 ? 4 * c + e : 16 + 4 * (c - 4) + e) : 4 * c + e;
-            const uint8_t byte = K == Kind::Q4_1 ? wb[64 * (c % 4) + 4 * j + e] : wb[64 * c + 4 * j + e];
-            const int32_t code = K == Kind::Q4_1 ? (c < 4 ? byte & 0xF : byte >> 4) : byte;
-            dot += code * x[input];
-            if (x2) dot2 += code * x2[input];
+    const uint8_t* chunk = w;
+    for (int64_t b0 = 0; b0 < nb; b0 += SUB, chunk += chunk_bytes(F)) {
+      const uint8_t* scales = chunk + scales_at(F);
+      for (int64_t jb = 0; jb < SUB; ++jb) {
+        const int64_t b = b0 + jb, at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
+        const int8_t* x = xq.q.data() + at;
+        const int8_t* x2 = xq.fine ? xq.q2.data() + at : nullptr;
+        const float s = xq.scale[i];
+        for (int64_t j = 0; j < TILE; ++j) {
+          int32_t half[2] = {0, 0};
+          for (int in = 0; in < QK; ++in) {
+            const int32_t code = tile_code(F, chunk + codes_at(F) + jb * code_bytes(F), j, in);
+            half[in / 16] += code * (x2 ? 256 * x[in] + x2[in] : x[in]);
           }
-        if (x2) dot = dot * 256 + dot2;
-        if constexpr (K == Kind::Q4_1) {
-          const float d = half_to_float(wb + 256 + 2 * j), m = half_to_float(wb + 288 + 2 * j);
-          acc[j] += static_cast<float>(dot) * xq.scale[i] * d;
-          acc[j] += m * xq.sum[i];
-        } else {
-          const float d = half_to_float(wb + 512 + 2 * j);
-          acc[j] += (static_cast<float>(dot) * xq.scale[i] - 128.f * xq.sum[i]) * d;
+          const float d = is_k(F) ? float_at(scales + 4 * j) : half_to_float(scales + 2 * j);
+          if constexpr (F == Format::Q6_K) {
+            for (int h = 0; h < 2; ++h) {
+              const float sc = static_cast<float>(static_cast<int8_t>(scales[64 + 32 * jb + 16 * h + j]));
+              acc[j] += static_cast<float>(half[h] - 32 * xq.half_sum[2 * i + h]) * s * (d * sc);
+            }
+          } else if constexpr (code_offset(F) != 0) {
+            acc[j] += (static_cast<float>(half[0] + half[1]) * s - O * xq.sum[i]) * d;
+          } else {
+            const bool k_quant = F != Format::Q4_1;
+            const float m = k_quant ? float_at(scales + 64 + 4 * j) : half_to_float(scales + 32 + 2 * j);
+            const float dj = k_quant ? d * scales[128 + 16 * jb + j] : d;
+            const float mj = k_quant ? -m * scales[SUB_MINS_AT + 16 * jb + j] : m;
+            acc[j] += static_cast<float>(half[0] + half[1]) * s * dj;
+            acc[j] += mj * xq.sum[i];
+          }
         }
       }
     }
@@ -278,49 +460,83 @@ void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows
   }
 }
 
-template <Kind K, bool FINE, typename OutT>
-void run_tiles(const uint8_t* packed, const QuantizedRows& xq, int64_t n, int64_t begin, int64_t end, int64_t r_begin,
-               int64_t r_end, Output<OutT> out) {
-  const int64_t tile_bytes = xq.nb * block_bytes(K);
+// Tiles [begin, end) of one part against activation rows [r_begin, r_end).
+template <Format F, bool FINE, typename OutT>
+void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t end, int64_t r_begin, int64_t r_end,
+               Output<OutT> out) {
   for (int64_t t = begin; t < end; ++t) {
-    const uint8_t* w = packed + t * tile_bytes;
-    const int64_t col0 = t * TILE, valid = std::min(TILE, n - col0);
+    const uint8_t* w = p.w + t * p.tile_bytes;
+    const int64_t col0 = p.col0 + t * TILE, valid = std::min(TILE, p.n - t * TILE);
     for (int64_t r0 = r_begin; r0 < r_end; r0 += ROWS) {
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, r_end - r0));
 #ifdef QGEMV_AVX512
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
       static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
       switch (rows) {
-        case 4: tile_avx512<K, FINE, 4>(w, xq, r0, col0, mask, out); break;
-        case 3: tile_avx512<K, FINE, 3>(w, xq, r0, col0, mask, out); break;
-        case 2: tile_avx512<K, FINE, 2>(w, xq, r0, col0, mask, out); break;
-        default: tile_avx512<K, FINE, 1>(w, xq, r0, col0, mask, out); break;
+        case 4: tile_avx512<F, FINE, 4>(w, xq, r0, col0, mask, out); break;
+        case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, out); break;
+        case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, out); break;
+        default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, out); break;
       }
 #else
-      tile_scalar<K>(w, xq, r0, rows, col0, valid, out);
+      tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
 #endif
     }
   }
 }
 
-template <Kind K, typename T>
-void gemv_typed(const T* x, int64_t rows, int64_t k, const uint8_t* packed, int64_t n, T* y, bool fine) {
+template <typename T>
+void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, T* y, bool fine) {
   const QuantizedRows xq = quantize_rows(x, rows, k, fine);
-  const int64_t tiles = (n + TILE - 1) / TILE;
+  const Part& last = parts.back();
+  const int64_t tiles = last.tile0 + last.tiles;
+  int64_t bytes = 0;
+  for (const Part& p : parts) bytes += p.tiles * p.tile_bytes;
   Output<T> out{y, n};
   // Grain: at least ~64 KiB of weights per task so the fork/join (~2 µs) stays small against it.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, xq.nb * block_bytes(K)));
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes / tiles));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; r += ROW_CHUNK) {
       const int64_t r_end = std::min(rows, r + ROW_CHUNK);
-      if (fine) run_tiles<K, true>(packed, xq, n, begin, end, r, r_end, out);
-      else run_tiles<K, false>(packed, xq, n, begin, end, r, r_end, out);
+      for (const Part& p : parts) {
+        const int64_t lo = std::max(begin, p.tile0) - p.tile0, hi = std::min(end, p.tile0 + p.tiles) - p.tile0;
+        if (lo >= hi) continue;
+        with_format(p.format, [&](auto f) {
+          if (fine) run_tiles<decltype(f)::value, true>(p, xq, lo, hi, r, r_end, out);
+          else run_tiles<decltype(f)::value, false>(p, xq, lo, hi, r, r_end, out);
+        });
+      }
     }
   });
 }
 
-torch::Tensor gemv(Kind kind, const torch::Tensor& x_in, const torch::Tensor& packed, int64_t n, int64_t activation_bits) {
-  RECORD_FUNCTION(kind == Kind::Q4_1 ? "native::quant_gemv_q4_1" : "native::quant_gemv_q8_0", c10::ArrayRef<const c10::IValue>{});
+// Parts (format, rows) stacked along the output, checked against the packed bytes and in_features.
+std::vector<Part> make_parts(const std::vector<std::pair<int64_t, int64_t>>& layout, const torch::Tensor& packed,
+                             int64_t k, int64_t& n_total) {
+  TORCH_CHECK(!layout.empty(), "quant_gemv: the layout names no matrix");
+  std::vector<Part> parts;
+  int64_t col = 0, tile = 0, bytes = 0;
+  for (const auto& [id, n] : layout) {
+    TORCH_CHECK(known_format(id), "quant_gemv: unknown block format ", id);
+    const Format f = static_cast<Format>(id);
+    TORCH_CHECK(k % super_weights(f) == 0, "quant_gemv: in_features must be a positive multiple of ",
+                super_weights(f), " for block format ", id, ", got ", k);
+    TORCH_CHECK(n > 0, "quant_gemv: out_features must be positive");
+    const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = k / super_weights(f) * chunk_bytes(f);
+    parts.push_back(Part{f, n, col, tile, tiles, nullptr, tile_bytes});
+    col += n, tile += tiles, bytes += tiles * tile_bytes;
+  }
+  TORCH_CHECK(packed.numel() == bytes, "quant_gemv: packed weights do not match out_features=", col,
+              " x in_features=", k);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  for (Part& p : parts) p.w = w, w += p.tiles * p.tile_bytes;
+  n_total = col;
+  return parts;
+}
+
+torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& packed,
+                   const std::vector<std::pair<int64_t, int64_t>>& layout, int64_t activation_bits) {
+  RECORD_FUNCTION("native::quant_gemv", c10::ArrayRef<const c10::IValue>{});
   TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "quant_gemv: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1, "quant_gemv: x must be [..., in_features]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "quant_gemv: x must be float32 or bfloat16");
@@ -329,55 +545,76 @@ torch::Tensor gemv(Kind kind, const torch::Tensor& x_in, const torch::Tensor& pa
   const torch::Tensor x = x_in.contiguous();
   const int64_t k = x.size(-1);
   TORCH_CHECK(k % QK == 0 && k > 0, "quant_gemv: in_features must be a positive multiple of 32, got ", k);
+  int64_t n = 0;
+  const std::vector<Part> parts = make_parts(layout, packed, k, n);
   const int64_t rows = x.numel() / k;
-  const int64_t tiles = (n + TILE - 1) / TILE;
-  TORCH_CHECK(n > 0 && packed.numel() == tiles * (k / QK) * block_bytes(kind),
-              "quant_gemv: packed weights do not match out_features=", n, " x in_features=", k);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   torch::Tensor y = torch::empty(shape, x.options());
   if (rows == 0) return y;
-  const uint8_t* w = packed.data_ptr<uint8_t>();
   const bool fine = activation_bits == 16;
   if (x.scalar_type() == at::kFloat) {
-    if (kind == Kind::Q4_1) gemv_typed<Kind::Q4_1>(x.data_ptr<float>(), rows, k, w, n, y.data_ptr<float>(), fine);
-    else gemv_typed<Kind::Q8_0>(x.data_ptr<float>(), rows, k, w, n, y.data_ptr<float>(), fine);
+    gemv_typed(x.data_ptr<float>(), rows, k, parts, n, y.data_ptr<float>(), fine);
   } else {
     auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>());
     auto* yb = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
-    if (kind == Kind::Q4_1) gemv_typed<Kind::Q4_1>(xb, rows, k, w, n, yb, fine);
-    else gemv_typed<Kind::Q8_0>(xb, rows, k, w, n, yb, fine);
+    gemv_typed(xb, rows, k, parts, n, yb, fine);
   }
   return y;
 }
 
+std::vector<std::pair<int64_t, int64_t>> read_layout(const torch::Tensor& layout) {
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 2,
+              "quant_gemv: layout must be int64 [parts, 2] of (block format, out_features)");
+  const torch::Tensor l = layout.contiguous();
+  const int64_t* p = l.data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int64_t i = 0; i < l.size(0); ++i) out.emplace_back(p[2 * i], p[2 * i + 1]);
+  return out;
+}
+
 // -- packing ------------------------------------------------------------------------------------
+inline void put_half(uint8_t* p, float v) {
+  const c10::Half h(v);
+  std::memcpy(p, &h, 2);
+}
+
+// Row j's 32 codes (unsigned, as the kernel multiplies them) into a sub-block's tile codes.
+void put_codes(Format f, uint8_t* c, int64_t j, const uint8_t* codes) {
+  for (int i = 0; i < QK; ++i) {
+    const int vec = i / 4, e = i % 4;
+    const uint8_t u = codes[i];
+    if (f == Format::Q8_0) {
+      c[64 * vec + 4 * j + e] = u;
+      continue;
+    }
+    c[64 * (vec % 4) + 4 * j + e] |= vec < 4 ? (u & 0xF) : (u & 0xF) << 4;
+    if (has_q5_plane(f)) c[256 + 4 * j + e] |= ((u >> 4) & 1) << vec;
+    if (f == Format::Q6_K) c[256 + 64 * (vec / 4) + 4 * j + e] |= ((u >> 4) & 3) << (2 * (vec % 4));
+  }
+}
+
+// Lays n rows of nsb super-blocks out as TILE-row tiles of `format`: fill(chunk, j, row, sb) writes
+// row `row`'s super-block sb as member j of its tile's chunk; rows past n stay zero.
+template <typename Fill>
+torch::Tensor pack_tiles(Format format, int64_t n, int64_t nsb, Fill fill) {
+  const int64_t tiles = (n + TILE - 1) / TILE, bytes = chunk_bytes(format);
+  torch::Tensor out = torch::zeros({tiles * nsb * bytes}, torch::dtype(at::kByte));
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t sb = 0; sb < nsb; ++sb)
+        for (int64_t j = 0; j < TILE && t * TILE + j < n; ++j) fill(o + (t * nsb + sb) * bytes, j, t * TILE + j, sb);
+  });
+  return out;
+}
+
 void check_pack_inputs(const torch::Tensor& codes, const torch::Tensor& scales, at::ScalarType code_type) {
   TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu(), "quant_pack: CPU tensors only");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == code_type, "quant_pack: codes must be 2-D ", code_type);
   TORCH_CHECK(codes.size(1) % QK == 0 && codes.size(1) > 0, "quant_pack: in_features must be a positive multiple of 32");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) / QK,
               "quant_pack: scales must be [out_features, in_features / 32]");
-}
-
-inline void put_half(uint8_t* p, float v) {
-  const c10::Half h(v);
-  std::memcpy(p, &h, 2);
-}
-
-// Lays n rows of k / 32 blocks out as TILE-row tiles of `block_bytes` per block: fill(blk, j, row, b)
-// writes row `row`'s block b as member j of its tile; rows past n stay zero.
-template <typename Fill>
-torch::Tensor pack_tiles(int64_t n, int64_t k, int64_t block_bytes, Fill fill) {
-  const int64_t nb = k / QK, tiles = (n + TILE - 1) / TILE;
-  torch::Tensor out = torch::zeros({tiles * nb * block_bytes}, torch::dtype(at::kByte));
-  uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t b = 0; b < nb; ++b)
-        for (int64_t j = 0; j < TILE && t * TILE + j < n; ++j) fill(o + (t * nb + b) * block_bytes, j, t * TILE + j, b);
-  });
-  return out;
 }
 
 // codes uint8 [n, k] (0..15), scales d and mins m float [n, k/32] -> Q4_1 tiles.
@@ -389,13 +626,10 @@ torch::Tensor pack_q4_1(const torch::Tensor& codes_in, const torch::Tensor& scal
   const int64_t n = codes.size(0), k = codes.size(1), nb = k / QK;
   const uint8_t* c = codes.data_ptr<uint8_t>();
   const float *d = scales.data_ptr<float>(), *m = mins.data_ptr<float>();
-  return pack_tiles(n, k, Q4_1_BYTES, [&](uint8_t* blk, int64_t j, int64_t row, int64_t b) {
-    const uint8_t* src = c + row * k + b * QK;
-    for (int cc = 0; cc < 4; ++cc)
-      for (int e = 0; e < 4; ++e)
-        blk[64 * cc + 4 * j + e] = (src[4 * cc + e] & 0xF) | ((src[16 + 4 * cc + e] & 0xF) << 4);
-    put_half(blk + 256 + 2 * j, d[row * nb + b]);
-    put_half(blk + 288 + 2 * j, m[row * nb + b]);
+  return pack_tiles(Format::Q4_1, n, nb, [&](uint8_t* chunk, int64_t j, int64_t row, int64_t b) {
+    put_codes(Format::Q4_1, chunk, j, c + row * k + b * QK);
+    put_half(chunk + 256 + 2 * j, d[row * nb + b]);
+    put_half(chunk + 288 + 2 * j, m[row * nb + b]);
   });
 }
 
@@ -406,12 +640,103 @@ torch::Tensor pack_q8_0(const torch::Tensor& codes_in, const torch::Tensor& scal
   const int64_t n = codes.size(0), k = codes.size(1), nb = k / QK;
   const int8_t* c = codes.data_ptr<int8_t>();
   const float* d = scales.data_ptr<float>();
-  return pack_tiles(n, k, Q8_0_BYTES, [&](uint8_t* blk, int64_t j, int64_t row, int64_t b) {
-    const int8_t* src = c + row * k + b * QK;
-    for (int cc = 0; cc < 8; ++cc)
-      for (int e = 0; e < 4; ++e) blk[64 * cc + 4 * j + e] = static_cast<uint8_t>(src[4 * cc + e] + 128);
-    put_half(blk + 512 + 2 * j, d[row * nb + b]);
+  return pack_tiles(Format::Q8_0, n, nb, [&](uint8_t* chunk, int64_t j, int64_t row, int64_t b) {
+    uint8_t u[QK];
+    for (int i = 0; i < QK; ++i) u[i] = static_cast<uint8_t>(c[row * k + b * QK + i] + 128);
+    put_codes(Format::Q8_0, chunk, j, u);
+    put_half(chunk + 512 + 2 * j, d[row * nb + b]);
   });
+}
+
+// One GGUF block (super-block for K-quants) of row member j -> its tile chunk. The fp16 scales are
+// copied as bytes; codes become the unsigned values the kernel multiplies (layouts: ggml-common.h,
+// as the gguf package's dequantization reads them).
+void fill_from_gguf(Format f, uint8_t* chunk, int64_t j, const uint8_t* src) {
+  uint8_t codes[256];
+  uint8_t* scales = chunk + scales_at(f);
+  if (is_k(f)) {  // d, and dmin, as fp32 (see scale_bytes)
+    const float d = half_to_float(f == Format::Q6_K ? src + 208 : src);
+    std::memcpy(scales + 4 * j, &d, 4);
+  } else {
+    std::memcpy(scales + 2 * j, src, 2);
+  }
+  auto nibbles = [&](const uint8_t* qs) {  // 32-blocks: low nibbles are weights 0..15, high 16..31
+    for (int i = 0; i < 16; ++i) codes[i] = qs[i] & 0xF, codes[16 + i] = qs[i] >> 4;
+  };
+  switch (f) {
+    case Format::Q4_0: nibbles(src + 2); break;
+    case Format::Q4_1:
+      std::memcpy(scales + 32 + 2 * j, src + 2, 2);
+      nibbles(src + 4);
+      break;
+    case Format::Q5_0: {
+      uint32_t qh;
+      std::memcpy(&qh, src + 2, 4);
+      nibbles(src + 6);
+      for (int i = 0; i < 32; ++i) codes[i] |= ((qh >> i) & 1) << 4;
+      break;
+    }
+    case Format::Q8_0:
+      for (int i = 0; i < 32; ++i) codes[i] = static_cast<uint8_t>(static_cast<int8_t>(src[2 + i]) + 128);
+      break;
+    case Format::Q4_K:
+    case Format::Q5_K: {
+      const float dmin = half_to_float(src + 2);
+      std::memcpy(scales + 64 + 4 * j, &dmin, 4);
+      const uint8_t* s = src + 4;  // 12 bytes: 8 six-bit scales and 8 six-bit mins
+      for (int sb = 0; sb < 8; ++sb) {
+        const uint8_t sc = sb < 4 ? s[sb] & 63 : (s[sb + 4] & 0xF) | ((s[sb - 4] >> 6) << 4);
+        const uint8_t mn = sb < 4 ? s[sb + 4] & 63 : (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4);
+        scales[sub_scales_at(f) + 16 * sb + j] = sc, scales[SUB_MINS_AT + 16 * sb + j] = mn;
+      }
+      const uint8_t* qh = src + 16;  // Q5_K: bit sb of byte e is weight e's 5th bit in sub-block sb
+      const uint8_t* qs = f == Format::Q4_K ? src + 16 : src + 48;  // 32 bytes per pair of sub-blocks
+      for (int sb = 0; sb < 8; ++sb)
+        for (int e = 0; e < 32; ++e) {
+          const uint8_t byte = qs[32 * (sb / 2) + e];
+          codes[32 * sb + e] = sb % 2 == 0 ? byte & 0xF : byte >> 4;
+          if (f == Format::Q5_K) codes[32 * sb + e] |= ((qh[e] >> sb) & 1) << 4;
+        }
+      break;
+    }
+    case Format::Q6_K: {
+      const uint8_t *ql = src, *qh = src + 128;
+      for (int h = 0; h < 16; ++h) scales[sub_scales_at(f) + 16 * h + j] = src[192 + h];
+      for (int w = 0; w < 256; ++w) {  // halves of 128: ql 64 bytes (two nibbles), qh 32 bytes (four pairs)
+        const int half = w / 128, r = w % 128;
+        const uint8_t low = (ql[64 * half + r % 64] >> (4 * (r / 64))) & 0xF;
+        const uint8_t high = (qh[32 * half + r % 32] >> (2 * (r / 32))) & 3;
+        codes[w] = low | (high << 4);
+      }
+      break;
+    }
+  }
+  for (int64_t sb = 0; sb < sub_blocks(f); ++sb)
+    put_codes(f, chunk + codes_at(f) + sb * code_bytes(f), j, codes + QK * sb);
+}
+
+// A GGUF tensor's blocks as stored in the file, uint8 [out_features, bytes per row] -> tiles.
+torch::Tensor pack_gguf(int64_t block_format, const torch::Tensor& blocks_in, int64_t in_features) {
+  TORCH_CHECK(known_format(block_format), "quant_pack_gguf: no kernel for GGML block type ", block_format);
+  const Format f = static_cast<Format>(block_format);
+  TORCH_CHECK(blocks_in.device().is_cpu() && blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 2,
+              "quant_pack_gguf: blocks must be a 2-D uint8 CPU tensor [out_features, bytes per row]");
+  TORCH_CHECK(in_features > 0 && in_features % super_weights(f) == 0, "quant_pack_gguf: in_features must be a positive multiple of ",
+              super_weights(f), " for block type ", block_format, ", got ", in_features);
+  const int64_t nsb = in_features / super_weights(f), row_bytes = nsb * file_block_bytes(f);
+  TORCH_CHECK(blocks_in.size(1) == row_bytes, "quant_pack_gguf: ", row_bytes, " bytes per row expected for ",
+              in_features, " inputs of block type ", block_format, ", got ", blocks_in.size(1));
+  const torch::Tensor blocks = blocks_in.contiguous();
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  return pack_tiles(f, blocks.size(0), nsb, [&](uint8_t* chunk, int64_t j, int64_t row, int64_t sb) {
+    fill_from_gguf(f, chunk, j, src + row * row_bytes + sb * file_block_bytes(f));
+  });
+}
+
+std::vector<int64_t> gguf_formats() {
+  std::vector<int64_t> ids;
+  for (Format f : kFormats) ids.push_back(static_cast<int64_t>(f));
+  return ids;
 }
 
 const char* isa() {
@@ -424,8 +749,8 @@ const char* isa() {
 
 }  // namespace
 
-torch::Tensor quant_gemv_q4_1(const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits) {
-  return gemv(Kind::Q4_1, x, packed, out_features, activation_bits);
+torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout, int64_t activation_bits) {
+  return gemv(x, packed, read_layout(layout), activation_bits);
 }
 
 void register_quant_gemv(pybind11::module_& m) {
@@ -433,18 +758,30 @@ void register_quant_gemv(pybind11::module_& m) {
         pybind11::arg("codes"), pybind11::arg("scales"), pybind11::arg("mins"));
   m.def("quant_pack_q8_0", &pack_q8_0, "codes int8 [N,K], scales float [N,K/32] -> packed Q8_0 tiles",
         pybind11::arg("codes"), pybind11::arg("scales"));
+  m.def("quant_pack_gguf", &pack_gguf,
+        "a GGUF tensor's blocks uint8 [N, bytes per row] of GGML type block_format (one of quant_gguf_formats) "
+        "-> packed tiles of that format",
+        pybind11::arg("block_format"), pybind11::arg("blocks"), pybind11::arg("in_features"));
+  m.def("quant_gguf_formats", &gguf_formats, "the GGML block types the kernels multiply packed");
+  m.def("quant_gemv", &quant_gemv,
+        "x [..., K] float32/bfloat16 @ packed weights^T -> [..., sum of out_features] in x's dtype; layout int64 "
+        "[parts, 2] lists the stacked matrices' (GGML block type, out_features); activations rounded per 32-block "
+        "to int8 (activation_bits=8, llama.cpp's Q8_1) or to two int8 parts (16)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("layout"), pybind11::arg("activation_bits") = 16,
+        ReleaseGil());
   m.def(
       "quant_gemv_q4_1",
-      &quant_gemv_q4_1,
-      "x [..., K] float32/bfloat16 @ packed Q4_1 weights^T -> [..., out_features] in x's dtype; activations rounded "
-      "per 32-block to int8 (activation_bits=8, llama.cpp's Q8_1) or to two int8 parts (16)",
-      pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());
+      [](const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits) {
+        return gemv(x, packed, {{static_cast<int64_t>(Format::Q4_1), out_features}}, activation_bits);
+      },
+      "quant_gemv of one Q4_1 matrix (quant_pack_q4_1's tiles)", pybind11::arg("x"), pybind11::arg("packed"),
+      pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());
   m.def(
       "quant_gemv_q8_0",
       [](const torch::Tensor& x, const torch::Tensor& packed, int64_t out_features, int64_t activation_bits) {
-        return gemv(Kind::Q8_0, x, packed, out_features, activation_bits);
+        return gemv(x, packed, {{static_cast<int64_t>(Format::Q8_0), out_features}}, activation_bits);
       },
-      "x [..., K] float32/bfloat16 @ packed Q8_0 weights^T -> [..., out_features] in x's dtype (activation_bits as above)",
-      pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());
+      "quant_gemv of one Q8_0 matrix (quant_pack_q8_0's tiles)", pybind11::arg("x"), pybind11::arg("packed"),
+      pybind11::arg("out_features"), pybind11::arg("activation_bits") = 16, ReleaseGil());
   m.def("quant_gemv_isa", &isa, "instruction set the quantized kernels were built for: avx512_vnni or scalar");
 }

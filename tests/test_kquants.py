@@ -1,0 +1,234 @@
+"""GGUF block types kept packed (kernels/csrc/quant_gemv.cpp, quantization/gguf_packed.py): every
+type a real Q4_K_M / Q5_K_M file holds (Q4_K, Q5_K, Q6_K, Q5_0, Q8_0, and Q4_0 / Q4_1) against the
+gguf package's dequantization, stacked parts of different types, bad input, and a tiny Q4_K_M-like
+model end to end against the same file dequantized to fp32."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize
+from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
+from test_quant_gemv import EXACT_RTOL, UNROUNDED_RTOL, round_activations
+
+from tachyllm import LLM, SamplingParams
+from tachyllm.backends.cpu_backend import CpuBackend
+from tachyllm.config import EngineConfig
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.eval.quality import sequence_logprobs
+from tachyllm.kernels import native
+from tachyllm.quantization.gguf_packed import GGUFLinear
+
+ops = native.native_ops()
+pytestmark = pytest.mark.skipif(
+    ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI"
+)
+
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+def _packed(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles, the gguf package's dequantized [rows, cols] weight in float64) of random valid blocks."""
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(seed))
+    weight = torch.from_numpy(dequantize(raw, kind).reshape(rows, cols)).double()
+    return ops.quant_pack_gguf(int(kind), torch.from_numpy(raw), cols), weight
+
+
+def _layout(*parts: tuple[GGMLQuantizationType, int]) -> torch.Tensor:
+    return torch.tensor([[int(kind), rows] for kind, rows in parts])
+
+
+def test_every_q4_k_m_type_has_a_kernel():
+    assert set(TYPES) == {T(t) for t in ops.quant_gguf_formats()}
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_packed_weights_are_the_gguf_dequantization(kind):
+    """Each input alone (x = 127 at one position: its rounding to int8 is exact) reads one weight
+    column back: every weight equals the gguf package's to fp32 rounding of the scale products (a
+    wrong code or scale would be off by at least one quantization step)."""
+    rows, cols = 37, 512  # 3 tiles (the last one partial), 2 super-blocks of 256 per row
+    packed, weight = _packed(kind, rows, cols)
+    for bits in (16, 8):
+        columns = ops.quant_gemv(torch.eye(cols) * 127, packed, _layout((kind, rows)), bits).double() / 127
+        torch.testing.assert_close(columns, weight.t(), rtol=1e-6, atol=1e-6 * weight.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_kernel_matches_the_dequantized_matmul(kind, rows, dtype, bits):
+    torch.manual_seed(rows)
+    out_f, in_f = 45, 768
+    packed, weight = _packed(kind, out_f, in_f, seed=rows)
+    x = torch.randn(rows, in_f).to(dtype)
+    y = ops.quant_gemv(x, packed, _layout((kind, out_f)), bits)
+    assert y.dtype == dtype and y.shape == (rows, out_f)
+    rel = (y.double() - round_activations(x, bits) @ weight.t()).norm() / (
+        round_activations(x, bits) @ weight.t()
+    ).norm()
+    assert rel < EXACT_RTOL[dtype]
+    reference = x.double() @ weight.t()
+    assert (y.double() - reference).norm() / reference.norm() < UNROUNDED_RTOL[bits] + EXACT_RTOL[dtype]
+
+
+def test_stacked_parts_of_different_types():
+    """A fused q/k/v whose parts the file stores as Q4_K, Q5_0 and Q6_K: one call, the activations
+    rounded once, each part's columns the bits of that part alone."""
+    parts = [(T.Q4_K, 64), (T.Q5_0, 37), (T.Q6_K, 45), (T.Q8_0, 16)]
+    packed = [_packed(kind, rows, 256, seed=i) for i, (kind, rows) in enumerate(parts)]
+    x = torch.randn(6, 256, dtype=torch.bfloat16)
+    whole = ops.quant_gemv(x, torch.cat([p for p, _ in packed]), _layout(*parts))
+    alone = [ops.quant_gemv(x, p, _layout(part)) for (p, _), part in zip(packed, parts, strict=True)]
+    assert torch.equal(whole, torch.cat(alone, dim=1))
+    reference = round_activations(x, 16) @ torch.cat([w for _, w in packed]).t()
+    assert (whole.double() - reference).norm() / reference.norm() < EXACT_RTOL[torch.bfloat16]
+
+
+def test_q4_1_and_q8_0_blocks_pack_like_their_decoded_codes():
+    """The file's Q4_1 / Q8_0 blocks give the tiles quant_pack_q4_1 / quant_pack_q8_0 make from the
+    decoded codes (the default model's layers and head run on exactly the bytes they did)."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks(T.Q4_1, 20, 128, rng).reshape(20, 4, 20)
+    d, m = (torch.from_numpy(raw[..., a : a + 2].copy().view(np.float16)[..., 0].astype(np.float32)) for a in (0, 2))
+    codes = torch.from_numpy(np.concatenate([raw[..., 4:] & 0xF, raw[..., 4:] >> 4], -1).reshape(20, 128))
+    assert torch.equal(ops.quant_pack_gguf(int(T.Q4_1), torch.from_numpy(raw.reshape(20, -1)), 128),
+                       ops.quant_pack_q4_1(codes, d, m))  # fmt: skip
+    raw = random_blocks(T.Q8_0, 20, 128, rng).reshape(20, 4, 34)
+    d = torch.from_numpy(raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8).reshape(20, 128))
+    assert torch.equal(ops.quant_pack_gguf(int(T.Q8_0), torch.from_numpy(raw.reshape(20, -1)), 128),
+                       ops.quant_pack_q8_0(codes, d))  # fmt: skip
+
+
+def test_bad_blocks_and_layouts_are_refused():
+    packed, _ = _packed(T.Q4_K, 16, 256)
+    x = torch.randn(2, 256)
+    with pytest.raises(RuntimeError, match="unknown block format 7"):
+        ops.quant_gemv(x, packed, _layout((T.Q5_1, 16)))
+    with pytest.raises(RuntimeError, match="multiple of 256 for block format 12, got 96"):
+        ops.quant_gemv(torch.randn(2, 96), packed, _layout((T.Q4_K, 16)))
+    with pytest.raises(RuntimeError, match="do not match out_features=32"):
+        ops.quant_gemv(x, packed, _layout((T.Q4_K, 16), (T.Q4_K, 16)))
+    with pytest.raises(RuntimeError, match=r"layout must be int64 \[parts, 2\]"):
+        ops.quant_gemv(x, packed, torch.tensor([12, 16]))
+    with pytest.raises(RuntimeError, match="no kernel for GGML block type 7"):
+        ops.quant_pack_gguf(int(T.Q5_1), torch.zeros(16, 24, dtype=torch.uint8), 32)
+    with pytest.raises(RuntimeError, match="144 bytes per row expected"):
+        ops.quant_pack_gguf(int(T.Q4_K), torch.zeros(16, 140, dtype=torch.uint8), 256)
+    with pytest.raises(RuntimeError, match="multiple of 256 for block type 14"):
+        ops.quant_pack_gguf(int(T.Q6_K), torch.zeros(16, 210, dtype=torch.uint8), 128)
+
+
+# -- a tiny Q4_K_M-like model ---------------------------------------------------------------------
+HIDDEN, HEADS, KV_HEADS, FFN = 256, 4, 2, 512  # K-quants need inputs in multiples of 256
+# Per layer, llama.cpp's Q4_K_M choices (Q4_K, with Q6_K for some attn_v / ffn_down) and the
+# fallbacks its smaller models get (Q5_0, Q8_0); every type appears, fused modules mix them.
+Q4_K_M_LIKE = [
+    {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
+     "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
+    {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_K,
+     "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q4_K},
+]  # fmt: skip
+
+
+def write_mixed_gguf(path: Path, layers: list[dict[str, GGMLQuantizationType]], head: GGMLQuantizationType) -> Path:
+    """A llama GGUF with each layer's matrices in the given types, a Q4_K token_embd and an
+    output.weight of type `head` (random valid blocks; F32 norms)."""
+    rng = np.random.default_rng(5)
+    writer = GGUFWriter(path, "llama")
+    add_llama_shape(writer, layers=len(layers), hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab = add_byte_level_tokenizer(writer)
+
+    def matrix(name: str, kind: GGMLQuantizationType, rows: int, cols: int) -> None:
+        if kind in (T.F16, T.F32):
+            dtype = np.float16 if kind == T.F16 else np.float32
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(dtype))
+        else:
+            writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=kind)
+
+    matrix("token_embd.weight", T.Q4_K, vocab, HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    matrix("output.weight", head, vocab, HIDDEN)
+    for i, types in enumerate(layers):
+
+        def add(name: str, *shape: int, quantize: bool = True, types=types) -> None:
+            if quantize:
+                matrix(name, types[name.split(".")[2]], *shape)
+            else:
+                writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+
+        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN)
+    finish(writer)
+    return path
+
+
+def _engine(path: Path, **kwargs) -> LLMEngine:
+    config = dict(model=str(path), max_num_seqs=2, max_model_len=128, threads=1, dtype="float32")
+    return LLMEngine(EngineConfig(**{**config, **kwargs}))
+
+
+def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
+    """Every matrix on its own blocks (fused q/k/v and gate/up mixing types, the Q6_K head), and the
+    log-probs of the same file dequantized to fp32 within the 16-bit activation rounding."""
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        packed = _engine(path, quantization="gguf")
+    model = packed.model
+    assert "lm_head: the file's Q6_K blocks (lm_head.weight), C++ kernel" in caplog.text
+    assert "no packed kernel" not in caplog.text
+    assert isinstance(model.lm_head, GGUFLinear)
+    assert model.layers[0].self_attn.qkv_proj.block_types == "Q4_K+Q4_K+Q6_K"
+    assert model.layers[1].mlp.gate_up_proj.block_types == "Q4_0+Q4_1"
+    assert all(isinstance(m, GGUFLinear) for layer in model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
+    # A decode step streams the tiles (~the file's bytes), not a dequantized copy (fp32 here; the
+    # fp32 embedding table, only gathered from, counts in both).
+    assert packed.weight_bytes < _engine(path).weight_bytes / 4
+    reference = _engine(path)
+    ids = [(i * 37) % 250 + 3 for i in range(40)]
+    lp, lp_ref = sequence_logprobs(packed, ids), sequence_logprobs(reference, ids)
+    assert (lp.argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.95  # near-ties may flip
+    assert (lp - lp_ref).abs().max() < 2e-3
+
+
+def test_fused_decode_layer_runs_the_block_kernels(tmp_path, monkeypatch):
+    """In bf16, decode steps run each layer as one DecodeLayer call over the mixed-type linears:
+    the same tokens and log-probs as the module path."""
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = ["hello hello hello", "def add(a, b):", "x"]
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(CpuBackend, "fused_decoder_layer", lambda self, layer, rotary: None)
+        llm = LLM(model=str(path), dtype="bfloat16", quantization="gguf", kv_cache_memory=1 << 22)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
+        if fused:
+            assert all(layer.fused is not None for layer in llm.engine.model.layers), "the fused path never ran"
+    assert runs[0] == runs[1]
+
+
+def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, caplog):
+    layers = [dict(Q4_K_M_LIKE[0], ffn_up=T.Q5_1), dict(Q4_K_M_LIKE[1], attn_output=T.F16)]
+    path = write_mixed_gguf(tmp_path / "mixed.gguf", layers, head=T.F16)
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        model = _engine(path, quantization="gguf").model
+    lines = [r.getMessage() for r in caplog.records if "no packed kernel" in r.getMessage()]
+    assert lines == [
+        "gguf: 2 layers dequantized to torch.float32, no packed kernel for their block types: "
+        "layers.0.mlp.gate_up_proj (Q5_1), layers.1.self_attn.o_proj (F16)"
+    ]
+    assert "lm_head: lm_head.weight (F16 in the file) dequantized to torch.float32" in caplog.text
+    assert not isinstance(model.layers[0].mlp.gate_up_proj, GGUFLinear)
+    assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear)
