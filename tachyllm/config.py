@@ -81,6 +81,7 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        self.sliding_layers = tuple(self.sliding_layers)  # a JSON list when read back from the checkpoint cache
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
