@@ -45,33 +45,39 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, Q_HEADS, KV_HEADS,
-    HALF: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)
-    h = tl.program_id(1)  # heads of q, then heads of k: both in one launch
-    cols = tl.arange(0, BLOCK)
-    mask = cols < HALF
-    pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    if h < Q_HEADS:
-        src = q_ptr + t * q_stride_t + h * q_stride_h
-        dst = qo_ptr + (t * Q_HEADS + h) * 2 * HALF
-    else:
-        src = k_ptr + t * k_stride_t + (h - Q_HEADS) * k_stride_h
-        dst = ko_ptr + (t * KV_HEADS + h - Q_HEADS) * 2 * HALF
-    x1 = tl.load(src + cols, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF + cols, mask=mask, other=0.0)
+def _rotate_heads(src, dst, stride_h, heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    """Rotates one token's `heads` heads (src: head h at src + h * stride_h) into dst (contiguous)."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (h < heads) & (cols < HALF)
+    x1 = tl.load(src + h * stride_h + cols, mask=mask, other=0.0)
+    x2 = tl.load(src + h * stride_h + HALF + cols, mask=mask, other=0.0)
     dtype = x1.dtype
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     # Each product rounded to the dtype, then the sum (as x1 * cos - x2 * sin in that dtype does).
     o1 = ((a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(dst + cols, o1, mask=mask)
-    tl.store(dst + HALF + cols, o2, mask=mask)
+    tl.store(dst + h * 2 * HALF + cols, o1, mask=mask)
+    tl.store(dst + h * 2 * HALF + HALF + cols, o2, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, Q_HEADS, KV_HEADS,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)  # one token: all its q and k heads
+    cols = tl.arange(0, BLOCK)[None, :]
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    _rotate_heads(
+        q_ptr + t * q_stride_t, qo_ptr + t * Q_HEADS * 2 * HALF, q_stride_h, Q_HEADS, c, s, HALF, BLOCK_QH, BLOCK
+    )
+    _rotate_heads(
+        k_ptr + t * k_stride_t, ko_ptr + t * KV_HEADS * 2 * HALF, k_stride_h, KV_HEADS, c, s, HALF, BLOCK_KH, BLOCK
+    )
 
 
 @triton.jit
@@ -84,9 +90,9 @@ def _act_mul_kernel(x_ptr, out_ptr, INTER, GELU: tl.constexpr, BLOCK: tl.constex
     dtype = gate.dtype
     g = gate.to(tl.float32)
     if GELU:
+        # 0.5 g (1 + tanh(u)) = g * sigmoid(2u): no cancellation where tanh is near -1.
         u = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
-        tanh = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)  # saturates to +-1 without overflow
-        act = 0.5 * g * (1.0 + tanh)
+        act = g / (1.0 + tl.exp(-2.0 * tl.maximum(u, -40.0)))  # exp stays finite; the result ~0 there
     else:
         act = g / (1.0 + tl.exp(-g))
     tl.store(out_ptr + row * INTER + cols, (act.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype), mask=mask)
@@ -132,10 +138,11 @@ def rotary(
     q_out = torch.empty(tokens, q_heads, head_dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, kv_heads, head_dim, dtype=k.dtype, device=k.device)
     if tokens:
-        _rotary_kernel[(tokens, q_heads + kv_heads)](
+        _rotary_kernel[(tokens,)](
             q, k, q_out, k_out, positions, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_heads, kv_heads,
             HALF=half, BLOCK=triton.next_power_of_2(half),
+            BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
         )  # fmt: skip
     return q_out, k_out
 

@@ -1,0 +1,82 @@
+"""The Triton elementwise ops (kernels/triton/fused_ops.py through backends/triton_ops.TritonOps) on
+the CPU through Triton's interpreter, against the portable LayerOps: fp32 and fp16 to the last bit or
+an fp32 ulp, bf16 within the interpreter's truncating bf16 conversion (one or two units in the last
+place); rows independent of their batch; strided q / k views of a fused qkv output. (A model run
+through them is left to tests/test_cuda.py: the interpreter takes ~30 s for a tiny model's prefill.)"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels compile: they run in Triton's interpreter
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tachyllm.backends.base import PORTABLE_OPS  # noqa: E402
+from tachyllm.backends.triton_ops import TritonOps  # noqa: E402
+
+OPS = TritonOps()
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Largest |triton - portable| relative to the value plus 1 (the inputs' scale: rotary's differences
+# cancel): fp32 / fp16 round where PyTorch rounds (fp32 reductions and exp may move an fp32 ulp);
+# the interpreter's bf16 conversion truncates (up to 2 ulps of 2^-7 before a difference).
+RTOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 2**-6}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs()
+    assert (err <= RTOL[want.dtype] * (want.float().abs() + 1)).all(), f"{want.dtype}: max error {err.max()}"
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_residual_add(dtype):
+    x, r = _randn(5, 96, dtype=dtype), _randn(5, 96, dtype=dtype, seed=1)
+    w = 1 + _randn(96, dtype=dtype, seed=2, scale=0.1)
+    _close(OPS.rms_norm(x, w, 1e-6), PORTABLE_OPS.rms_norm(x, w, 1e-6))
+    # q / k norms (Qwen3) normalise each head of a [tokens, heads, head_dim] tensor.
+    heads = _randn(3, 4, 32, dtype=dtype, seed=3)
+    _close(OPS.rms_norm(heads, w[:32], 1e-6), PORTABLE_OPS.rms_norm(heads, w[:32], 1e-6))
+    normed, total = OPS.add_rms_norm(x, r, w, 1e-6)
+    want_normed, want_total = PORTABLE_OPS.add_rms_norm(x, r, w, 1e-6)
+    _close(normed, want_normed)
+    assert torch.equal(total, want_total) or dtype == torch.bfloat16  # the sum is one rounding
+    _close(total, want_total)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_of_strided_q_and_k_in_one_launch(dtype):
+    tokens, heads, kv_heads, head_dim = 7, 4, 2, 16
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # views of the fused projection
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    angles = torch.outer(torch.arange(50, dtype=torch.float32), torch.rand(head_dim // 2) + 0.1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    positions = torch.tensor([0, 3, 49, 2, 2, 7, 1])
+    got, want = OPS.rotary(positions, q, k, cos, sin), PORTABLE_OPS.rotary(positions, q, k, cos, sin)
+    for g, w in zip(got, want):
+        _close(g, w)
+    with pytest.raises(ValueError, match=r"cos / sin must be contiguous \[positions, 8\]"):
+        OPS.rotary(positions, q, k, cos[:, :4], sin[:, :4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_activations(dtype):
+    gate_up = _randn(3, 2, 80, dtype=dtype, scale=3.0)  # any leading shape; large |gate| saturates tanh
+    _close(OPS.silu_mul(gate_up), PORTABLE_OPS.silu_mul(gate_up))
+    _close(OPS.gelu_tanh_mul(gate_up), PORTABLE_OPS.gelu_tanh_mul(gate_up))
+
+
+def test_rows_do_not_depend_on_their_batch_and_empty_inputs_work():
+    x = _randn(9, 64, dtype=torch.bfloat16)
+    w = _randn(64, dtype=torch.bfloat16, seed=1)
+    assert torch.equal(OPS.rms_norm(x, w, 1e-5)[4], OPS.rms_norm(x[4:5], w, 1e-5)[0])
+    assert torch.equal(OPS.silu_mul(x)[4], OPS.silu_mul(x[4:5])[0])
+    empty = x[:0]
+    assert OPS.rms_norm(empty, w, 1e-5).shape == (0, 64) and OPS.silu_mul(empty).shape == (0, 32)
+    assert OPS.add_rms_norm(empty, empty, w, 1e-5)[1].shape == (0, 64)
