@@ -1,8 +1,8 @@
 """The Triton elementwise ops (kernels/triton/fused_ops.py through backends/triton_ops.TritonOps) on
 the CPU through Triton's interpreter, against the portable LayerOps: fp32 and fp16 to the last bit or
 an fp32 ulp, bf16 within the interpreter's truncating bf16 conversion (one or two units in the last
-place); rows independent of their batch; strided q / k views of a fused qkv output. (A model run
-through them is left to tests/test_cuda.py: the interpreter takes ~30 s for a tiny model's prefill.)"""
+place); rows independent of their batch; strided q / k views of a fused qkv output; a tiny model's
+greedy tokens unchanged with TritonOps."""
 
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels compile: they run in 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tachyllm.backends import registry  # noqa: E402
 from tachyllm.backends.base import PORTABLE_OPS  # noqa: E402
+from tachyllm.backends.torch_backend import TorchBackend  # noqa: E402
 from tachyllm.backends.triton_ops import TritonOps  # noqa: E402
+from tachyllm.config import EngineConfig  # noqa: E402
+from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
+from tachyllm.eval.greedy import greedy_tokens  # noqa: E402
 
 OPS = TritonOps()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -80,3 +85,25 @@ def test_rows_do_not_depend_on_their_batch_and_empty_inputs_work():
     empty = x[:0]
     assert OPS.rms_norm(empty, w, 1e-5).shape == (0, 64) and OPS.silu_mul(empty).shape == (0, 32)
     assert OPS.add_rms_norm(empty, empty, w, 1e-5)[1].shape == (0, 64)
+
+
+class TritonOpsBackend(TorchBackend):
+    """The portable backend with the Triton elementwise ops (the interpreter runs them on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.ops = OPS
+
+
+@pytest.mark.slow
+def test_tiny_model_greedy_is_unchanged(tiny_model_factory, monkeypatch):
+    path = str(tiny_model_factory("llama"))
+    prompts = ["ab"]  # short: the interpreter takes ~1 ms per op of each program
+
+    def run() -> list[list[int]]:
+        config = EngineConfig(model=path, dtype="float32", backend="torch", max_num_seqs=2, max_model_len=64, threads=1)
+        return greedy_tokens(LLMEngine(config), prompts, 2)
+
+    reference = run()
+    monkeypatch.setitem(registry._BACKENDS, "torch", TritonOpsBackend)
+    assert run() == reference

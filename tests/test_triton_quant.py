@@ -214,7 +214,7 @@ def test_int4_model_greedy_equals_its_fp32_dequantization(tiny_base, tmp_path, t
     (tmp_path / "ref").mkdir()
     save_file(state, tmp_path / "ref" / "model.safetensors")
     _copy_side_files(tiny_base, tmp_path / "ref", json.loads((tiny_base / "config.json").read_text()))
-    assert greedy_tokens(quantized, PROMPTS, 6) == greedy_tokens(_engine(tmp_path / "ref"), PROMPTS, 6)
+    assert greedy_tokens(quantized, PROMPTS, 4) == greedy_tokens(_engine(tmp_path / "ref"), PROMPTS, 4)
 
 
 @pytest.mark.slow
@@ -222,7 +222,7 @@ def test_awq_checkpoint_greedy_equals_its_fp32_dequantization(tiny_base, tmp_pat
     write_prequantized(tiny_base, tmp_path / "q", tmp_path / "ref", Scheme("awq", group=32))
     quantized = _engine(tmp_path / "q", backend="torch")
     _triton_layers(quantized)
-    assert greedy_tokens(quantized, PROMPTS, 6) == greedy_tokens(_engine(tmp_path / "ref"), PROMPTS, 6)
+    assert greedy_tokens(quantized, PROMPTS, 4) == greedy_tokens(_engine(tmp_path / "ref"), PROMPTS, 4)
 
 
 def _q4_0_gguf(path: Path) -> Path:
@@ -255,7 +255,7 @@ def test_gguf_q4_0_greedy_equals_the_file_dequantized(tmp_path, triton_matmul_ba
     path = _q4_0_gguf(tmp_path / "q4_0.gguf")
     quantized = _engine(path, backend="torch", quantization="gguf")
     _triton_layers(quantized)
-    assert greedy_tokens(quantized, PROMPTS, 6) == greedy_tokens(_engine(path, backend="torch"), PROMPTS, 6)
+    assert greedy_tokens(quantized, PROMPTS, 4) == greedy_tokens(_engine(path, backend="torch"), PROMPTS, 4)
 
 
 # -- fp8 -------------------------------------------------------------------------------------------
