@@ -6,20 +6,16 @@ greedy tokens unchanged with TritonOps."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels compile: they run in Triton's interpreter
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from tachyllm.backends import registry  # noqa: E402
-from tachyllm.backends.base import PORTABLE_OPS  # noqa: E402
-from tachyllm.backends.torch_backend import TorchBackend  # noqa: E402
-from tachyllm.backends.triton_ops import TritonOps  # noqa: E402
-from tachyllm.config import EngineConfig  # noqa: E402
-from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tachyllm.eval.greedy import greedy_tokens  # noqa: E402
+from tachyllm.backends import registry
+from tachyllm.backends.base import PORTABLE_OPS
+from tachyllm.backends.torch_backend import TorchBackend
+from tachyllm.backends.triton_ops import TritonOps
+from tachyllm.config import EngineConfig
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.eval.greedy import greedy_tokens
 
 OPS = TritonOps()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -7,19 +7,15 @@ fp8.py), whose torch._scaled_mm runs on the CPU too."""
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the kernels compile: they run in Triton's interpreter
-
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from gguf import GGMLQuantizationType, GGUFWriter  # noqa: E402
-from gguf.quants import dequantize  # noqa: E402
-from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks  # noqa: E402
-from prequantized_files import (  # noqa: E402
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize
+from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
+from prequantized_files import (
     LINEARS,
     Scheme,
     _copy_side_files,
@@ -28,21 +24,21 @@ from prequantized_files import (  # noqa: E402
     rtn,
     write_prequantized,
 )
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file, save_file
 
-from tachyllm.backends import registry  # noqa: E402
-from tachyllm.backends.torch_backend import TorchBackend  # noqa: E402
-from tachyllm.config import EngineConfig  # noqa: E402
-from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tachyllm.errors import ConfigError  # noqa: E402
-from tachyllm.eval.greedy import greedy_tokens  # noqa: E402
-from tachyllm.kernels.triton import quant_matmul as qm  # noqa: E402
-from tachyllm.loading.hf_quantized import QuantFormat, _read_awq, _read_gptq  # noqa: E402
-from tachyllm.quantization.fp8 import Fp8Linear, quantize_fp8, quantize_rows  # noqa: E402
-from tachyllm.quantization.gguf_packed import decode_q4_0, decode_q4_1  # noqa: E402
-from tachyllm.quantization.int4 import Int4Linear, quantize_int4  # noqa: E402
-from tachyllm.quantization.int8 import Int8Linear, quantize_int8  # noqa: E402
-from tachyllm.quantization.prequantized import PermutedInput, build  # noqa: E402
+from tachyllm.backends import registry
+from tachyllm.backends.torch_backend import TorchBackend
+from tachyllm.config import EngineConfig
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.errors import ConfigError
+from tachyllm.eval.greedy import greedy_tokens
+from tachyllm.kernels.triton import quant_matmul as qm
+from tachyllm.loading.hf_quantized import QuantFormat, _read_awq, _read_gptq
+from tachyllm.quantization.fp8 import Fp8Linear, quantize_fp8, quantize_rows
+from tachyllm.quantization.gguf_packed import decode_q4_0, decode_q4_1
+from tachyllm.quantization.int4 import Int4Linear, quantize_int4
+from tachyllm.quantization.int8 import Int8Linear, quantize_int8
+from tachyllm.quantization.prequantized import PermutedInput, build
 
 T = GGMLQuantizationType
 PROMPTS = ["The quick brown fox", "def add(a, b):"]

@@ -45,39 +45,31 @@ def _rms_norm_kernel(
 
 
 @triton.jit
-def _rotate_heads(src, dst, stride_h, heads, c, s, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
-    """Rotates one token's `heads` heads (src: head h at src + h * stride_h) into dst (contiguous)."""
+def _rotary_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, Q_HEADS, KV_HEADS,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)  # one token: its q heads, then its k heads, as the rows of one tile
     h = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
-    mask = (h < heads) & (cols < HALF)
-    x1 = tl.load(src + h * stride_h + cols, mask=mask, other=0.0)
-    x2 = tl.load(src + h * stride_h + HALF + cols, mask=mask, other=0.0)
+    mask = (h < Q_HEADS + KV_HEADS) & (cols < HALF)
+    is_q = h < Q_HEADS
+    kh = tl.maximum(h - Q_HEADS, 0)
+    src = tl.where(is_q, q_ptr + t * q_stride_t + h * q_stride_h, k_ptr + t * k_stride_t + kh * k_stride_h)
+    dst = tl.where(is_q, qo_ptr + (t * Q_HEADS + h) * 2 * HALF, ko_ptr + (t * KV_HEADS + kh) * 2 * HALF)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
+    x1 = tl.load(src + cols, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + cols, mask=mask, other=0.0)
     dtype = x1.dtype
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     # Each product rounded to the dtype, then the sum (as x1 * cos - x2 * sin in that dtype does).
     o1 = ((a1 * c).to(dtype).to(tl.float32) - (a2 * s).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(dst + h * 2 * HALF + cols, o1, mask=mask)
-    tl.store(dst + h * 2 * HALF + HALF + cols, o2, mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cos_ptr, sin_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, Q_HEADS, KV_HEADS,
-    HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-):  # fmt: skip
-    t = tl.program_id(0)  # one token: all its q and k heads
-    cols = tl.arange(0, BLOCK)[None, :]
-    pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(
-        q_ptr + t * q_stride_t, qo_ptr + t * Q_HEADS * 2 * HALF, q_stride_h, Q_HEADS, c, s, HALF, BLOCK_QH, BLOCK
-    )
-    _rotate_heads(
-        k_ptr + t * k_stride_t, ko_ptr + t * KV_HEADS * 2 * HALF, k_stride_h, KV_HEADS, c, s, HALF, BLOCK_KH, BLOCK
-    )
+    tl.store(dst + cols, o1, mask=mask)
+    tl.store(dst + HALF + cols, o2, mask=mask)
 
 
 @triton.jit
@@ -141,8 +133,7 @@ def rotary(
         _rotary_kernel[(tokens,)](
             q, k, q_out, k_out, positions, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_heads, kv_heads,
-            HALF=half, BLOCK=triton.next_power_of_2(half),
-            BLOCK_QH=triton.next_power_of_2(q_heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
+            HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_H=triton.next_power_of_2(q_heads + kv_heads),
         )  # fmt: skip
     return q_out, k_out
 
