@@ -18,6 +18,8 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.eval.greedy import greedy_tokens
 
 OPS = TritonOps()
+# Compiled on a GPU where there is one, else in the interpreter on the CPU (tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Largest |triton - portable| relative to the value plus 1 (the inputs' scale: rotary's differences
 # cancel): fp32 / fp16 round where PyTorch rounds (fp32 reductions and exp may move an fp32 ulp);
@@ -32,7 +34,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -57,8 +59,8 @@ def test_rotary_of_strided_q_and_k_in_one_launch(dtype):
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # views of the fused projection
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     angles = torch.outer(torch.arange(50, dtype=torch.float32), torch.rand(head_dim // 2) + 0.1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    positions = torch.tensor([0, 3, 49, 2, 2, 7, 1])
+    cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+    positions = torch.tensor([0, 3, 49, 2, 2, 7, 1], device=DEVICE)
     got, want = OPS.rotary(positions, q, k, cos, sin), PORTABLE_OPS.rotary(positions, q, k, cos, sin)
     for g, w in zip(got, want):
         _close(g, w)
@@ -97,7 +99,15 @@ def test_tiny_model_greedy_is_unchanged(tiny_model_factory, monkeypatch):
     prompts = ["ab"]  # short: the interpreter takes ~1 ms per op of each program
 
     def run() -> list[list[int]]:
-        config = EngineConfig(model=path, dtype="float32", backend="torch", max_num_seqs=2, max_model_len=64, threads=1)
+        config = EngineConfig(
+            model=path,
+            dtype="float32",
+            backend="torch",
+            device=DEVICE.type,
+            max_num_seqs=2,
+            max_model_len=64,
+            threads=1,
+        )
         return greedy_tokens(LLMEngine(config), prompts, 2)
 
     reference = run()
