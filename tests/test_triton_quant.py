@@ -34,6 +34,7 @@ from tachyllm.errors import ConfigError
 from tachyllm.eval.greedy import greedy_tokens
 from tachyllm.kernels.triton import quant_matmul as qm
 from tachyllm.loading.hf_quantized import QuantFormat, _read_awq, _read_gptq
+from tachyllm.quantization.awq import awq_linear
 from tachyllm.quantization.fp8 import Fp8Linear, quantize_fp8, quantize_rows
 from tachyllm.quantization.gguf_packed import decode_q4_0, decode_q4_1
 from tachyllm.quantization.int4 import Int4Linear, quantize_int4
@@ -158,6 +159,19 @@ def test_gguf_blocks_convert_exactly(kind):
     module = Int4Linear(decode(raw, 40), None, matmul=qm)
     assert module.scales.dtype == torch.float16  # the file's fp16 d (and m, or -8d): kept in half the bytes
     assert torch.equal(_layout_weight(module), reference)
+
+
+def test_awq_input_scale_reaches_the_kernel():
+    """tachyllm's own AWQ: the per-input-channel scale multiplies x before the Triton GEMM."""
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(128, 48, device=DEVICE)
+    x = torch.randn(256, 128, generator=gen).to(DEVICE)
+    x[:, [3, 77]] *= 40  # salient channels: the search picks a scale
+    module, _, _ = awq_linear(linear, x, 64, None, qm)
+    assert module.kernel == "triton" and module.input_scale is not None
+    rows = x[:5]
+    expected = (rows * module.input_scale.float()) @ _layout_weight(module).t() + linear.bias.detach()
+    _close(module(rows), expected, torch.float32)
 
 
 def test_int8_linear_runs_the_kernel_on_its_weights():

@@ -156,7 +156,7 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.kernel == "triton":
             if self.input_scale is not None:
-                x2 = x2 * self.input_scale.to(x2.dtype)
+                x2 = x2 * self.input_scale.to(x2.device, x2.dtype)
             y = self._matmul(x2, self.packed, self.scales, self.mins, self.group_size, self.bias)
             return y.view(*shape[:-1], self.out_features)
         if self.input_scale is not None:
