@@ -90,12 +90,15 @@ def _int4_kernel(
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     in_m, in_n = rm < M, rn < N
-    shifts = ((rk % 8) * 4)[:, None]
+    rw = tl.arange(0, BK // 8)  # the tile's words along K: each holds 8 consecutive K rows
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=in_m[:, None], other=0.0)
-        words = tl.load(qw_ptr + ((k0 + rk) // 8)[:, None] * N + rn[None, :], mask=in_n[None, :], other=0)
-        codes = (words >> shifts) & 0xF  # arithmetic shift of a negative word: the mask keeps 4 bits
+        words = tl.load(qw_ptr + (k0 // 8 + rw)[:, None] * N + rn[None, :], mask=in_n[None, :], other=0)
+        # [BK / 8, 8, BN] -> [BK, BN]: row 8w + i is field i of word w. (An arithmetic shift of a
+        # negative word smears the sign bit; the mask keeps the 4 bits.)
+        codes = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BK, BN))
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + rn, mask=in_n, other=0.0).to(tl.float32)
         mn = tl.load(m_ptr + g * N + rn, mask=in_n, other=0.0).to(tl.float32)
