@@ -27,7 +27,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # Weight-only quantization methods (tachyllm/quantization) and KV-cache storage types (kernels/kv_quant.py).
 # awq, gptq, compressed-tensors also name a pre-quantized checkpoint's format (its quantization_config decides).
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "gptq", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "fp8", "gptq", "compressed-tensors")
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
@@ -136,7 +136,8 @@ class EngineConfig:
     )
     quantization: str | None = option(
         None,
-        "weight-only quantization: int8, int4, awq, gguf; a pre-quantized checkpoint's own (awq, gptq,"
+        "weight quantization: int8, int4, awq, gguf (weight-only), fp8 (per-channel e4m3 weights, per-token"
+        " dynamic activations; Hopper GPUs or the CPU); a pre-quantized checkpoint's own (awq, gptq,"
         " compressed-tensors) is used automatically (default: none, or the checkpoint's quantization_config)",
     )
     quant_group_size: int | None = option(
@@ -212,7 +213,7 @@ class EngineConfig:
         if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
             raise ConfigError(f"quant_activation_bits must be 8 or 16, got {self.quant_activation_bits!r}")
         # Unset quantization may still mean a pre-quantized checkpoint's (checked once it is read).
-        if self.quant_activation_bits != 16 and self.quantization == "int8":
+        if self.quant_activation_bits != 16 and self.quantization in ("int8", "fp8"):
             raise ConfigError(
                 f"quant_activation_bits applies to quantization int4, awq, gguf, gptq or compressed-tensors, "
                 f"not {self.quantization!r}"

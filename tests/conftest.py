@@ -27,6 +27,12 @@ if "TACHY_CACHE_DIR" not in os.environ:
 import pytest
 import torch
 
+# Triton fixes whether its kernels (and its own library functions) run compiled or interpreted when
+# they are defined, for the whole process. Without a GPU the Triton kernels' tests run in its
+# interpreter on the CPU (TRITON_INTERPRET=1 before anything imports triton); with one, compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

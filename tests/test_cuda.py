@@ -71,3 +71,61 @@ def test_cuda_fp8_kv_cache_runs(tiny_model_factory):
     assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+# -- Triton kernels and quantized weights (the kernels' own tests, tests/test_triton_*.py, run compiled on
+# the GPU where there is one; these check what only the GPU has: fp8 GEMMs, whole engines on the kernels)
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not _hopper(), reason="fp8 GEMMs need compute capability 9.0")
+def test_cuda_fp8_linear_matches_its_fp32_reference():
+    from tachyllm.quantization.fp8 import Fp8Linear, quantize_rows
+
+    linear = torch.nn.Linear(256, 128, device="cuda")
+    module = Fp8Linear.from_linear(linear)
+    x = torch.randn(33, 256, device="cuda") * 2
+    xq, x_scales = quantize_rows(x)
+    scaled = (xq.float() * x_scales) @ module.dequantized().t() + linear.bias.detach()
+    y = module(x)
+    assert y.dtype == torch.float32
+    # The fp8 products are exact; the GEMM writes bf16 (row-wise scaling on CUDA): 2^-8 of the output.
+    assert (y - scaled).abs().max() <= 2**-7 * scaled.abs().max()
+    assert (y - linear(x)).abs().max() <= 0.1 * linear(x).abs().max()
+    assert module(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("method", ["int4", "int8", "fp8"])
+def test_cuda_quantized_engine_on_the_triton_kernels(tiny_model_factory, monkeypatch, method):
+    """bf16 weights quantized and run on the Triton GEMMs (fp8: torch._scaled_mm) with the Triton
+    elementwise ops: complete outputs, and (int4 / int8) each prompt alone equals the batch."""
+    if method == "fp8" and not _hopper():
+        pytest.skip("fp8 GEMMs need compute capability 9.0")
+    from tachyllm.backends import registry
+    from tachyllm.backends.torch_backend import TorchBackend
+    from tachyllm.backends.triton_ops import TritonOps
+    from tachyllm.kernels.triton import quant_matmul
+    from tachyllm.quantization.int4 import Int4Linear
+    from tachyllm.quantization.int8 import Int8Linear
+
+    class TritonBackend(TorchBackend):
+        def __init__(self, device: torch.device):
+            super().__init__(device)
+            self.ops = TritonOps()
+
+        def quantized_matmul_kernels(self):
+            return quant_matmul
+
+    monkeypatch.setitem(registry._BACKENDS, "torch", TritonBackend)
+    path = str(tiny_model_factory("llama"))
+    llm = LLM(path, dtype="bfloat16", device="cuda", backend="torch", quantization=method, kv_cache_memory=4 << 20,
+              max_num_batched_tokens=16)  # fmt: skip
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, Int4Linear | Int8Linear)]
+    assert method == "fp8" or (len(layers) == 8 and all(getattr(m, "_matmul", None) is not None for m in layers))
+    prompts = mixed_prompts(300, lengths=(5, 40, 9, 23), seed=1)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert all(len(t) == 10 for t in together)
+    if method != "fp8":  # _scaled_mm picks its kernel by shape: not batch invariant
+        assert together == [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]

@@ -154,6 +154,13 @@ class Backend(ABC):
         """A bf16 matrix-vector kernel that plain linears run for few-token inputs, or None."""
         return None
 
+    def quantized_matmul_kernels(self) -> ModuleType | None:
+        """Kernels that int4 (every source: RTN, AWQ, GPTQ, GGUF Q4_0 / Q4_1) and int8 weight-only
+        linears run on with the weights packed, dequantizing inside the matmul, or None. The module
+        provides pack_int4 / int4_matmul and pack_int8 / int8_matmul as kernels/triton/quant_matmul.py
+        does."""
+        return None
+
     def fused_decoder_layer(self, layer, rotary) -> FusedLayer | None:
         """The decoder layer as one call, or None where this backend has no fused form for it."""
         return None

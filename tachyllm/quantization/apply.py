@@ -13,6 +13,7 @@ from tachyllm.errors import ConfigError
 from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
+from tachyllm.quantization.fp8 import ALIGN, Fp8Linear, fp8_unavailable_reason
 from tachyllm.quantization.gguf_packed import (
     ATEN_TYPES,
     GGUFLinear,
@@ -80,10 +81,14 @@ def quantize_model(
     activation_bits: int = ACTIVATION_BITS,
     kernels: ModuleType | None = None,
     prequantized: PrequantizedWeights | None = None,
+    matmul: ModuleType | None = None,
 ) -> QuantizationResult:
     """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / GGUF block layers pack
     their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere).
-    `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format)."""
+    `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format).
+    `matmul`: the backend's quantized matmul kernels (Backend.quantized_matmul_kernels) that int4 and
+    int8 layers run on when it has them (every int4 source: int4, awq, Q4_0 / Q4_1 of gguf, 4-bit
+    pre-quantized checkpoints)."""
     targets, skipped = select_linears(model, skip)
     result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
     groups: dict[str, int] = {}
@@ -99,6 +104,15 @@ def quantize_model(
             f"quantization={method!r} needs a pre-quantized checkpoint (a Hugging Face directory whose config.json "
             f"has quantization_config.quant_method = {method}); accepted for other models: int8, int4, awq, gguf"
         )
+    if method == "fp8":
+        reason = fp8_unavailable_reason(next(model.parameters()).device)
+        if reason is not None:
+            raise ConfigError(f"quantization='fp8' cannot run here: {reason}; accepted here: int8, int4, awq")
+        for name in list(targets):
+            m = model.get_submodule(name)
+            if m.in_features % ALIGN or m.out_features % ALIGN:
+                result.kept[name] = f"in/out features not multiples of {ALIGN} (fp8 GEMM)"
+        targets = [n for n in targets if n not in result.kept]
     if method in ("int4", "awq"):
         for name in targets:
             g = group_size_for(name, model.get_submodule(name).in_features, group_size)
@@ -110,15 +124,17 @@ def quantize_model(
 
     replacements: dict[str, nn.Module]
     if prequantized is not None:
-        replacements = _prequantized(model, targets, prequantized, result, kernels)
+        replacements = _prequantized(model, targets, prequantized, result, kernels, matmul)
     elif method == "int8":
-        replacements = {n: Int8Linear.from_linear(model.get_submodule(n)) for n in targets}
+        replacements = {n: Int8Linear.from_linear(model.get_submodule(n), matmul) for n in targets}
     elif method == "int4":
-        replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels) for n in targets}
+        replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels, matmul) for n in targets}
     elif method == "awq":
-        replacements = _awq(model, targets, groups, tokenizer, kernels)
+        replacements = _awq(model, targets, groups, tokenizer, kernels, matmul)
     elif method == "gguf":
-        replacements = _gguf(model, targets, gguf_path, result, kernels)
+        replacements = _gguf(model, targets, gguf_path, result, kernels, matmul)
+    elif method == "fp8":
+        replacements = {n: Fp8Linear.from_linear(model.get_submodule(n)) for n in targets}
     else:
         raise ConfigError(f"unknown quantization {method!r}")
 
@@ -154,7 +170,12 @@ def _set_activation_bits(model: nn.Module, bits: int) -> None:
 
 
 def _awq(
-    model: nn.Module, targets: list[str], groups: dict[str, int], tokenizer, kernels: ModuleType | None
+    model: nn.Module,
+    targets: list[str],
+    groups: dict[str, int],
+    tokenizer,
+    kernels: ModuleType | None,
+    matmul: ModuleType | None,
 ) -> dict[str, nn.Module]:
     windows = calibration_windows(model, tokenizer, AWQ_SEQ_LEN, AWQ_WINDOWS)
     if not windows:
@@ -162,7 +183,7 @@ def _awq(
     inputs = collect_inputs(model, targets, windows)
     out, plain_total, best_total = {}, 0.0, 0.0
     for name in targets:
-        out[name], plain, best = awq_linear(model.get_submodule(name), inputs.pop(name), groups[name], kernels)
+        out[name], plain, best = awq_linear(model.get_submodule(name), inputs.pop(name), groups[name], kernels, matmul)
         plain_total, best_total = plain_total + plain, best_total + best
     logger.info(
         "awq: %d calibration tokens; summed layer output MSE %.4g (plain int4) -> %.4g (awq)",
@@ -172,10 +193,16 @@ def _awq(
 
 
 def _gguf(
-    model: nn.Module, targets: list[str], path: str | None, result: QuantizationResult, kernels: ModuleType | None
+    model: nn.Module,
+    targets: list[str],
+    path: str | None,
+    result: QuantizationResult,
+    kernels: ModuleType | None,
+    matmul: ModuleType | None,
 ) -> dict[str, nn.Module]:
     """Runs the targeted layers on the file's own blocks: every type the C++ block kernels take
-    (GGUFLinear), or, without those kernels, Q4_0/Q4_1 on aten's int4 kernel (Int4Linear). The LM
+    (GGUFLinear), or, without those kernels, Q4_0/Q4_1 as Int4Linear (on the backend's quantized
+    matmul kernels where it has them, else aten's int4 kernel on the CPU). The LM
     head (its own output.weight or the tied token_embd) runs on its blocks whenever the kernels take
     its type. A layer with a part of another type stays dequantized: one log line names them.
 
@@ -216,12 +243,13 @@ def _gguf(
         if kernels is not None:
             out[name] = GGUFLinear(parts, kernels, bias)
         else:
-            out[name] = Int4Linear(Int4Weight.concat([int4_weight(p) for p in parts]), bias)
+            out[name] = Int4Linear(Int4Weight.concat([int4_weight(p) for p in parts]), bias, matmul=matmul)
     if "lm_head" in unpacked or (result.head is None and "lm_head" in result.kept):
         stored = unpacked.pop("lm_head", None) or (head.qtype.name if head is not None else "absent")
         result.head = f"{head_source} ({stored} in the file) dequantized to {dtype}"
     if unpacked:
-        where = "" if kernels is not None else " here (no C++ block kernels: only Q4_0/Q4_1 run packed, on aten)"
+        runner = "the quantized matmul kernels" if matmul is not None else "aten"
+        where = "" if kernels is not None else f" here (no C++ block kernels: only Q4_0/Q4_1 run packed, on {runner})"
         names = [f"{n} ({kind})" for n, kind in unpacked.items()]
         logger.info(
             "gguf: %d layers dequantized to %s, no packed kernel for their block types%s: %s",
@@ -236,6 +264,7 @@ def _prequantized(
     weights: PrequantizedWeights,
     result: QuantizationResult,
     kernels: ModuleType | None,
+    matmul: ModuleType | None,
 ) -> dict[str, nn.Module]:
     """The checkpoint's own codes for each targeted linear (fused modules stack their parts); what
     the kernels cannot run exactly keeps the dequantized weight the model was loaded with."""
@@ -256,7 +285,8 @@ def _prequantized(
             result.kept[name] = "stored unquantized in the checkpoint"
             continue
         linear = model.get_submodule(name)
-        built = build(packed, None if linear.bias is None else linear.bias.detach(), kernels, linear.weight.device)
+        bias = None if linear.bias is None else linear.bias.detach()
+        built = build(packed, bias, kernels, linear.weight.device, matmul)
         if built.module is None:
             result.kept[name] = f"{built.why}: dequantized to {linear.weight.dtype}"
             continue
@@ -295,7 +325,7 @@ def quantized_weight_bytes(model: nn.Module) -> int:
     """Bytes a decode step streams: parameters plus the quantized modules' buffers."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, Int4Linear | Int8Linear | GGUFLinear):
+        if isinstance(m, Int4Linear | Int8Linear | GGUFLinear | Fp8Linear):
             total += module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters())
     config = getattr(model, "config", None)
     if isinstance(getattr(model, "lm_head", None), GGUFLinear) and getattr(config, "tie_word_embeddings", False):

@@ -72,11 +72,16 @@ def search_scale(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> tupl
 
 
 def awq_linear(
-    linear: nn.Linear, x: torch.Tensor, group_size: int, kernels: ModuleType | None = None
+    linear: nn.Linear,
+    x: torch.Tensor,
+    group_size: int,
+    kernels: ModuleType | None = None,
+    matmul: ModuleType | None = None,
 ) -> tuple[Int4Linear, float, float]:
     scale, plain, best = search_scale(linear.weight.detach(), x, group_size)
     bias = None if linear.bias is None else linear.bias.detach()
     w = linear.weight.detach().float()
     if scale is None:
-        return Int4Linear(quantize_int4(w, group_size), bias, kernels=kernels), plain, best
-    return Int4Linear(quantize_int4(w * scale, group_size), bias, input_scale=1 / scale, kernels=kernels), plain, best
+        return Int4Linear(quantize_int4(w, group_size), bias, kernels=kernels, matmul=matmul), plain, best
+    weight = quantize_int4(w * scale, group_size)
+    return Int4Linear(weight, bias, input_scale=1 / scale, kernels=kernels, matmul=matmul), plain, best

@@ -83,10 +83,12 @@ class Int4Linear(nn.Module):
     kernel beat aten's at every row count measured, so prefill and decode both use it and aten's
     layout is not kept (no second copy of the weights). At one row it streams at the machine's read
     bandwidth (measurements: docs/design_measurements.md#int4-kernels).
-    CPU without them (`"aten"`): aten's packed int4 layout with bf16 (scale, zero) pairs; the
-    kernel computes (code - 8) * scale + zero, so zero = min + 8 * scale. Other devices
-    (`"dequantize"`): nibble-packed codes, dequantized for each matmul. An optional
-    per-input-channel `input_scale` (AWQ) multiplies x first.
+    With the backend's quantized matmul kernels (Backend.quantized_matmul_kernels, `"triton"`):
+    their packed layout (kernels/triton/quant_matmul.py), codes, scales and mins exact, dequantized
+    inside the GEMM's tile loop, for every row count. CPU without either (`"aten"`): aten's packed
+    int4 layout with bf16 (scale, zero) pairs; the kernel computes (code - 8) * scale + zero, so
+    zero = min + 8 * scale. Other devices (`"dequantize"`): nibble-packed codes, dequantized for each
+    matmul. An optional per-input-channel `input_scale` (AWQ) multiplies x first.
     """
 
     def __init__(
@@ -95,14 +97,24 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None,
         input_scale: torch.Tensor | None = None,
         kernels: ModuleType | None = None,
+        matmul: ModuleType | None = None,
     ):
         super().__init__()
         self.out_features, self.in_features = weight.codes.shape
         self.group_size = weight.group_size
         device = weight.codes.device
         ops = kernels if self.group_size % BLOCK == 0 else None
-        self.kernel = "blocks" if ops is not None else "aten" if device.type == "cpu" else "dequantize"
-        if ops is not None:
+        if matmul is not None:
+            self.kernel = "triton"
+        else:
+            self.kernel = "blocks" if ops is not None else "aten" if device.type == "cpu" else "dequantize"
+        if self.kernel == "triton":
+            packed, scales, mins = matmul.pack_int4(weight.codes, weight.scales, weight.mins, self.group_size)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales", scales)
+            self.register_buffer("mins", mins)
+            self._matmul = matmul.int4_matmul
+        elif ops is not None:
             per_block = self.group_size // BLOCK
             scales, mins = (t.repeat_interleave(per_block, dim=1) for t in (weight.scales, weight.mins))
             self.register_buffer("packed", ops.quant_pack_q4_1(weight.codes, scales, mins))
@@ -123,9 +135,11 @@ class Int4Linear(nn.Module):
         self.activation_bits = ACTIVATION_BITS  # the block kernels' activation rounding; quantize_model sets it
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int, kernels: ModuleType | None = None) -> Int4Linear:
+    def from_linear(
+        cls, linear: nn.Linear, group_size: int, kernels: ModuleType | None = None, matmul: ModuleType | None = None
+    ) -> Int4Linear:
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(quantize_int4(linear.weight.detach(), group_size), bias, kernels=kernels)
+        return cls(quantize_int4(linear.weight.detach(), group_size), bias, kernels=kernels, matmul=matmul)
 
     def native_spec(self) -> tuple | None:
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp), if it runs the kernel."""
@@ -140,6 +154,11 @@ class Int4Linear(nn.Module):
             return self._gemv(x, self.packed, self.out_features, self.activation_bits)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.kernel == "triton":
+            if self.input_scale is not None:
+                x2 = x2 * self.input_scale.to(x2.device, x2.dtype)
+            y = self._matmul(x2, self.packed, self.scales, self.mins, self.group_size, self.bias)
+            return y.view(*shape[:-1], self.out_features)
         if self.input_scale is not None:
             x2 = x2.to(torch.bfloat16) * self.input_scale.to(x2.device)
         if self.kernel == "blocks":

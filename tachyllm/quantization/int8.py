@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -24,29 +26,41 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """On CPU runs aten._weight_int8pack_mm for up to PACKED_MAX_ROWS rows; it is only fast with
-    bf16 activations, so inputs are cast to bf16 and the result back to the caller's dtype. Larger
-    inputs (prefill chunks, big decode batches) and other devices: dequantize + matmul."""
+    """With the backend's quantized matmul kernels (Backend.quantized_matmul_kernels): their int8
+    GEMM, which applies the per-channel scales to its fp32 sums, for every row count. Otherwise on
+    CPU runs aten._weight_int8pack_mm for up to PACKED_MAX_ROWS rows; it is only fast with bf16
+    activations, so inputs are cast to bf16 and the result back to the caller's dtype. Larger
+    inputs (prefill chunks, big decode batches) and other devices: dequantize + matmul. The scales
+    are kept in bf16 on every path (the same weights whichever kernel runs)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(
+        self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, matmul: ModuleType | None = None
+    ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
-        self.register_buffer("codes", codes.contiguous())
-        self.register_buffer("scales", scales.to(torch.bfloat16))
         self.bias = bias
+        self._matmul = None if matmul is None else matmul.int8_matmul
+        if matmul is None:
+            self.register_buffer("codes", codes.contiguous())
+            self.register_buffer("scales", scales.to(torch.bfloat16))
+        else:
+            self.register_buffer("packed", matmul.pack_int8(codes))  # [in, out]
+            self.register_buffer("scales", scales.to(torch.bfloat16).float())  # the kernel reads fp32
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, matmul: ModuleType | None = None) -> Int8Linear:
         codes, scales = quantize_int8(linear.weight.detach())
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls(codes, scales, bias)
+        return cls(codes, scales, bias, matmul)
 
     def dequantized(self) -> torch.Tensor:
-        return dequantize_int8(self.codes, self.scales)
+        return dequantize_int8(self.codes if self._matmul is None else self.packed.t(), self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self._matmul is not None:
+            return self._matmul(x2, self.packed, self.scales, self.bias).view(*shape[:-1], self.out_features)
         if self.codes.device.type == "cpu" and x2.shape[0] <= PACKED_MAX_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), self.codes, self.scales)
         else:

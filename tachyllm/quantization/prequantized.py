@@ -72,9 +72,11 @@ def build(
     bias: torch.Tensor | None,
     kernels: ModuleType | None,
     device: torch.device = torch.device("cpu"),
+    matmul: ModuleType | None = None,
 ) -> Built:
     """The packed module, on `device`, for one model linear made of `parts` (read on the CPU) stacked
-    along the output (fused qkv / gate_up)."""
+    along the output (fused qkv / gate_up). `matmul`: the backend's quantized matmul kernels, which
+    4-bit layers run on where given (codes, scales and mins exact)."""
     bits = {p.bits for p in parts}
     group = min(p.group_size for p in parts)
     if len(bits) > 1:
@@ -89,9 +91,10 @@ def build(
     if bits == {4}:
         block = next(b for b in reversed(GROUP_SIZES) if all(p.group_size % b == 0 for p in ordered))
         weight = Int4Weight.concat([_int4(p, block) for p in ordered])
-        # The device decides Int4Linear's layout (C++ blocks / aten on the CPU, dequantize elsewhere).
+        # The backend's matmul kernels, else the device decides Int4Linear's layout (C++ blocks / aten
+        # on the CPU, dequantize elsewhere).
         on_device = Int4Weight(*(t.to(device) for t in (weight.codes, weight.scales, weight.mins)), block)
-        module = Int4Linear(on_device, bias, kernels=kernels if device.type == "cpu" else None)
+        module = Int4Linear(on_device, bias, kernels=kernels if device.type == "cpu" else None, matmul=matmul)
         rounding = _fp16_rounding(weight.scales, 15, weight.mins) if module.kernel == "blocks" else 0.0
     else:
         if any(bool((p.zeros != 128).any()) for p in ordered):

@@ -51,7 +51,7 @@ def build_model(
         kernels = backend.block_kernels()
         quantize_model(
             model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels,
-            ckpt.prequantized,
+            ckpt.prequantized, backend.quantized_matmul_kernels(),
         )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):

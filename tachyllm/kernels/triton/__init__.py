@@ -1,0 +1,13 @@
+"""Triton kernels for the cuda backend. Importing a module of this package imports triton: only
+the cuda backend and the tests do (tachyllm itself imports where triton is missing).
+
+Every kernel also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before the
+first kernel call), which is how the tests check them without a GPU."""
+
+import os
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's interpreter (its bf16 tl.dot is wrong in triton 3.7.1, so dot
+    paths upcast bf16 tiles to fp32 there)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
