@@ -1,0 +1,220 @@
+"""The Triton paged-attention and KV-write kernels (kernels/triton/paged_attention.py), run on the CPU
+in Triton's interpreter, against a naive reference: decodes, verifications and prefill chunks (from
+0 and after cached context) in one batch, block sizes, head dims, GQA / MQA, dtypes, quantized caches,
+sliding windows, split-KV contexts, batch invariance."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles the kernels: they run in numpy on the CPU
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tachyllm.kernels.kv_quant import QuantizedKV  # noqa: E402
+from tachyllm.kernels.triton.paged_attention import KEY_TILE, paged_attention, write_kv  # noqa: E402
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def make_batch(specs, block_size, kv_heads, head_dim, heads, dtype, cache_dtype=None, seed=0):
+    """specs: (cached positions, queries) per sequence. Random K/V fill every sequence's context in a
+    cache whose blocks are shuffled between sequences. Returns q, caches, metadata, scales."""
+    gen = torch.Generator().manual_seed(seed)
+    cache_dtype = cache_dtype or dtype
+    need = [-(-(c + n) // block_size) for c, n in specs]
+    num_blocks = sum(need) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at = [], 0
+    for k in need:
+        tables.append(order[at : at + k])
+        at += k
+    width = max(need)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    quant = cache_dtype in (torch.int8, *FP8)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    scales = (torch.rand(kv_heads, generator=gen) * 0.02 + 0.01, torch.rand(kv_heads, generator=gen) * 0.02 + 0.01)
+    for (c, n), t in zip(specs, tables):
+        slots = torch.tensor([t[p // block_size] * block_size + p % block_size for p in range(c + n)])
+        k = torch.randn(c + n, kv_heads, head_dim, generator=gen)
+        v = torch.randn(c + n, kv_heads, head_dim, generator=gen)
+        for cache, x, sc in ((k_cache, k, scales[0]), (v_cache, v, scales[1])):
+            if quant:
+                QuantizedKV(cache.view(-1, kv_heads, head_dim), sc.view(-1, 1)).write(slots, x)
+            else:
+                cache.view(-1, kv_heads, head_dim)[slots] = x.to(cache_dtype)
+    counts = [n for _, n in specs]
+    query_start = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for c, n in specs], dtype=torch.int32)
+    q = torch.randn(sum(counts), heads, head_dim, generator=gen).to(dtype)
+    k_scale, v_scale = scales if quant else (None, None)
+    return q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale
+
+
+def reference(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window=None, k_scale=None, v_scale=None):
+    """Per query, in float64 over the dequantized cache (read as the PyTorch path reads it)."""
+    tokens, heads, head_dim = q.shape
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+
+    def read(cache, sc, slots):
+        x = cache.view(-1, kv_heads, head_dim)[slots]
+        if sc is not None:
+            x = x.float() * sc.view(-1, 1)
+        return x.to(q.dtype).double()
+
+    for s in range(seq_lens.shape[0]):
+        first, last = int(query_start[s]), int(query_start[s + 1])
+        n, length = last - first, int(seq_lens[s])
+        table = block_tables[s].tolist()
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(length)], dtype=torch.long)
+        k, v = read(k_cache, k_scale, slots), read(v_cache, v_scale, slots)
+        for i in range(n):
+            pos = length - n + i
+            lo = 0 if window is None else max(0, pos - window + 1)
+            for h in range(heads):
+                scores = (k[lo : pos + 1, h // group] @ q[first + i, h].double()) * scale
+                out[first + i, h] = torch.softmax(scores, 0) @ v[lo : pos + 1, h // group]
+    return out
+
+
+# Mixed: decodes, a verification of 3 drafts, a prefill from 0, a chunk after cached context.
+MIXED = [(9, 1), (0, 1), (14, 4), (0, 11), (6, 19), (21, 1)]
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def check(specs, *, block_size=4, kv_heads=2, heads=4, head_dim=64, dtype=torch.float32, cache_dtype=None,
+          window=None, segment=512, seed=0):  # fmt: skip
+    args = make_batch(specs, block_size, kv_heads, head_dim, heads, dtype, cache_dtype, seed)
+    q, kc, vc, bt, qs, sl, ks, vs = args
+    scale = head_dim**-0.5
+    got = paged_attention(q, kc, vc, bt, qs, sl, scale, window=window, k_scale=ks, v_scale=vs, segment=segment)
+    want = reference(q, kc, vc, bt, qs, sl, scale, window, ks, vs)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    return args, got
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1), (2, 2)])  # GQA, MQA (group not a power of 2), MHA
+def test_mixed_batch_matches_reference(block_size, heads, kv_heads):
+    check(MIXED, block_size=block_size, heads=heads, kv_heads=kv_heads)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+def test_head_dims(head_dim):
+    check([(5, 1), (0, 7), (3, 2)], head_dim=head_dim, heads=2, kv_heads=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes(dtype):
+    check(MIXED, dtype=dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, *FP8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_caches_read_in_place(cache_dtype, dtype):
+    check(MIXED, dtype=dtype, cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window(window):
+    check(MIXED + [(40, 1), (30, 20)], window=window, block_size=4)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_split_kv_long_contexts(window):
+    """Contexts over several segments (shrunk to 2 key tiles): split programs and their merge, decodes
+    and chunks, a window cutting segments off; the single-program path gives the same bits."""
+    specs = [(150, 1), (3, 1), (100, 4), (0, 90), (70, 33)]
+    (q, kc, vc, bt, qs, sl, _, _), split = check(specs, window=window, segment=2 * KEY_TILE, block_size=16)
+    from tachyllm.kernels.triton import paged_attention as pa
+
+    limit = pa.SPLIT_PARTIALS_BYTES
+    pa.SPLIT_PARTIALS_BYTES = 0  # every tile's segments in one program
+    try:
+        looped = paged_attention(q, kc, vc, bt, qs, sl, 0.125, window=window, segment=2 * KEY_TILE)
+    finally:
+        pa.SPLIT_PARTIALS_BYTES = limit
+    assert torch.equal(split, looped)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+def test_row_alone_equals_row_in_batch(cache_dtype):
+    """Bit for bit: each sequence alone vs in the mixed batch, split-KV segments included."""
+    specs = [(150, 1), (9, 1), (14, 4), (0, 11), (70, 33)]
+    dtype = torch.float16
+    q, kc, vc, bt, qs, sl, ks, vs = make_batch(specs, 16, 2, 64, 4, dtype, cache_dtype)
+    kw = dict(k_scale=ks, v_scale=vs, segment=2 * KEY_TILE)
+    together = paged_attention(q, kc, vc, bt, qs, sl, 0.125, **kw)
+    for s in range(len(specs)):
+        a, b = int(qs[s]), int(qs[s + 1])
+        alone = paged_attention(q[a:b], kc, vc, bt[s : s + 1, : -(-int(sl[s]) // 16)],
+                                torch.tensor([0, b - a], dtype=torch.int32), sl[s : s + 1], 0.125, **kw)  # fmt: skip
+        assert torch.equal(alone, together[a:b]), f"sequence {s}"
+
+
+def test_padding_sequences_and_rows_are_untouched():
+    """A CUDA graph's padding: sequences with no queries, rows past the last query; strided q."""
+    q, kc, vc, bt, qs, sl, _, _ = make_batch([(5, 1), (7, 1)], 4, 2, 64, 4, torch.float32)
+    padded_q = torch.zeros(4, 4, 2 * 64)[:, :, :64]  # a view with gaps, as a fused qkv split gives
+    padded_q[:2] = q
+    bt4 = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=torch.int32)])
+    qs4 = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
+    sl4 = torch.cat([sl, torch.zeros(2, dtype=torch.int32)])
+    out = torch.full((4, 4, 64), 7.0)
+    paged_attention(padded_q, kc, vc, bt4, qs4, sl4, 0.125, out=out)
+    assert torch.equal(out[:2], paged_attention(q, kc, vc, bt, qs, sl, 0.125))
+    assert (out[2:] == 7.0).all()
+
+
+def test_bad_inputs():
+    q, kc, vc, bt, qs, sl, _, _ = make_batch([(5, 1)], 4, 2, 64, 4, torch.float32)
+    with pytest.raises(ValueError, match="share"):
+        paged_attention(q[:, :3], kc, vc, bt, qs, sl, 0.1)
+    with pytest.raises(ValueError, match="multiple of"):
+        paged_attention(q, kc, vc, bt, qs, sl, 0.1, segment=KEY_TILE + 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_attention(q, kc, vc, bt, qs[:1], sl, 0.1)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        paged_attention(q, kc.to(torch.int8), vc.to(torch.int8), bt, qs, sl, 0.1)
+    with pytest.raises(ValueError, match="scales given"):
+        paged_attention(q, kc, vc, bt, qs, sl, 0.1, k_scale=torch.ones(2), v_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="not \\[blocks"):
+        paged_attention(q, kc[..., :32], vc[..., :32], bt, qs, sl, 0.1)
+    with pytest.raises(ValueError, match="differ"):
+        write_kv(q[:, :2], q[:, :2], kc, vc, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, *FP8])
+def test_write_kv_matches_quantized_kv_write(cache_dtype):
+    """Into a paged cache, skipping negative slots; int8 / fp8 quantized exactly as QuantizedKV.write
+    (values at rounding ties and past the saturation limit included)."""
+    kv_heads, head_dim, bs, blocks = 3, 64, 4, 6
+    gen = torch.Generator().manual_seed(1)
+    quant = cache_dtype in (torch.int8, *FP8)
+    dtype = torch.float32 if quant else cache_dtype  # a plain cache holds the model dtype
+    k = torch.randn(5, kv_heads, head_dim, generator=gen) * 4
+    v = torch.randn(5, kv_heads, 2 * head_dim, generator=gen)[:, :, :head_dim] * 4  # strided
+    k[0, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 7.5, 1e6, -1e6, 0.0]) * 0.05  # ties; saturation
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.tensor([3, -1, 17, 0, 22])
+    scales = (torch.tensor([0.05, 0.1, 0.02]), torch.tensor([0.03, 0.07, 0.2])) if quant else (None, None)
+    kc = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=cache_dtype)
+    vc = torch.zeros_like(kc)
+    write_kv(k, v, kc, vc, slots, *scales)
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    real = slots >= 0
+    for want, x, sc in ((want_k, k, scales[0]), (want_v, v, scales[1])):
+        flat = want.view(-1, kv_heads, head_dim)
+        if quant:
+            QuantizedKV(flat, sc.view(-1, 1)).write(slots[real], x[real])
+        else:
+            flat[slots[real]] = x[real].to(cache_dtype)
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
