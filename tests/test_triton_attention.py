@@ -1,21 +1,32 @@
-"""The Triton paged-attention and KV-write kernels (kernels/triton/paged_attention.py), run on the CPU
-in Triton's interpreter, against a naive reference: decodes, verifications and prefill chunks (from
-0 and after cached context) in one batch, block sizes, head dims, GQA / MQA, dtypes, quantized caches,
-sliding windows, split-KV contexts, batch invariance."""
+"""The Triton paged-attention and KV-write kernels (kernels/triton/paged_attention.py) against a naive
+reference: decodes, verifications and prefill chunks (from 0 and after cached context) in one batch,
+block sizes, head dims, GQA / MQA, dtypes, quantized caches, sliding windows, split-KV contexts,
+batch invariance; and the engine on the cuda backend against the torch backend. Without a GPU (as in
+`make test`) everything runs on the CPU in Triton's interpreter; with one, on the GPU."""
 
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles the kernels: they run in numpy on the CPU
-
 import pytest
 import torch
 
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles the kernels: they run in numpy on the CPU
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 pytest.importorskip("triton")
 
+from test_hf_parity import mixed_prompts  # noqa: E402
+
+from tachyllm import LLM, SamplingParams  # noqa: E402
+from tachyllm.backends.cuda_backend import CudaMetadataBuilder  # noqa: E402
+from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
+from tachyllm.config import EngineConfig  # noqa: E402
 from tachyllm.kernels.kv_quant import QuantizedKV  # noqa: E402
 from tachyllm.kernels.triton.paged_attention import KEY_TILE, paged_attention, write_kv  # noqa: E402
+from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch  # noqa: E402
+from tachyllm.sampling_params import SamplingParams as Params  # noqa: E402
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -52,11 +63,16 @@ def make_batch(specs, block_size, kv_heads, head_dim, heads, dtype, cache_dtype=
     seq_lens = torch.tensor([c + n for c, n in specs], dtype=torch.int32)
     q = torch.randn(sum(counts), heads, head_dim, generator=gen).to(dtype)
     k_scale, v_scale = scales if quant else (None, None)
-    return q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale
+    tensors = q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
 
 
 def reference(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window=None, k_scale=None, v_scale=None):
-    """Per query, in float64 over the dequantized cache (read as the PyTorch path reads it)."""
+    """Per query, in float64 over the dequantized cache (read as the PyTorch path reads it), on the CPU."""
+    q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale = (
+        None if t is None else t.cpu()
+        for t in (q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale)
+    )
     tokens, heads, head_dim = q.shape
     bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
@@ -96,19 +112,19 @@ def check(specs, *, block_size=4, kv_heads=2, heads=4, head_dim=64, dtype=torch.
     got = paged_attention(q, kc, vc, bt, qs, sl, scale, window=window, k_scale=ks, v_scale=vs, segment=segment)
     want = reference(q, kc, vc, bt, qs, sl, scale, window, ks, vs)
     assert got.dtype == q.dtype and got.shape == q.shape
-    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(got.double().cpu(), want, atol=TOL[dtype], rtol=TOL[dtype])
     return args, got
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 1), (2, 2)])  # GQA, MQA (group not a power of 2), MHA
+# GQA, MQA (a group that is not a power of 2), MHA
+@pytest.mark.parametrize("block_size,heads,kv_heads", [(4, 4, 2), (16, 3, 1), (16, 2, 2)])
 def test_mixed_batch_matches_reference(block_size, heads, kv_heads):
     check(MIXED, block_size=block_size, heads=heads, kv_heads=kv_heads)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
 def test_head_dims(head_dim):
-    check([(5, 1), (0, 7), (3, 2)], head_dim=head_dim, heads=2, kv_heads=1)
+    check([(5, 1), (3, 6)], head_dim=head_dim, heads=2, kv_heads=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -116,58 +132,56 @@ def test_half_dtypes(dtype):
     check(MIXED, dtype=dtype)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.int8, *FP8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cache_dtype,dtype",
+    [(torch.int8, torch.float32), (torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16)],
+)
 def test_quantized_caches_read_in_place(cache_dtype, dtype):
     check(MIXED, dtype=dtype, cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16])
 def test_sliding_window(window):
-    check(MIXED + [(40, 1), (30, 20)], window=window, block_size=4)
+    check(MIXED[:4] + [(40, 1), (30, 20)], window=window, block_size=4)
 
 
-@pytest.mark.parametrize("window", [None, 40])
-def test_split_kv_long_contexts(window):
-    """Contexts over several segments (shrunk to 2 key tiles): split programs and their merge, decodes
-    and chunks, a window cutting segments off; the single-program path gives the same bits."""
-    specs = [(150, 1), (3, 1), (100, 4), (0, 90), (70, 33)]
-    (q, kc, vc, bt, qs, sl, _, _), split = check(specs, window=window, segment=2 * KEY_TILE, block_size=16)
+@pytest.mark.parametrize(
+    "window,dtype,cache_dtype", [(None, torch.float32, None), (40, torch.float16, torch.float8_e4m3fn)]
+)
+def test_split_kv_long_contexts(window, dtype, cache_dtype):
+    """Contexts over several segments (shrunk to one key tile): split programs and their merge, decodes
+    and chunks, a window cutting segments off. The single-program path gives the same bits, and so
+    does each sequence computed alone (batch invariance)."""
+    specs = [(100, 1), (3, 1), (60, 3), (40, 12)]
+    args, split = check(specs, window=window, dtype=dtype, cache_dtype=cache_dtype, segment=KEY_TILE, block_size=16)
+    q, kc, vc, bt, qs, sl, ks, vs = args
+    kw = dict(window=window, k_scale=ks, v_scale=vs, segment=KEY_TILE)
+    scale = q.shape[2] ** -0.5
     from tachyllm.kernels.triton import paged_attention as pa
 
     limit = pa.SPLIT_PARTIALS_BYTES
     pa.SPLIT_PARTIALS_BYTES = 0  # every tile's segments in one program
     try:
-        looped = paged_attention(q, kc, vc, bt, qs, sl, 0.125, window=window, segment=2 * KEY_TILE)
+        looped = paged_attention(q, kc, vc, bt, qs, sl, scale, **kw)
     finally:
         pa.SPLIT_PARTIALS_BYTES = limit
     assert torch.equal(split, looped)
-
-
-@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
-def test_row_alone_equals_row_in_batch(cache_dtype):
-    """Bit for bit: each sequence alone vs in the mixed batch, split-KV segments included."""
-    specs = [(150, 1), (9, 1), (14, 4), (0, 11), (70, 33)]
-    dtype = torch.float16
-    q, kc, vc, bt, qs, sl, ks, vs = make_batch(specs, 16, 2, 64, 4, dtype, cache_dtype)
-    kw = dict(k_scale=ks, v_scale=vs, segment=2 * KEY_TILE)
-    together = paged_attention(q, kc, vc, bt, qs, sl, 0.125, **kw)
     for s in range(len(specs)):
         a, b = int(qs[s]), int(qs[s + 1])
         alone = paged_attention(q[a:b], kc, vc, bt[s : s + 1, : -(-int(sl[s]) // 16)],
-                                torch.tensor([0, b - a], dtype=torch.int32), sl[s : s + 1], 0.125, **kw)  # fmt: skip
-        assert torch.equal(alone, together[a:b]), f"sequence {s}"
+                                torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE), sl[s : s + 1], scale, **kw)  # fmt: skip
+        assert torch.equal(alone, split[a:b]), f"sequence {s}"
 
 
 def test_padding_sequences_and_rows_are_untouched():
     """A CUDA graph's padding: sequences with no queries, rows past the last query; strided q."""
     q, kc, vc, bt, qs, sl, _, _ = make_batch([(5, 1), (7, 1)], 4, 2, 64, 4, torch.float32)
-    padded_q = torch.zeros(4, 4, 2 * 64)[:, :, :64]  # a view with gaps, as a fused qkv split gives
+    padded_q = torch.zeros(4, 4, 2 * 64, device=DEVICE)[:, :, :64]  # a view with gaps, as a fused qkv split gives
     padded_q[:2] = q
-    bt4 = torch.cat([bt, torch.zeros(2, bt.shape[1], dtype=torch.int32)])
-    qs4 = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32)
-    sl4 = torch.cat([sl, torch.zeros(2, dtype=torch.int32)])
-    out = torch.full((4, 4, 64), 7.0)
+    bt4 = torch.cat([bt, torch.zeros_like(bt)])
+    qs4 = torch.tensor([0, 1, 2, 2, 2], dtype=torch.int32, device=DEVICE)
+    sl4 = torch.cat([sl, torch.zeros_like(sl)])
+    out = torch.full((4, 4, 64), 7.0, device=DEVICE)
     paged_attention(padded_q, kc, vc, bt4, qs4, sl4, 0.125, out=out)
     assert torch.equal(out[:2], paged_attention(q, kc, vc, bt, qs, sl, 0.125))
     assert (out[2:] == 7.0).all()
@@ -184,11 +198,13 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="needs k_scale"):
         paged_attention(q, kc.to(torch.int8), vc.to(torch.int8), bt, qs, sl, 0.1)
     with pytest.raises(ValueError, match="scales given"):
-        paged_attention(q, kc, vc, bt, qs, sl, 0.1, k_scale=torch.ones(2), v_scale=torch.ones(2))
+        paged_attention(
+            q, kc, vc, bt, qs, sl, 0.1, k_scale=torch.ones(2, device=DEVICE), v_scale=torch.ones(2, device=DEVICE)
+        )
     with pytest.raises(ValueError, match="not \\[blocks"):
         paged_attention(q, kc[..., :32], vc[..., :32], bt, qs, sl, 0.1)
     with pytest.raises(ValueError, match="differ"):
-        write_kv(q[:, :2], q[:, :2], kc, vc, torch.zeros(2, dtype=torch.long))
+        write_kv(q[:, :2], q[:, :2], kc, vc, torch.zeros(2, dtype=torch.long, device=DEVICE))
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8, *FP8])
@@ -207,7 +223,9 @@ def test_write_kv_matches_quantized_kv_write(cache_dtype):
     scales = (torch.tensor([0.05, 0.1, 0.02]), torch.tensor([0.03, 0.07, 0.2])) if quant else (None, None)
     kc = torch.zeros(blocks, bs, kv_heads, head_dim, dtype=cache_dtype)
     vc = torch.zeros_like(kc)
-    write_kv(k, v, kc, vc, slots, *scales)
+    on_device = [None if t is None else t.to(DEVICE) for t in (k, v, kc, vc, slots, *scales)]
+    write_kv(*on_device)
+    kc, vc = on_device[2].cpu(), on_device[3].cpu()
     want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
     real = slots >= 0
     for want, x, sc in ((want_k, k, scales[0]), (want_v, v, scales[1])):
@@ -218,3 +236,80 @@ def test_write_kv_matches_quantized_kv_write(cache_dtype):
             flat[slots[real]] = x[real].to(cache_dtype)
     assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+
+
+# -- the cuda backend ----------------------------------------------------------------------------
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+# fp8 on the GPU only: in the interpreter every step costs seconds.
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"] if ON_GPU else ["auto"])
+def test_engine_on_the_cuda_backend_matches_torch(tiny_model_factory, kv_cache_dtype):
+    """A tiny fp32 model: mixed prompt lengths, chunked prefill, then the same prompts again on
+    cached blocks (prefix-cache hits): the same greedy tokens as the torch backend."""
+    path = str(tiny_model_factory("llama"))
+    prompts = mixed_prompts(300, lengths=(2, 9, 21), seed=2)
+    runs = {}
+    for backend in ("torch", "cuda"):
+        llm = LLM(path, dtype="float32", device=str(DEVICE), backend=backend, block_size=4, max_num_batched_tokens=16,
+                  kv_cache_memory=1 << 20, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+        assert llm.engine.backend.name == backend
+        runs[backend] = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+                         for _ in range(2)]  # fmt: skip
+        assert llm.engine.stats.prefix_cache_hits > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert runs["cuda"] == runs["torch"]
+    assert runs["cuda"][0] == runs["cuda"][1]
+
+
+def _decode(seq_id: int, tokens: list[int], start: int, drafts: list[int], table: list[int]) -> ScheduledSeq:
+    sampling = SamplingInput(Params(), tokens, len(tokens))
+    step = tokens[start : start + 1] + drafts
+    return ScheduledSeq(seq_id, str(seq_id), start, step, len(drafts), table, len(tokens), True, sampling)
+
+
+def test_padded_decode_step_equals_unpadded(tiny_model_factory):
+    """prepare(batch, pad_to=...) for CUDA graphs: the real rows of a padded decode step (with a
+    verification) equal the unpadded step's, padding rows write and read nothing, and the tensors
+    sit at the same addresses step after step."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device=str(DEVICE),
+                                    backend="cuda", block_size=4, kv_cache_memory=1 << 20))  # fmt: skip
+    runner = engine.runner
+    builder: CudaMetadataBuilder = runner.builder
+    a, b = list(range(3, 14)), list(range(40, 46))  # 11 and 6 tokens of context
+    ta, tb = [5, 1, 7], [2, 9]
+    prefill = StepBatch([
+        ScheduledSeq(1, "1", 0, a[:10], 0, ta, 11, False), ScheduledSeq(2, "2", 0, b[:5], 0, tb, 6, False),
+    ])  # fmt: skip
+    runner.forward(prefill)
+    step = StepBatch([_decode(1, a, 10, [], ta), _decode(2, b, 5, [7, 8], tb)])
+    with pytest.raises(RuntimeError, match="allocate_graph_buffers"):
+        builder.prepare(step, pad_to=4)
+    buffers = builder.allocate_graph_buffers(max_num_seqs=8, max_blocks=6, queries_per_seq=3)
+    snapshot = [c.clone() for kv in runner.kv_caches for c in kv]
+    unpadded = runner.forward(step)
+    with torch.inference_mode():
+        ids, positions, meta = builder.prepare(step, pad_to=4)
+        padded = runner.model(ids, positions, runner.kv_caches, meta)
+    assert ids.shape == (12,) and meta.block_tables.shape == (4, 6)
+    assert meta.slot_mapping[4:].tolist() == [-1] * 8 and meta.query_start.tolist() == [0, 1, 4, 4, 4]
+    assert meta.seq_lens.tolist() == [11, 8, 0, 0]
+    torch.testing.assert_close(padded[:4], unpadded, rtol=1e-5, atol=1e-5)
+    # The padded step wrote the same K/V as the unpadded one, and nothing else.
+    written = [c.clone() for kv in runner.kv_caches for c in kv]
+    runner.forward(step)
+    assert all(torch.equal(x, c) for x, c in zip(written, (c for kv in runner.kv_caches for c in kv)))
+    assert any(not torch.equal(x, s) for x, s in zip(written, snapshot))
+    again = builder.prepare(StepBatch([_decode(2, b, 5, [], tb)]), pad_to=4)
+    assert again[0].data_ptr() == ids.data_ptr() and again[2].block_tables.data_ptr() == meta.block_tables.data_ptr()
+    assert (
+        again[2].query_start.tolist() == [0, 1, 1, 1, 1]
+        and again[2].slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()
+    )
+    with pytest.raises(ValueError, match="decode-only"):
+        builder.prepare(prefill, pad_to=4)
+    with pytest.raises(ValueError, match="cannot pad 2 sequences to 1"):
+        builder.prepare(step, pad_to=1)
+    with pytest.raises(ValueError, match="cannot pad"):
+        builder.prepare(step, pad_to=9)

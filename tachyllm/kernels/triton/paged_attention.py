@@ -35,6 +35,8 @@ MIN_ROWS = 16
 # The split (parallel) segment programs keep fp32 partial results per (token, head, segment); above
 # this many bytes of them a step runs each tile's segments in one program instead (same results).
 SPLIT_PARTIALS_BYTES = 64 << 20
+# Values per KV-write program: whole tokens, (KV head, dimension) pairs of one or several.
+WRITE_TILE = 4096
 LOG2E = 1.4426950408889634  # scores are kept in log2 units: exp2 is the cheap exponential
 
 # kv_quant.KV_STORAGE dtype -> (QUANT code, fp8 mantissa bits, fp8 smallest normal exponent)
@@ -84,43 +86,25 @@ def _store_kv(src, dst, scale, heads, heads_ok, mask, QUANT: tl.constexpr, QMAX:
 @triton.jit
 def _write_kv_kernel(
     k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-    num_kv_heads, block_size,
+    num_tokens, num_kv_heads, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, HEADS_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, HEADS_P2: tl.constexpr, BLOCK_T: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token)
-    if slot < 0:  # a padding row of a CUDA graph
-        return
-    h = tl.arange(0, HEADS_P2)[:, None]
-    d = tl.arange(0, HEAD_P2)[None, :]
-    mask = (h < num_kv_heads) & (d < HEAD_DIM)
+    # Rows: BLOCK_T tokens; columns: (KV head, dimension) pairs.
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+    c = tl.arange(0, HEADS_P2 * HEAD_P2)[None, :]
+    h = c // HEAD_P2
+    d = c % HEAD_P2
+    slot = tl.load(slot_mapping + t, mask=t < num_tokens, other=-1)
+    # A negative slot is a padding row of a CUDA graph.
+    mask = (slot >= 0) & (h < num_kv_heads) & (d < HEAD_DIM)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + h * stride_ch + d
-    _store_kv(
-        k + token * stride_kt + h * stride_kh + d,
-        k_cache + dst,
-        k_scale,
-        h,
-        h < num_kv_heads,
-        mask,
-        QUANT,
-        QMAX,
-        MANTISSA,
-        MIN_EXP,
-    )
-    _store_kv(
-        v + token * stride_vt + h * stride_vh + d,
-        v_cache + dst,
-        v_scale,
-        h,
-        h < num_kv_heads,
-        mask,
-        QUANT,
-        QMAX,
-        MANTISSA,
-        MIN_EXP,
-    )
+    heads_ok = h < num_kv_heads
+    _store_kv(k + t * stride_kt + h * stride_kh + d, k_cache + dst, k_scale, h, heads_ok, mask, QUANT, QMAX, MANTISSA,
+              MIN_EXP)  # fmt: skip
+    _store_kv(v + t * stride_vt + h * stride_vh + d, v_cache + dst, v_scale, h, heads_ok, mask, QUANT, QMAX, MANTISSA,
+              MIN_EXP)  # fmt: skip
 
 
 def write_kv(
@@ -142,11 +126,13 @@ def write_kv(
         return
     quant, mantissa, min_exp = _QUANT.get(k_cache.dtype, (0, 0, 0))
     limit = qmax(k_cache.dtype) if quant else 0.0
-    _write_kv_kernel[(tokens,)](
+    head_p2, heads_p2 = triton.next_power_of_2(head_dim), triton.next_power_of_2(kv_heads)
+    block_t = max(1, WRITE_TILE // (head_p2 * heads_p2))
+    _write_kv_kernel[(triton.cdiv(tokens, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
-        kv_heads, k_cache.shape[1],
+        tokens, kv_heads, k_cache.shape[1],
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, HEAD_P2=triton.next_power_of_2(head_dim), HEADS_P2=triton.next_power_of_2(kv_heads),
+        HEAD_DIM=head_dim, HEAD_P2=head_p2, HEADS_P2=heads_p2, BLOCK_T=block_t,
         QUANT=quant, QMAX=limit, MANTISSA=mantissa, MIN_EXP=min_exp,
     )  # fmt: skip
 
@@ -196,8 +182,9 @@ def _segment(
         s = _dot(qv, tl.trans(kt), DOT_FP32) * scale_log2
         seen = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] >= row_lo[:, None])
         s = tl.where(seen, s, float("-inf"))
-        alpha, _, m_new = _merge_weights(m, tl.max(s, 1))
-        safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: everything weighs 0
+        alpha = tl.exp2(m - safe)
         p = tl.exp2(s - safe[:, None])
         lsum = lsum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, DOT_FP32)
