@@ -21,12 +21,12 @@ from test_hf_parity import mixed_prompts  # noqa: E402
 
 from tachyllm import LLM, SamplingParams  # noqa: E402
 from tachyllm.backends.cuda_backend import CudaMetadataBuilder  # noqa: E402
-from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tachyllm.config import EngineConfig  # noqa: E402
+from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tachyllm.kernels.kv_quant import QuantizedKV  # noqa: E402
 from tachyllm.kernels.triton.paged_attention import KEY_TILE, paged_attention, write_kv  # noqa: E402
-from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch  # noqa: E402
 from tachyllm.sampling_params import SamplingParams as Params  # noqa: E402
+from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch  # noqa: E402
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -168,8 +168,9 @@ def test_split_kv_long_contexts(window, dtype, cache_dtype):
     assert torch.equal(split, looped)
     for s in range(len(specs)):
         a, b = int(qs[s]), int(qs[s + 1])
-        alone = paged_attention(q[a:b], kc, vc, bt[s : s + 1, : -(-int(sl[s]) // 16)],
-                                torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE), sl[s : s + 1], scale, **kw)  # fmt: skip
+        one_seq = torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE)
+        table = bt[s : s + 1, : -(-int(sl[s]) // 16)]
+        alone = paged_attention(q[a:b], kc, vc, table, one_seq, sl[s : s + 1], scale, **kw)
         assert torch.equal(alone, split[a:b]), f"sequence {s}"
 
 

@@ -410,7 +410,8 @@ def _check_cache(
 ) -> None:
     if k_cache.dim() != 4 or k_cache.shape[2:] != (kv_heads, head_dim) or v_cache.shape != k_cache.shape:
         raise ValueError(
-            f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} are not [blocks, block_size, {kv_heads}, {head_dim}]"
+            f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} "
+            f"are not [blocks, block_size, {kv_heads}, {head_dim}]"
         )
     if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
         raise ValueError("the K and V caches must have one layout and dtype")
