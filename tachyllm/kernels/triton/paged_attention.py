@@ -196,8 +196,9 @@ def _segment(
 def _find_seq(query_start, num_seqs, index, BLOCK_Q: tl.constexpr):
     """Binary search: the last sequence s whose first query tile, query_start[s] // BLOCK_Q + s, is
     <= index; with BLOCK_Q == 0, the last s with query_start[s] <= index (the owner of token index)."""
-    lo = num_seqs * 0
-    hi = num_seqs - 1
+    # Tensors from the start: num_seqs == 1 arrives as a compile-time constant.
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = lo + num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
         first = tl.load(query_start + mid)
