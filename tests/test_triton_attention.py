@@ -221,7 +221,8 @@ def test_write_kv_matches_quantized_kv_write(cache_dtype):
     dtype = torch.float32 if quant else cache_dtype  # a plain cache holds the model dtype
     k = torch.randn(5, kv_heads, head_dim, generator=gen) * 4
     v = torch.randn(5, kv_heads, 2 * head_dim, generator=gen)[:, :, :head_dim] * 4  # strided
-    k[0, 0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, 7.5, 1e6, -1e6, 0.0]) * 0.05  # ties; saturation
+    # Ties, saturation, negative values that round to (-)0.
+    k[0, 0, :10] = torch.tensor([0.5, 1.5, 2.5, -0.5, 7.5, 1e6, -1e6, 0.0, -1e-4, -0.0]) * 0.05
     k, v = k.to(dtype), v.to(dtype)
     slots = torch.tensor([3, -1, 17, 0, 22])
     scales = (torch.tensor([0.05, 0.1, 0.02]), torch.tensor([0.03, 0.07, 0.2])) if quant else (None, None)

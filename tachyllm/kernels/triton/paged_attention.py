@@ -63,7 +63,8 @@ def _round_to_fp8(y, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     exp = tl.maximum(exp, MIN_EXP) - MANTISSA  # the exponent of one unit in the last place
     ulp = ((exp + 127) << 23).to(tl.float32, bitcast=True)
     inv_ulp = ((127 - exp) << 23).to(tl.float32, bitcast=True)
-    return _round_half_even(y * inv_ulp) * ulp
+    rounded = _round_half_even(y * inv_ulp) * ulp
+    return tl.where(rounded == 0.0, y * 0.0, rounded)  # a negative value that rounds to 0 keeps its sign: -0
 
 
 @triton.jit
