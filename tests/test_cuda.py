@@ -8,6 +8,7 @@ import pytest
 import torch
 from test_backends import _engine, _seq
 from test_hf_parity import NEW_TOKENS, hf_greedy, mixed_prompts
+from test_triton_attention import check, check_split_invariance
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.step import StepBatch
@@ -132,3 +133,21 @@ def test_cuda_backend_greedy_with_speculation_matches_torch_backend(tiny_model_f
                   kv_cache_memory=4 << 20, speculative_config=spec)  # fmt: skip
         runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert runs["cuda"] == runs["torch"]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,dtype,cache_dtype,window",
+    [
+        (32, 8, 128, torch.bfloat16, None, None),  # Llama-3-8B's attention
+        (9, 3, 64, torch.float16, torch.float8_e4m3fn, None),  # SmolLM2-135M's, on an fp8 cache
+        (8, 4, 256, torch.bfloat16, torch.int8, 700),  # Gemma 3's local layers (window shrunk), int8
+    ],
+)
+def test_triton_attention_on_the_device(heads, kv_heads, head_dim, dtype, cache_dtype, window):
+    """The Triton kernel at real sizes on the GPU, against the fp64 reference: long decodes over several
+    512-position segments (split-KV), a verification, a chunk after cached context; the split and the
+    single-program paths give the same bits, and so does each sequence alone."""
+    specs = [(2000, 1), (1100, 1), (5, 1), (1500, 4), (700, 90)]
+    args, out = check(specs, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                      cache_dtype=cache_dtype, window=window)  # fmt: skip
+    check_split_invariance(args, out, window, 512)
