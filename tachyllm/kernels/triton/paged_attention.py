@@ -84,7 +84,9 @@ def _store_kv(src, dst, scale, heads, heads_ok, mask, QUANT: tl.constexpr, QMAX:
     tl.store(dst, y.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (== 1, multiples of 16): one
+# compiled variant serves every step instead of a compile at the first step of each kind.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _write_kv_kernel(
     k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
     num_tokens, num_kv_heads, block_size,
@@ -211,7 +213,7 @@ def _find_seq(query_start, num_seqs, index, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_parts", "stride_bt"])
 def _attention_kernel(
     out, q, k_cache, v_cache, block_tables, query_start, seq_lens, k_scale, v_scale, part_acc, part_ml,
     scale_log2, window, num_seqs, block_size, num_heads, num_parts,
@@ -297,7 +299,7 @@ def _attention_kernel(
         tl.store(out_ptr, (total / L[:, None]).to(out.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "num_seqs", "num_parts"])
 def _merge_kernel(
     out, part_acc, part_ml, query_start, seq_lens, window, num_seqs, num_heads, num_parts, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, HEAD_P2: tl.constexpr, SEGMENT: tl.constexpr,
