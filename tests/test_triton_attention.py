@@ -278,6 +278,28 @@ def test_engine_on_the_cuda_backend_matches_torch(tiny_model_factory, kv_cache_d
     assert runs["cuda"][0] == runs["cuda"][1]
 
 
+def test_backend_steps_match_the_torch_backend(tiny_model_factory):
+    """Runner level, fp32: prefill chunks (a first one, then one on cached context), a decode with
+    draft tokens to verify next to a plain decode; every row's hidden state agrees with the torch backend."""
+    path = tiny_model_factory("llama")
+    kw = dict(model=str(path), dtype="float32", device=str(DEVICE), block_size=4, kv_cache_memory=1 << 20)
+    engines = [LLMEngine(EngineConfig(backend=backend, **kw)) for backend in ("torch", "cuda")]
+    a, b = list(range(3, 23)), list(range(40, 70))  # 20 and 30 tokens
+    ta, tb = list(range(0, 8)), list(range(8, 18))
+    steps = [
+        StepBatch(
+            [ScheduledSeq(1, "1", 0, a[:12], 0, ta, 20, False), ScheduledSeq(2, "2", 0, b[:10], 0, tb, 30, False)]
+        ),
+        StepBatch(
+            [ScheduledSeq(1, "1", 12, a[12:], 0, ta, 20, True), ScheduledSeq(2, "2", 10, b[10:], 0, tb, 30, True)]
+        ),
+        StepBatch([_decode(1, a + [5], 20, [6, 7], ta), _decode(2, b + [9], 30, [], tb)]),
+    ]
+    for batch in steps:
+        plain, triton = (e.runner.forward(batch) for e in engines)
+        torch.testing.assert_close(triton, plain, rtol=1e-4, atol=1e-4)
+
+
 def _decode(seq_id: int, tokens: list[int], start: int, drafts: list[int], table: list[int]) -> ScheduledSeq:
     sampling = SamplingInput(Params(), tokens, len(tokens))
     step = tokens[start : start + 1] + drafts
