@@ -136,21 +136,12 @@ class CudaMetadataBuilder(MetadataBuilder):
     ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
         """Input ids, positions and cache slots per token; query offsets, context lengths and block
         tables per sequence; as Python lists."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, seq_lens, tables = [0], [], []
+        ids, positions, slots = self.token_lists(batch)
+        query_start, seq_lens = [0], []
         for s in batch.seqs:
-            start, table = s.start, s.block_table
-            end = start + len(s.token_ids)
-            ids += s.token_ids
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start.append(len(ids))
-            seq_lens.append(end)
-            tables.append(table)
-        return ids, positions, slots, query_start, seq_lens, tables
+            query_start.append(query_start[-1] + len(s.token_ids))
+            seq_lens.append(s.start + len(s.token_ids))
+        return ids, positions, slots, query_start, seq_lens, [s.block_table for s in batch.seqs]
 
 
 @register_backend
