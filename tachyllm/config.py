@@ -31,8 +31,8 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "fp8", "gptq", "compresse
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-# Execution backends (tachyllm/backends): auto = cpu where the C++ kernels run, else torch.
-BACKENDS = ("auto", "torch", "cpu")
+# Execution backends (tachyllm/backends): auto = cuda on a GPU, cpu where the C++ kernels run, else torch.
+BACKENDS = ("auto", "torch", "cpu", "cuda")
 
 
 def option(default: Any, help: str, *, choices: Sequence | None = None, parse: Callable[[str], Any] | None = None):
@@ -188,8 +188,9 @@ class EngineConfig:
     )
     backend: str = option(
         "auto",
-        "execution backend: cpu (tachyllm's C++ kernels), torch (portable PyTorch ops); auto = cpu when the device"
-        " is the CPU and the kernels built, else torch",
+        "execution backend: cpu (tachyllm's C++ kernels), cuda (Triton kernels on the GPU), torch (portable PyTorch"
+        " ops); auto = cuda on a CUDA device when triton imports, cpu when the device is the CPU and the kernels"
+        " built, else torch",
         choices=BACKENDS,
     )
 

@@ -104,7 +104,7 @@ def test_selection_rules(monkeypatch, caplog):
     assert registry.resolve_backend_name("auto", cpu) == ("cpu" if built else "torch")
     assert registry.resolve_backend_name("auto", torch.device("meta")) == "torch"
     assert registry.resolve_backend_name("torch", torch.device("meta")) == "torch"
-    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, torch"):
+    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, cuda, torch"):
         EngineConfig(backend="vulkan")
     with pytest.raises(ConfigError, match="run on the CPU only, and the device is meta"):
         EngineConfig(backend="cpu", device="meta")
@@ -121,11 +121,32 @@ def test_selection_rules(monkeypatch, caplog):
     assert backend.name == "torch" and "backend: torch (portable PyTorch ops), chosen by auto" in caplog.text
 
 
+def test_cuda_selection_rules(monkeypatch):
+    """auto picks cuda on a CUDA device where triton imports; elsewhere cuda cannot run, except on the
+    CPU under Triton's interpreter (for the tests)."""
+    import importlib.util
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert registry.resolve_backend_name("auto", cuda) == "cuda"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="needs a CUDA device .and triton., and the device is cpu"):
+        registry.resolve_backend_name("cuda", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert registry.resolve_backend_name("cuda", cpu) == "cuda"
+    assert registry.resolve_backend_name("auto", cpu) != "cuda"
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else find_spec(name))
+    assert registry.resolve_backend_name("auto", cuda) == "torch"
+    with pytest.raises(ConfigError, match="triton is not installed"):
+        registry.resolve_backend_name("cuda", cuda)
+
+
 def test_cli_flag():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config(parser.parse_args([])).backend == "auto"
     assert engine_config(parser.parse_args(["--backend", "torch"])).backend == "torch"
+    assert "cuda" in parser.format_help()
     with pytest.raises(SystemExit):
         parser.parse_args(["--backend", "vulkan"])
 

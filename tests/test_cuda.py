@@ -1,28 +1,31 @@
-"""The engine on a CUDA device, where every layer runs its plain PyTorch path (the C++ kernels are
-CPU-only). Skipped where no GPU is present, as in CI; run on a GPU machine with
-`pytest tests/test_cuda.py`."""
+"""The engine on a CUDA device: the cuda backend (Triton attention; `auto` picks it) and the portable
+torch backend. Skipped where no GPU is present, as in CI; run on a GPU machine with
+`pytest tests/test_cuda.py` (tests/test_triton_attention.py then runs its kernel cases on the GPU too)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_backends import _engine, _seq
 from test_hf_parity import NEW_TOKENS, hf_greedy, mixed_prompts
+from test_triton_attention import check, check_split_invariance
 
 from tachyllm import LLM, SamplingParams
+from tachyllm.step import StepBatch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", False), ("qwen3", True)])
-def test_cuda_greedy_matches_transformers(tiny_model_factory, arch, tie):
+def test_cuda_greedy_matches_transformers(tiny_model_factory, arch, tie, backend):
     import transformers
 
     path = tiny_model_factory(arch, tie)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("cuda")
-    llm = LLM(
-        str(path), dtype="float32", device="cuda", block_size=4, kv_cache_memory=4 << 20, max_num_batched_tokens=64
-    )
-    assert llm.engine.backend.name == "torch"  # auto: the C++ kernels are CPU-only
+    llm = LLM(str(path), dtype="float32", device="cuda", block_size=4, kv_cache_memory=4 << 20,
+              max_num_batched_tokens=64, backend=backend)  # fmt: skip
+    assert llm.engine.backend.name == ("cuda" if backend == "auto" else "torch")  # auto: Triton on a GPU
     prompts = mixed_prompts(hf.config.vocab_size)
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False
@@ -129,3 +132,80 @@ def test_cuda_quantized_engine_on_the_triton_kernels(tiny_model_factory, monkeyp
     assert all(len(t) == 10 for t in together)
     if method != "fp8":  # _scaled_mm picks its kernel by shape: not batch invariant
         assert together == [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("float16", "auto"), ("bfloat16", "fp8"),
+                                                  ("bfloat16", "fp8_e5m2"), ("float32", "int8")])  # fmt: skip
+def test_cuda_backend_computes_the_torch_backends_steps(tiny_model_factory, dtype, kv_cache_dtype):
+    """The Triton kernels against the PyTorch path on the device: prefill chunks (a first one, then
+    one on cached context), a decode with draft tokens next to a plain decode. fp32: every row's
+    hidden state agrees; half types: the Triton path is as close to the fp32 model as the PyTorch
+    path is (which rounds its scores to the half type)."""
+    path = tiny_model_factory("llama")
+    kw = dict(device="cuda", kv_cache_dtype=kv_cache_dtype)
+    engines = [_engine(path, "torch", dtype=dtype, **kw), _engine(path, "cuda", dtype=dtype, **kw)]
+    reference = _engine(path, "torch", dtype="float32", **kw)
+    a, b = list(range(3, 23)), list(range(40, 70))  # 20 and 30 tokens
+    ta, tb = list(range(0, 8)), list(range(8, 18))
+    steps = [
+        StepBatch([_seq(1, a, 0, 12, [], ta), _seq(2, b, 0, 10, [], tb)]),
+        StepBatch([_seq(1, a, 12, 8, [], ta), _seq(2, b, 10, 20, [], tb)]),
+        StepBatch([_seq(1, a + [5], 20, 1, [6, 7], ta), _seq(2, b + [9], 30, 1, [], tb)]),
+    ]
+    for batch in steps:
+        plain, triton = (e.runner.forward(batch).float() for e in engines)
+        if dtype == "float32":
+            torch.testing.assert_close(triton, plain, rtol=1e-4, atol=1e-4)
+            continue
+        exact = reference.runner.forward(batch).float()
+        error = [((x - exact).norm() / exact.norm()).item() for x in (plain, triton)]
+        assert error[1] <= 1.25 * error[0] + 1e-3, error
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "auto"])
+def test_cuda_backend_cold_and_warm_prefix_cache_agree(tiny_model_factory, kv_cache_dtype):
+    """fp32 weights on the cuda backend: a prompt computed cold (in chunks) and again on its cached
+    prefix gives the same greedy tokens, an fp8 cache included (the kernel reads every chunk's K/V back
+    from the quantized cache, so a cached prefix reads the same values)."""
+    path = str(tiny_model_factory("llama"))
+    prompts = mixed_prompts(300, lengths=(37, 52), seed=3)
+    llm = LLM(path, dtype="float32", device="cuda", backend="cuda", kv_cache_dtype=kv_cache_dtype, block_size=4,
+              max_num_batched_tokens=16, kv_cache_memory=4 << 20)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cold = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    hits = llm.engine.stats.prefix_cache_hits
+    warm = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], greedy, use_tqdm=False)][::-1]
+    assert llm.engine.stats.prefix_cache_hits > hits
+    assert cold == warm
+
+
+def test_cuda_backend_greedy_with_speculation_matches_torch_backend(tiny_model_factory):
+    """Chunked prefill and n-gram speculation (verification steps): the same greedy tokens on both backends."""
+    path = str(tiny_model_factory("llama"))
+    prompts = mixed_prompts(300, lengths=(5, 40, 9, 23), seed=1)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = {}
+    for backend in ("torch", "cuda"):
+        llm = LLM(path, dtype="float32", device="cuda", backend=backend, max_num_batched_tokens=16,
+                  kv_cache_memory=4 << 20, speculative_config=spec)  # fmt: skip
+        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert runs["cuda"] == runs["torch"]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,dtype,cache_dtype,window",
+    [
+        (32, 8, 128, torch.bfloat16, None, None),  # Llama-3-8B's attention
+        (9, 3, 64, torch.float16, torch.float8_e4m3fn, None),  # SmolLM2-135M's, on an fp8 cache
+        (8, 4, 256, torch.bfloat16, torch.int8, 700),  # Gemma 3's local layers (window shrunk), int8
+    ],
+)
+def test_triton_attention_on_the_device(heads, kv_heads, head_dim, dtype, cache_dtype, window):
+    """The Triton kernel at real sizes on the GPU, against the fp64 reference: long decodes over several
+    512-position segments (split-KV), a verification, a chunk after cached context; the split and the
+    single-program paths give the same bits, and so does each sequence alone."""
+    specs = [(2000, 1), (1100, 1), (5, 1), (1500, 4), (700, 90)]
+    args, out = check(specs, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                      cache_dtype=cache_dtype, window=window)  # fmt: skip
+    check_split_invariance(args, out, window, 512)

@@ -113,6 +113,16 @@ class MetadataBuilder(ABC):
 
     def token_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input ids, positions and cache slots of every token of the batch, in row order."""
+        input_ids, positions, slot_mapping = self.token_lists(batch)
+        device = self.device
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(slot_mapping, dtype=torch.long, device=device),
+        )
+
+    def token_lists(self, batch: StepBatch) -> tuple[list[int], list[int], list[int]]:
+        """token_inputs as Python lists."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -123,12 +133,7 @@ class MetadataBuilder(ABC):
             input_ids += s.token_ids
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-        device = self.device
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            torch.tensor(slot_mapping, dtype=torch.long, device=device),
-        )
+        return input_ids, positions, slot_mapping
 
 
 class Backend(ABC):

@@ -25,9 +25,12 @@ def backend_names() -> tuple[str, ...]:
 
 
 def resolve_backend_name(requested: str, device: torch.device) -> str:
-    """The backend to run: `requested`, or for "auto" the C++ kernels where they run (the CPU,
-    when they built), else portable PyTorch. ConfigError when the requested one cannot run here."""
+    """The backend to run: `requested`, or for "auto" the Triton kernels on a CUDA device (when
+    triton imports), the C++ kernels where they run (the CPU, when they built), else portable
+    PyTorch. ConfigError when the requested one cannot run here."""
     if requested == "auto":
+        if device.type == "cuda" and _BACKENDS["cuda"].unavailable_reason(device) is None:
+            return "cuda"
         return "cpu" if _BACKENDS["cpu"].unavailable_reason(device) is None else "torch"
     cls = _BACKENDS.get(requested)
     if cls is None:

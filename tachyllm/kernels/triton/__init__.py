@@ -1,8 +1,9 @@
-"""Triton kernels for the cuda backend. Importing a module of this package imports triton: only
-the cuda backend and the tests do (tachyllm itself imports where triton is missing).
+"""Triton kernels of the cuda backend (backends/cuda_backend.py). Importing a module of this package
+imports triton; the backend does so only once it is chosen, so tachyllm imports where triton is missing.
 
-Every kernel also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before the
-first kernel call), which is how the tests check them without a GPU."""
+Every kernel also runs on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported: tests/conftest.py does it where no GPU is present), which is how the tests check them without
+a GPU."""
 
 import os
 

@@ -1,0 +1,185 @@
+"""The CUDA backend: attention and the KV write in Triton (kernels/triton/paged_attention.py).
+
+Every sequence of a step, decodes, verifications and prefill chunks alike, is computed straight from
+the block tables by one kernel launch per layer; int8 / fp8 caches are read in place. The metadata
+of a step is four device tensors (block tables, query offsets, context lengths, cache slots). For
+CUDA graphs, a decode-only step's metadata can instead be written into persistent buffers padded to
+a batch-size bucket (`CudaMetadataBuilder.allocate_graph_buffers`, `prepare(batch, pad_to=...)`).
+The layers' elementwise ops are still the portable ones.
+
+The backend runs on a CUDA device. With TRITON_INTERPRET=1 it may also be built on the CPU, where
+the kernels run in Triton's interpreter: that exists for the tests, and is far too slow for anything else.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV, MetadataBuilder
+from tachyllm.backends.cpu_backend import kernel_caches
+from tachyllm.backends.registry import register_backend
+from tachyllm.step import StepBatch
+
+
+@dataclass(kw_only=True, eq=False)
+class CudaMetadata(AttentionMetadata):
+    block_tables: torch.Tensor  # int32 [seqs, max blocks]
+    query_start: torch.Tensor  # int32 [seqs + 1]: sequence s has the batch rows query_start[s] .. [s + 1] - 1
+    seq_lens: torch.Tensor  # int32 [seqs]: each sequence's context length after this step's tokens
+
+
+@dataclass(eq=False)
+class GraphBuffers:
+    """Persistent step inputs for CUDA graphs, allocated once: a captured graph reads these addresses."""
+
+    queries_per_seq: int  # batch rows per sequence in a padded step (1, or 1 + drafts for verification)
+    input_ids: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
+    positions: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
+    slot_mapping: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
+    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks]
+    query_start: torch.Tensor  # int32 [max_num_seqs + 1]
+    seq_lens: torch.Tensor  # int32 [max_num_seqs]
+
+
+class CudaMetadataBuilder(MetadataBuilder):
+    def __init__(self, backend: Backend, kv_caches: list[LayerKV], block_size: int):
+        super().__init__(backend, kv_caches, block_size)
+        self.graph_buffers: GraphBuffers | None = None
+
+    def allocate_graph_buffers(self, max_num_seqs: int, max_blocks: int, queries_per_seq: int = 1) -> GraphBuffers:
+        """Allocates the persistent buffers that `prepare(batch, pad_to=...)` writes into: room for
+        `max_num_seqs` sequences of up to `queries_per_seq` tokens and `max_blocks` KV blocks each."""
+        if min(max_num_seqs, max_blocks, queries_per_seq) < 1:
+            raise ValueError(f"graph buffers need positive sizes, got {max_num_seqs}, {max_blocks}, {queries_per_seq}")
+        tokens = max_num_seqs * queries_per_seq
+        i64 = dict(dtype=torch.long, device=self.device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.graph_buffers = GraphBuffers(
+            queries_per_seq,
+            torch.zeros(tokens, **i64),
+            torch.zeros(tokens, **i64),
+            torch.full((tokens,), -1, **i64),
+            torch.zeros(max_num_seqs, max_blocks, **i32),
+            torch.zeros(max_num_seqs + 1, **i32),
+            torch.zeros(max_num_seqs, **i32),
+        )
+        return self.graph_buffers
+
+    def prepare(self, batch: StepBatch, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, CudaMetadata]:
+        """(input ids, positions, metadata) of the step, as fresh device tensors.
+
+        With `pad_to` (for CUDA graphs; `allocate_graph_buffers` first): the batch must be decode-only
+        (each sequence one token, plus at most queries_per_seq - 1 drafts) with at most `pad_to`
+        sequences, pad_to <= max_num_seqs. Everything is copied into the persistent buffers, and the
+        tensors returned are their leading views, the same addresses at every step of this `pad_to`:
+        pad_to * queries_per_seq token rows (padding rows: input id 0, position 0, cache slot -1, so
+        nothing is written) and pad_to sequences (padding sequences have no queries and a context of
+        0, so they read nothing), with block tables of the buffers' full width. Rows of the output
+        past the batch's real tokens are garbage, to be ignored."""
+        if pad_to is not None:
+            return self._prepare_padded(batch, pad_to)
+        ids, positions, slots, query_start, seq_lens, tables = self._host_inputs(batch)
+        width = max(len(t) for t in tables)
+        device = self.device
+        meta = CudaMetadata(
+            backend=self.backend,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+            query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        )
+        return (
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            meta,
+        )
+
+    def _prepare_padded(self, batch: StepBatch, pad_to: int) -> tuple[torch.Tensor, torch.Tensor, CudaMetadata]:
+        buf = self.graph_buffers
+        if buf is None:
+            raise RuntimeError("prepare(pad_to=...) needs allocate_graph_buffers() first")
+        max_seqs, max_blocks = buf.block_tables.shape
+        if not len(batch.seqs) <= pad_to <= max_seqs:
+            raise ValueError(f"cannot pad {len(batch.seqs)} sequences to {pad_to} (buffers for {max_seqs})")
+        if any(not s.is_decode or len(s.token_ids) > buf.queries_per_seq for s in batch.seqs):
+            raise ValueError(f"a padded step is decode-only, at most {buf.queries_per_seq} tokens per sequence")
+        ids, positions, slots, query_start, seq_lens, tables = self._host_inputs(batch)
+        width = max(len(t) for t in tables)
+        if width > max_blocks:
+            raise ValueError(f"a block table of {width} blocks does not fit the graph buffers' {max_blocks}")
+        tokens, real = pad_to * buf.queries_per_seq, len(ids)
+        pad_rows, pad_seqs = tokens - real, pad_to - len(batch.seqs)
+        # Only the tables' used columns are copied: columns past a sequence's context are never read.
+        buf.block_tables[:pad_to, :width].copy_(
+            torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad_seqs, dtype=torch.int32)
+        )
+        buf.input_ids[:tokens].copy_(torch.tensor(ids + [0] * pad_rows, dtype=torch.long))
+        buf.positions[:tokens].copy_(torch.tensor(positions + [0] * pad_rows, dtype=torch.long))
+        buf.slot_mapping[:tokens].copy_(torch.tensor(slots + [-1] * pad_rows, dtype=torch.long))
+        buf.query_start[: pad_to + 1].copy_(torch.tensor(query_start + [real] * pad_seqs, dtype=torch.int32))
+        buf.seq_lens[:pad_to].copy_(torch.tensor(seq_lens + [0] * pad_seqs, dtype=torch.int32))
+        meta = CudaMetadata(
+            backend=self.backend,
+            slot_mapping=buf.slot_mapping[:tokens],
+            block_tables=buf.block_tables[:pad_to],
+            query_start=buf.query_start[: pad_to + 1],
+            seq_lens=buf.seq_lens[:pad_to],
+        )
+        return buf.input_ids[:tokens], buf.positions[:tokens], meta
+
+    def _host_inputs(
+        self, batch: StepBatch
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
+        """Input ids, positions and cache slots per token; query offsets, context lengths and block
+        tables per sequence; as Python lists."""
+        ids, positions, slots = self.token_lists(batch)
+        query_start, seq_lens = [0], []
+        for s in batch.seqs:
+            query_start.append(query_start[-1] + len(s.token_ids))
+            seq_lens.append(s.start + len(s.token_ids))
+        return ids, positions, slots, query_start, seq_lens, [s.block_table for s in batch.seqs]
+
+
+@register_backend
+class CudaBackend(Backend):
+    name = "cuda"
+    description = "Triton paged attention on the GPU"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        from tachyllm.kernels.triton import paged_attention  # imports triton: only once the backend is chosen
+
+        self._write_kv = paged_attention.write_kv
+        self._paged_attention = paged_attention.paged_attention
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "needs a CUDA device (and triton), and triton is not installed"
+        if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+            return None  # the CPU: Triton's interpreter, for the tests
+        return f"needs a CUDA device (and triton), and the device is {device}"
+
+    def metadata_builder(self, kv_caches: list[LayerKV], block_size: int) -> CudaMetadataBuilder:
+        return CudaMetadataBuilder(self, kv_caches, block_size)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: LayerKV,
+        meta: CudaMetadata,
+        scale: float,
+        layer: int,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        (kc, ks), (vc, vs) = kernel_caches(*kv_cache)
+        self._write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
+        return self._paged_attention(
+            q, kc, vc, meta.block_tables, meta.query_start, meta.seq_lens, scale, window=window, k_scale=ks, v_scale=vs
+        )
