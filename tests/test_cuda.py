@@ -71,3 +71,70 @@ def test_cuda_fp8_kv_cache_runs(tiny_model_factory):
     assert runs[0] == runs[1] and all(len(t) == 10 for t in runs[0])
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def _cuda_backend_or_skip() -> None:
+    from tachyllm.backends.registry import resolve_backend_name
+    from tachyllm.errors import ConfigError
+
+    try:
+        resolve_backend_name("cuda", torch.device("cuda"))
+    except ConfigError as e:
+        pytest.skip(f"the cuda backend: {e}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_greedy_matches_eager(tiny_model_factory, dtype):
+    """Decode steps replayed from CUDA graphs (batches of 1, 3 and 9 sequences: buckets 1, 4 and 16,
+    so padded) give the same greedy tokens as the same engine run eagerly (--enforce-eager)."""
+    _cuda_backend_or_skip()
+    path = str(tiny_model_factory("llama"))
+    batches = [
+        mixed_prompts(300, lengths=lengths, seed=2) for lengths in ((5,), (2, 40, 9), (3, 7, 1, 23, 6, 2, 9, 5, 4))
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype=dtype, device="cuda", backend="cuda", max_num_seqs=16, kv_cache_memory=16 << 20,
+                  enforce_eager=eager)  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        outputs[eager] = [[o.outputs[0].token_ids for o in llm.generate(p, greedy, use_tqdm=False)] for p in batches]
+        if not eager:
+            assert sorted(graphs.graphs) == [(b, 1) for b in (1, 2, 4, 8, 16)] and graphs.replays >= 3 * 11
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        del llm
+    assert outputs[False] == outputs[True]
+
+
+def test_cuda_graphs_verification_steps(tiny_model_factory):
+    """n-gram speculation with k = 3 fixed: verification steps with 3 drafts replay their own graphs;
+    greedy tokens equal the eager engine's."""
+    _cuda_backend_or_skip()
+    path = str(tiny_model_factory("llama"))
+    prompts = [[5 + i, 6 + i, 7 + i] * 6 for i in range(9)]  # repetitive: the n-gram proposer finds drafts
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", backend="cuda", max_num_seqs=16, kv_cache_memory=16 << 20,
+                  enforce_eager=eager, speculative_config=spec)  # fmt: skip
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        if not eager:
+            assert (16, 4) in llm.engine.runner.graphs.graphs
+        del llm
+    assert outputs[False] == outputs[True]
+
+
+def test_cuda_graph_memory_is_reserved_before_the_kv_cache(tiny_model_factory, caplog):
+    """Without --kv-cache-memory the cache is sized after the graphs' memory is measured; capture is logged."""
+    import logging
+
+    _cuda_backend_or_skip()
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", device="cuda", backend="cuda", max_num_seqs=8,
+                  gpu_memory_utilization=0.3)  # fmt: skip
+    assert "CUDA graphs: 4 captured" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -12,6 +12,7 @@ import torch
 from tachyllm import faults, tracing
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
 from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.runner.cuda_graphs import DecodeGraphs
 from tachyllm.sampling.sampler import Sampler, logprob_rows
 from tachyllm.sampling.verify import verify
 from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
@@ -37,6 +38,13 @@ class ModelRunner:
         self.backend = backend
         self.device = backend.device
         self.builder = backend.metadata_builder(kv_caches, block_size)
+        self.graphs: DecodeGraphs | None = None
+
+    def use_graphs(self, max_num_seqs: int, query_counts: tuple[int, ...], capture: bool = True) -> None:
+        """Decode-only steps of these queries per sequence run padded to their batch-size bucket,
+        replaying graphs captured now (capture=False: the padded forward eagerly; tests)."""
+        self.graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, max_num_seqs, query_counts, capture)
+        self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
@@ -123,6 +131,13 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         faults.check("prepare", batch.seqs)
+        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        if bucket is not None:
+            with tracing.span("prepare_inputs"):
+                inputs = self.graphs.prepare(batch, bucket)
+            faults.check("forward", batch.seqs)
+            with tracing.span("forward"):
+                return self.graphs.replay(bucket, inputs)[: batch.num_tokens]
         with tracing.span("prepare_inputs"):
             input_ids, positions, meta = self.prepare(batch)
         faults.check("forward", batch.seqs)
