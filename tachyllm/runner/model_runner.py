@@ -13,7 +13,7 @@ from tachyllm import faults, tracing
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.cuda_graphs import DecodeGraphs
-from tachyllm.sampling.sampler import Sampler, logprob_rows
+from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
 from tachyllm.sampling.verify import verify
 from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
 
@@ -64,7 +64,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, seqs)
         if not plain_rows and not spec_rows:
             return StepResult([], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[to_device(plain_rows + spec_rows, torch.long, self.device)])
         faults.check("sample", seqs)
         with tracing.span("sample"):
             return StepResult(self._sample(logits, plain, len(plain_rows), spec), prompt_logprobs)
