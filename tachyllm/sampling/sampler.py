@@ -117,8 +117,9 @@ class Sampler:
         dev = probs.device
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
-        parts = [torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64, device=dev)] if unseeded else []
-        parts += [torch.rand(1, generator=seqs[i].generator, dtype=torch.float64, device=dev) for i in seeded]
+        counts = [(len(unseeded), self.generator)] if unseeded else []
+        counts += [(1, seqs[i].generator) for i in seeded]
+        parts = [torch.rand(n, generator=g, dtype=torch.float64, device=dev) for n, g in counts]
         u = torch.cat(parts)
         if seeded and unseeded:  # each row's uniform to its place
             u = torch.empty_like(u).index_copy_(0, to_device(unseeded + seeded, torch.long, dev), u)
