@@ -135,6 +135,37 @@ def test_cuda_graph_memory_is_reserved_before_the_kv_cache(tiny_model_factory, c
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", device="cuda", backend="cuda", max_num_seqs=8,
                   gpu_memory_utilization=0.3)  # fmt: skip
-    assert "CUDA graphs: 4 captured" in caplog.text
+    assert "CUDA graphs: a trial capture of 1 (batch sizes [8]" in caplog.text  # measured before the KV cache
+    assert "CUDA graphs: 4 (batch sizes [1, 2, 4, 8] x queries per sequence [1]) captured" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_cuda_sampler_syncs_once_per_step(logprobs):
+    """torch.cuda's sync debug mode warns at every call that waits for the device: a step's sampling
+    with every option (seeded rows on their own device generators) waits once for the sampled ids,
+    and once more for logprobs when a row asks for them."""
+    import warnings
+
+    from test_sampler import _every_option_batch
+
+    from tachyllm.sampling.sampler import Sampler
+
+    rows = [r for r in _every_option_batch() if logprobs or r.params.logprobs is None]
+    for r in rows:
+        if r.generator is not None:
+            r.generator = torch.Generator(device="cuda").manual_seed(r.params.seed)
+    sampler = Sampler(20, eos_token_ids=[19], device=torch.device("cuda"), seed=3)
+    logits = torch.randn(len(rows), 20, device="cuda")
+    sampler(logits, rows)  # lazy initialisation (pinned memory, kernels) outside the count
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sampler(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1 + logprobs, syncs

@@ -49,8 +49,9 @@ def test_bucket_choice():
     assert graphs.bucket(StepBatch([_seq(5, 1), _seq(5, 3, drafts=2)])) is None
     assert graphs.bucket(StepBatch([_seq(5, 2, drafts=1)])) is None
     assert graphs.bucket(StepBatch([])) is None
-    capture = dummy_decodes(4, 3)
+    capture = dummy_decodes(4, 3, block_size=2)
     assert len(capture.seqs) == 4 and all(s.is_decode and s.num_draft_tokens == 2 for s in capture.seqs)
+    assert capture.seqs[0].block_table == [0, 0]  # every position of the capture in block 0
 
 
 @dataclass(kw_only=True, eq=False)

@@ -39,21 +39,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in (1, 2, 4, *range(8, max_num_seqs, 8)) if b < max_num_seqs] + [max_num_seqs]
 
 
-def dummy_decodes(num_seqs: int, queries: int) -> StepBatch:
+def dummy_decodes(num_seqs: int, queries: int, block_size: int) -> StepBatch:
     """A decode-only batch of `num_seqs` sequences at position 0 with `queries` tokens each (the
-    last queries - 1 drafts) in block 0: what capture runs. Its K/V lands in block 0, which nothing
-    owns at start-up and a sequence that gets it overwrites before reading."""
+    last queries - 1 drafts), all in block 0: what capture runs. Its K/V lands in block 0, which
+    nothing owns at start-up and a sequence that gets it overwrites before reading."""
+    blocks = [0] * -(-queries // block_size)
     seqs = [
-        ScheduledSeq(
-            seq_id=-1 - i,
-            request_id="",
-            start=0,
-            token_ids=[0] * queries,
-            num_draft_tokens=queries - 1,
-            block_table=[0],
-            seq_len=1,
-            completes=True,
-        )  # fmt: skip
+        ScheduledSeq(-1 - i, "", 0, [0] * queries, queries - 1, blocks, seq_len=1, completes=True)
         for i in range(num_seqs)
     ]
     return StepBatch(seqs)
@@ -96,11 +88,12 @@ class DecodeGraphs:
         return self.buckets[bisect.bisect_left(self.buckets, len(seqs))], queries
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
+    def capture_all(self) -> tuple[float, int]:
         """Captures every (bucket, queries) graph, largest first so that smaller ones reuse the
-        shared memory pool; logs the time and memory taken. Nothing to do without capture."""
+        shared memory pool; returns the seconds and the bytes of device memory it took (nothing
+        to do without capture)."""
         if not self.capture:
-            return
+            return 0.0, 0
         t0 = time.perf_counter()
         device = self.builder.device
         before = torch.cuda.memory_reserved(device)
@@ -109,15 +102,16 @@ class DecodeGraphs:
             for size in reversed(self.buckets):
                 self.graphs[size, queries] = self._capture(size, queries, pool)
         torch.cuda.synchronize(device)
-        logger.info(
-            "CUDA graphs: %d captured (batch sizes %s x queries %s) in %.1f s, %.0f MiB",
-            len(self.graphs), _ranges(self.buckets), list(self.query_counts), time.perf_counter() - t0,
-            (torch.cuda.memory_reserved(device) - before) / 2**20,
-        )  # fmt: skip
+        return time.perf_counter() - t0, torch.cuda.memory_reserved(device) - before
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.graphs)} (batch sizes {_ranges(self.buckets)} x queries per sequence {list(self.query_counts)})"
+        )
 
     def _capture(self, size: int, queries: int, pool) -> _Graph:
         device = self.builder.device
-        inputs = self.builder.prepare(dummy_decodes(size, queries), pad_to=size)
+        inputs = self.builder.prepare(dummy_decodes(size, queries, self.builder.block_size), pad_to=size)
         # One eager run first, on a side stream as capture needs: lazy initialisation (cuBLAS
         # workspaces, Triton compilation and autotuning) must not happen inside the capture.
         stream = torch.cuda.Stream(device)
@@ -181,13 +175,16 @@ def measure_graph_memory(
     cache_bytes = torch.cuda.memory_reserved(device) - before
     graphs = DecodeGraphs(forward, backend.metadata_builder(caches, block_size), caches, max_num_seqs, query_counts)
     graphs.buckets = graphs.buckets[-1:]
-    graphs.capture_all()
-    torch.cuda.synchronize(device)
-    used = torch.cuda.memory_reserved(device) - before - cache_bytes
+    seconds, _ = graphs.capture_all()
+    used = max(torch.cuda.memory_reserved(device) - before - cache_bytes, 0)
+    logger.info(
+        "CUDA graphs: a trial capture of %s took %.1f s and %.0f MiB, kept free of the KV cache",
+        graphs.describe(), seconds, used / 2**20,
+    )  # fmt: skip
     del graphs, caches
     torch.cuda.empty_cache()
-    return max(used, 0)
+    return used
 
 
 def _ranges(buckets: list[int]) -> str:
-    return f"{buckets[0]}..{buckets[-1]}" if len(buckets) > 3 else str(buckets)
+    return f"{buckets[0]}..{buckets[-1]}" if len(buckets) > 5 else str(buckets)

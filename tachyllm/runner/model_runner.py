@@ -7,6 +7,8 @@ then prefill chunks, with no padding between sequences.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tachyllm import faults, tracing
@@ -16,6 +18,8 @@ from tachyllm.runner.cuda_graphs import DecodeGraphs
 from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
 from tachyllm.sampling.verify import verify
 from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
+
+logger = logging.getLogger("tachyllm")
 
 # Prompt rows scored through the LM head at once: a whole 2048-token chunk's fp32 logits would take
 # 400 MB at a 49152-token vocabulary; 256 rows take 50 MB.
@@ -44,7 +48,9 @@ class ModelRunner:
         """Decode-only steps of these queries per sequence run padded to their batch-size bucket,
         replaying graphs captured now (capture=False: the padded forward eagerly; tests)."""
         self.graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, max_num_seqs, query_counts, capture)
-        self.graphs.capture_all()
+        seconds, used = self.graphs.capture_all()
+        if capture:
+            logger.info("CUDA graphs: %s captured in %.1f s, %.0f MiB", self.graphs.describe(), seconds, used / 2**20)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
