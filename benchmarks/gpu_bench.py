@@ -447,7 +447,7 @@ class Bench:
         seconds = time.perf_counter() - start
         recorded = dict(result) if isinstance(result, dict) else {}
         self.report["phases"][name] = dict(recorded, phase_seconds=seconds)
-        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in recorded.items()}
+        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in recorded.items() if k != "config"}
         log(f"[{self.elapsed():6.1f}s] {name}: {seconds:.1f} s {json.dumps(shown, default=str)}")
         self.save()
         return result
@@ -573,7 +573,12 @@ def run(bench: Bench) -> None:
             bench.report["phases"][f"{model}/build"] = {"skipped": f"{bench.left():.0f} s left of the budget"}
             continue
         with tempfile.TemporaryDirectory(prefix=f"tachy-gpu-bench-{model}-") as tmp:
-            run_model(bench, model, Path(tmp))
+            try:
+                run_model(bench, model, Path(tmp))
+            except Exception as e:  # outside a phase: the next model still runs
+                traceback.print_exc(file=sys.stdout)
+                bench.report["errors"][model] = f"{type(e).__name__}: {e}"
+        free_memory()
 
 
 # -- the report -----------------------------------------------------------------------------------

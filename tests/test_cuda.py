@@ -1,14 +1,23 @@
-"""The engine on a CUDA device, where every layer runs its plain PyTorch path (the C++ kernels are
-CPU-only). Skipped where no GPU is present, as in CI; run on a GPU machine with
-`pytest tests/test_cuda.py`."""
+"""The engine on a CUDA device: the portable PyTorch path (the C++ kernels are CPU-only), and the
+cuda backend's CUDA graphs (skipped while that backend is unavailable) and host-sync-free sampling.
+Skipped where no GPU is present, as in CI; run on a GPU machine with `pytest tests/test_cuda.py`
+(benchmarks/gpu_check.sh does)."""
 
 from __future__ import annotations
+
+import logging
+import warnings
 
 import pytest
 import torch
 from test_hf_parity import NEW_TOKENS, hf_greedy, mixed_prompts
+from test_sampler import _every_option_batch
 
 from tachyllm import LLM, SamplingParams
+from tachyllm.backends.registry import resolve_backend_name
+from tachyllm.errors import ConfigError
+from tachyllm.sampling.sampler import Sampler
+from tachyllm.step import ScheduledSeq, StepBatch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -74,9 +83,6 @@ def test_cuda_fp8_kv_cache_runs(tiny_model_factory):
 
 
 def _cuda_backend_or_skip() -> None:
-    from tachyllm.backends.registry import resolve_backend_name
-    from tachyllm.errors import ConfigError
-
     try:
         resolve_backend_name("cuda", torch.device("cuda"))
     except ConfigError as e:
@@ -109,8 +115,8 @@ def test_cuda_graphs_greedy_matches_eager(tiny_model_factory, dtype):
 
 
 def test_cuda_graphs_verification_steps(tiny_model_factory):
-    """n-gram speculation with k = 3 fixed: verification steps with 3 drafts replay their own graphs;
-    greedy tokens equal the eager engine's."""
+    """n-gram speculation with k = 3 fixed: verification steps of 3 drafts get graphs of their own; the
+    greedy tokens equal the eager engine's (steps with fewer drafts run eagerly)."""
     _cuda_backend_or_skip()
     path = str(tiny_model_factory("llama"))
     prompts = [[5 + i, 6 + i, 7 + i] * 6 for i in range(9)]  # repetitive: the n-gram proposer finds drafts
@@ -127,10 +133,39 @@ def test_cuda_graphs_verification_steps(tiny_model_factory):
     assert outputs[False] == outputs[True]
 
 
+def test_cuda_graph_replays_a_verification_step(tiny_model_factory):
+    """A verification step of 3 sequences with k = 2 drafts each, replayed from the graph of batch size 4
+    (padded): the hidden states and greedy tokens of the same step run eagerly, at every position."""
+    _cuda_backend_or_skip()
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", device="cuda", backend="cuda", block_size=4,
+              max_num_seqs=8, kv_cache_memory=8 << 20, speculative_config=spec)  # fmt: skip
+    runner = llm.engine.runner
+    prompts = mixed_prompts(250, lengths=(5, 9, 4), seed=4)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]  # block 0 holds the captures' K/V
+
+    def seq(i: int, start: int, tokens: list[int], drafts: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            seq_id=i, request_id=str(i), start=start, token_ids=tokens, num_draft_tokens=drafts,
+            block_table=tables[i], seq_len=start + len(tokens) - drafts, completes=True,
+        )  # fmt: skip
+
+    runner.forward(StepBatch([seq(i, 0, p, 0) for i, p in enumerate(prompts)]))  # a prefill: eager
+    step = StepBatch([seq(i, len(p), [7 + i, 8, 9 + i], 2) for i, p in enumerate(prompts)])
+    graphs = runner.graphs
+    assert graphs.bucket(step) == (4, 3)
+    replayed = runner.forward(step).clone()
+    assert graphs.replays == 1
+    runner.graphs = None
+    eager = runner.forward(step)
+    runner.graphs = graphs
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+    logits = llm.engine.model.compute_logits
+    assert torch.equal(logits(replayed).argmax(-1), logits(eager).argmax(-1))
+
+
 def test_cuda_graph_memory_is_reserved_before_the_kv_cache(tiny_model_factory, caplog):
     """Without --kv-cache-memory the cache is sized after the graphs' memory is measured; capture is logged."""
-    import logging
-
     _cuda_backend_or_skip()
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", device="cuda", backend="cuda", max_num_seqs=8,
@@ -146,12 +181,6 @@ def test_cuda_sampler_syncs_once_per_step(logprobs):
     """torch.cuda's sync debug mode warns at every call that waits for the device: a step's sampling
     with every option (seeded rows on their own device generators) waits once for the sampled ids,
     and once more for logprobs when a row asks for them."""
-    import warnings
-
-    from test_sampler import _every_option_batch
-
-    from tachyllm.sampling.sampler import Sampler
-
     rows = [r for r in _every_option_batch() if logprobs or r.params.logprobs is None]
     for r in rows:
         if r.generator is not None:
