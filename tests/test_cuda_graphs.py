@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,7 +38,10 @@ def _seq(start: int, tokens: int, drafts: int = 0) -> ScheduledSeq:
 
 
 def test_bucket_choice():
-    graphs = DecodeGraphs(None, None, [], max_num_seqs=20, query_counts=(1, 3), capture=False)
+    allocated = []
+    builder = SimpleNamespace(allocate_graph_buffers=lambda *sizes: allocated.append(sizes))
+    graphs = DecodeGraphs(None, builder, [], max_num_seqs=20, max_blocks=4, query_counts=(1, 3), capture=False)
+    assert allocated == [(20, 4, 3)]  # one set of persistent buffers, for the most queries per sequence
     assert graphs.bucket(StepBatch([_seq(5, 1)])) == (1, 1)
     assert graphs.bucket(StepBatch([_seq(5, 1)] * 3)) == (4, 1)
     assert graphs.bucket(StepBatch([_seq(5, 1)] * 9)) == (16, 1)
@@ -85,7 +89,7 @@ def test_padded_decodes_match_unpadded(tiny_model_factory):
     ]
     eager = [_greedy(llm, prompts) for prompts in batches]
     runner = llm.engine.runner
-    runner.use_graphs(16, (1,), capture=False)
+    runner.use_graphs(16, 8, (1,), capture=False)
     assert [_greedy(llm, prompts) for prompts in batches] == eager
     assert runner.graphs.replays >= 3 * 5  # every decode step of the three batches
     bm = llm.engine.block_manager
@@ -110,7 +114,7 @@ def test_padded_verification_step_matches_unpadded(tiny_model_factory):
     runner.forward(StepBatch([seq(i, 0, p, 0) for i, p in enumerate(prompts)]))
     step = StepBatch([seq(i, len(p), [7 + i, 8, 9 + i], 2) for i, p in enumerate(prompts)])
     eager = runner.forward(step)
-    runner.use_graphs(8, (1, 3), capture=False)
+    runner.use_graphs(8, 8, (1, 3), capture=False)
     padded = runner.forward(step)
     assert runner.graphs.replays == 1 and padded.shape == eager.shape == (9, eager.shape[1])
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)

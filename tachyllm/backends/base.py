@@ -114,6 +114,12 @@ class MetadataBuilder(ABC):
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, metadata) of the step; reads only the batch."""
 
+    def allocate_graph_buffers(self, max_num_seqs: int, max_blocks: int, queries_per_seq: int = 1) -> object:
+        """The persistent buffers `prepare(batch, pad_to=...)` writes a decode-only step into, for
+        CUDA graphs: up to `max_num_seqs` sequences of `queries_per_seq` tokens and `max_blocks` KV
+        blocks each. Builders of backends that are not graph_capturable keep none."""
+        return None
+
     def token_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input ids, positions and cache slots of every token of the batch, in row order."""
         bs = self.block_size

@@ -91,12 +91,13 @@ class LLMEngine:
         block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
         wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
         graph_queries = self._graph_query_counts()
+        max_blocks = -(-self.max_model_len // config.block_size)  # a sequence's longest block table
         graph_bytes = 0
         if graph_queries and config.kv_cache_memory is None:
             # Measured over a cache of the model dtype: the graphs' memory is activations, whatever the cache stores.
             graph_bytes = cuda_graphs.measure_graph_memory(
                 model, self.backend, lambda n: self.backend.allocate_kv_cache(mc, n, config.block_size, self.dtype),
-                config.block_size, config.max_num_seqs, graph_queries,
+                config.block_size, config.max_num_seqs, max_blocks, graph_queries,
             )  # fmt: skip
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
             self.device, wanted, config.gpu_memory_utilization, graph_bytes
@@ -145,7 +146,7 @@ class LLMEngine:
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
         self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
         if graph_queries:
-            self.runner.use_graphs(config.max_num_seqs, graph_queries)
+            self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(

@@ -65,11 +65,15 @@ class DecodeGraphs:
         builder: MetadataBuilder,
         kv_caches: list,
         max_num_seqs: int,
+        max_blocks: int,
         query_counts: tuple[int, ...] = (1,),
         capture: bool = True,
     ):
         self.forward = forward
         self.builder = builder
+        # One set of buffers for every query count: a step of fewer queries per sequence is padded
+        # with token rows of no sequence.
+        builder.allocate_graph_buffers(max_num_seqs, max_blocks, max(query_counts))
         self.kv_caches = kv_caches
         self.buckets = graph_buckets(max_num_seqs)
         self.query_counts = query_counts
@@ -162,7 +166,7 @@ def _copy_into(static: tuple, fresh: tuple) -> None:
 
 def measure_graph_memory(
     forward: Forward, backend, allocate_cache: Callable[[int], list], block_size: int, max_num_seqs: int,
-    query_counts: tuple[int, ...],
+    max_blocks: int, query_counts: tuple[int, ...],
 ) -> int:  # fmt: skip
     """Bytes the graphs' memory pool takes, measured before the KV cache is sized: the largest bucket
     of each query count captured against a one-block cache, then freed (smaller buckets reuse the
@@ -173,7 +177,8 @@ def measure_graph_memory(
     before = torch.cuda.memory_reserved(device)
     caches = allocate_cache(1)
     cache_bytes = torch.cuda.memory_reserved(device) - before
-    graphs = DecodeGraphs(forward, backend.metadata_builder(caches, block_size), caches, max_num_seqs, query_counts)
+    builder = backend.metadata_builder(caches, block_size)
+    graphs = DecodeGraphs(forward, builder, caches, max_num_seqs, max_blocks, query_counts)
     graphs.buckets = graphs.buckets[-1:]
     seconds, _ = graphs.capture_all()
     used = max(torch.cuda.memory_reserved(device) - before - cache_bytes, 0)
@@ -181,7 +186,7 @@ def measure_graph_memory(
         "CUDA graphs: a trial capture of %s took %.1f s and %.0f MiB, kept free of the KV cache",
         graphs.describe(), seconds, used / 2**20,
     )  # fmt: skip
-    del graphs, caches
+    del graphs, builder, caches
     torch.cuda.empty_cache()
     return used
 

@@ -44,10 +44,15 @@ class ModelRunner:
         self.builder = backend.metadata_builder(kv_caches, block_size)
         self.graphs: DecodeGraphs | None = None
 
-    def use_graphs(self, max_num_seqs: int, query_counts: tuple[int, ...], capture: bool = True) -> None:
-        """Decode-only steps of these queries per sequence run padded to their batch-size bucket,
-        replaying graphs captured now (capture=False: the padded forward eagerly; tests)."""
-        self.graphs = DecodeGraphs(self.model, self.builder, self.kv_caches, max_num_seqs, query_counts, capture)
+    def use_graphs(
+        self, max_num_seqs: int, max_blocks: int, query_counts: tuple[int, ...], capture: bool = True
+    ) -> None:
+        """Decode-only steps of these queries per sequence (and block tables of up to max_blocks) run
+        padded to their batch-size bucket, replaying graphs captured now (capture=False: the padded
+        forward eagerly; tests)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.builder, self.kv_caches, max_num_seqs, max_blocks, query_counts, capture
+        )
         seconds, used = self.graphs.capture_all()
         if capture:
             logger.info("CUDA graphs: %s captured in %.1f s, %.0f MiB", self.graphs.describe(), seconds, used / 2**20)
