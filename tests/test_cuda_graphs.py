@@ -6,6 +6,7 @@ replay themselves are tested in tests/test_cuda.py."""
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -15,8 +16,10 @@ from test_hf_parity import mixed_prompts
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.base import AttentionMetadata
+from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.runner.cuda_graphs import DecodeGraphs, _copy_into, dummy_decodes, graph_buckets
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import ScheduledSeq, StepBatch
 
 
@@ -132,3 +135,22 @@ def test_enforce_eager_flag():
 def test_cpu_engine_captures_nothing(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", kv_cache_memory=4 << 20)
     assert llm.engine.runner.graphs is None
+
+
+def test_which_steps_the_engine_captures(caplog):
+    """Graphs on a CUDA device with a capturable backend, unless --enforce-eager: decode steps, and
+    verification steps of the speculator's k drafts."""
+
+    def counts(device="cuda", eager=False, capturable=True, spec=None):
+        config = SimpleNamespace(enforce_eager=eager, speculative_config=spec)
+        backend = SimpleNamespace(graph_capturable=capturable, name="x")
+        return LLMEngine._graph_query_counts(
+            SimpleNamespace(device=torch.device(device), config=config, backend=backend)
+        )
+
+    assert counts() == (1,)
+    assert counts(spec=SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})) == (1, 4)
+    assert counts(device="cpu") is None and counts(eager=True) is None
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        assert counts(capturable=False) is None
+    assert "CUDA graphs off: the x backend's steps cannot be captured" in caplog.text
