@@ -1,56 +1,63 @@
-"""tachyllm vs Hugging Face transformers on one CUDA GPU, side by side in one run (random weights).
+"""tachyllm on one CUDA GPU, side by side in one run with Hugging Face transformers (and vLLM when the
+machine has it), on random-weight models built on the device: issue #21's performance list.
 
-The default model cannot travel to the GPU machine, so this builds a random-weight model with the
-exact shape of SmolLM2-135M-Instruct (LlamaForCausalLM: hidden 576, intermediate 1536, 30 layers,
-9 heads, 3 KV heads, head_dim 64, vocab 49152, tied embeddings, rope_theta 100000), bf16, saved
-with save_pretrained into a temporary directory together with a synthetic byte-level BPE tokenizer
-of the full 49152-token vocabulary (tachyllm's LLM loads tokenizer.json; prompts are token ids).
+Models (bf16, random weights, saved with save_pretrained into a temporary directory together with a
+synthetic byte-level BPE tokenizer of the full vocabulary; prompts are random token ids):
+  - SmolLM2-135M shape (LlamaForCausalLM: hidden 576, intermediate 1536, 30 layers, 9 heads, 3 KV
+    heads, head_dim 64, vocab 49152, tied embeddings, rope_theta 100000);
+  - Llama-3-8B shape (hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 KV heads, head_dim
+    128, vocab 128256, rope_theta 500000), when the time budget leaves room for it.
 
-Measured (greedy, EOS ignored so every request generates exactly its token count):
-  1. tachyllm offline batch: 64 prompts x 128 random prompt tokens, 128 output tokens each ->
-     output tok/s = generated tokens / wall time of llm.generate (after a smaller warm-up run).
-     Also 256 prompts, if the time budget allows.
-  2. tachyllm single stream: 1 prompt of 128 tokens, 256 output tokens -> decode tok/s
-     (1 / mean time per output token after the first, from the request's metrics) and whole
-     generate tok/s (256 / wall time, prefill included).
-  3. transformers model.generate on the same weights, bf16, min_new_tokens = max_new_tokens:
-     batch 64 (and 256) of equal-length prompts (no padding needed), and batch 1 with 256 new
-     tokens (decode tok/s = 256 / (time of 257 new tokens - time of 1 new token); whole = 256 /
-     wall time of the 256-token generate).
-  4. Ratios tachyllm / transformers for each.
+Per model, greedy with EOS ignored (every request generates exactly its token count):
+  1. tachyllm single stream, 128 in / 256 out: decode tok/s (1 / mean time per output token after
+     the first) and its share of the HBM bandwidth limit (weight bytes read once per token);
+     also with --enforce-eager (no CUDA graphs) for the graphs' gain;
+  2. tachyllm offline 256 x (128 in / 128 out): output tok/s and achieved TFLOP/s (linear layers,
+     LM head and attention FLOPs of the whole run over its wall time);
+  3. transformers model.generate on the same weights: the same two workloads;
+  4. served: `tachy serve` in a subprocess, `tachy bench serve` sending 256 requests at once
+     (128/128): TTFT p99 and output tok/s;
+  5. variants, each its own engine under the same --gpu-memory-utilization: fp8 KV cache, int4
+     weights, fp8 weights: offline tok/s, single-stream decode tok/s and KV-cache capacity (tokens)
+     next to bf16;
+  6. vLLM (only if importable): offline batch and single stream.
 
-Prints each phase's timing as it goes, then a markdown table and a JSON blob (also written to
-$OUT/gpu_bench.json when OUT is set, rewritten after every phase so a cut-off run keeps its
-results). Each phase catches its own exception and the run continues. A measured phase predicted
-to end past --time-budget seconds (150; single stream and the batch of 256 are estimated from
-the same engine's batch of 64) is skipped, so a slow engine cannot stretch the run much.
+Each engine is freed before the next loads (every tachyllm engine sizes its KV cache from the
+memory left). Each phase catches its own exception and the run continues; a phase predicted to
+end past --time-budget seconds is skipped. Writes ONE result file, $OUT/gpu_bench.md (markdown
+tables, then the whole report as JSON), rewritten after every phase so that a cut-off run keeps
+what it measured; the same is printed at the end.
 
-On the GPU machine, from the repository root with PYTHONPATH set to it:
+On the GPU machine, from the repository root (benchmarks/gpu_check.sh runs it after the CUDA tests):
 
-    python3 benchmarks/gpu_bench.py
+    PYTHONPATH=$PWD python3 benchmarks/gpu_bench.py --time-budget 360
 
 CPU smoke test of the same code path:
 
-    .venv/bin/python benchmarks/gpu_bench.py --device cpu --num-layers 2 --num-prompts 4 \\
-        --large-num-prompts 8 --input-len 16 --output-len 8 --single-output-len 16 --kv-cache-memory-gib 0.25
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/gpu_bench.py --device cpu --num-layers 2 --models smollm2-135m \\
+        --batch-prompts 4 --serve-prompts 4 --input-len 16 --output-len 8 --single-output-len 8 --warmup-output-len 4
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import itertools
 import json
 import logging
 import os
 import platform
 import random
+import socket
 import string
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -59,49 +66,56 @@ os.environ.setdefault("TACHY_CACHE_DIR", "off")  # nothing written to ~/.cache (
 import torch  # noqa: E402
 
 from tachyllm import LLM, SamplingParams  # noqa: E402
-from tachyllm.runner.kv_cache import bytes_per_block  # noqa: E402
+from tachyllm.backends.registry import backend_names  # noqa: E402
+from tachyllm.kernels.kv_quant import QuantizedKV  # noqa: E402
 
-# SmolLM2-135M-Instruct's config.json, the fields that shape the computation.
-SMOLLM2_135M: dict[str, Any] = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-    hidden_act="silu",
-)
-ROPE_THETA = 100000.0
+# The config.json fields that shape the computation. Special ids 0-2 are the synthetic tokenizer's.
+COMMON: dict[str, Any] = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2, hidden_act="silu")
+MODELS: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(
+        COMMON, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        tie_word_embeddings=True, rope_theta=100000.0,
+    ),
+    "llama3-8b": dict(
+        COMMON, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+        tie_word_embeddings=False, rope_theta=500000.0,
+    ),
+}  # fmt: skip
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
 FIRST_PROMPT_ID = 100  # random prompt ids skip the special tokens
 PAD_ID = 2
+# Peak HBM bandwidth (bytes/s) and dense bf16 tensor-core FLOP/s of the GPUs this may run on, by name.
+GPU_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
+# Weight / KV-cache variants next to bf16: (name, EngineConfig overrides).
+VARIANTS = [("fp8 KV cache", {"kv_cache_dtype": "fp8"}), ("int4 weights", {"quantization": "int4"}),
+            ("fp8 weights", {"quantization": "fp8"})]  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--num-layers", type=int, default=30, help="30 = SmolLM2-135M; fewer for a smoke test")
-    ap.add_argument("--num-prompts", type=int, default=64, help="offline batch size (both engines)")
-    ap.add_argument("--large-num-prompts", type=int, default=256, help="second, larger batch; 0 = skip")
-    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens (batch and single stream)")
-    ap.add_argument("--output-len", type=int, default=128, help="output tokens per prompt in the batch runs")
+    ap.add_argument("--models", default="smollm2-135m,llama3-8b", help=f"comma list of {', '.join(MODELS)}")
+    ap.add_argument("--num-layers", type=int, default=None, help="override every model's layer count (smoke tests)")
+    ap.add_argument(
+        "--backend", default="cuda" if "cuda" in backend_names() else "auto", help="tachyllm's execution backend"
+    )
+    ap.add_argument("--batch-prompts", type=int, default=256, help="offline batch size (every engine)")
+    ap.add_argument("--serve-prompts", type=int, default=256, help="requests sent at once to tachy serve; 0 = skip")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens (every workload)")
+    ap.add_argument("--output-len", type=int, default=128, help="output tokens per prompt, batch and served")
     ap.add_argument("--single-output-len", type=int, default=256, help="output tokens of the single stream")
     ap.add_argument("--warmup-prompts", type=int, default=8)
     ap.add_argument("--warmup-output-len", type=int, default=16)
-    ap.add_argument("--kv-cache-memory-gib", type=float, default=4.0, help="tachyllm KV cache size")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.45, help="every tachyllm engine's share")
+    ap.add_argument("--kv-cache-memory-gib", type=float, default=None, help="fixed KV cache (the CPU smoke test)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tachyllm tokens per step (its default)")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--time-budget", type=float, default=150.0, help="seconds; phases predicted to overrun are skipped")
-    ap.add_argument("--skip-hf", action="store_true", help="tachyllm only")
+    ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; phases predicted to overrun are skipped")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers phases")
+    ap.add_argument("--skip-variants", action="store_true", help="no fp8 / int4 variants")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -148,22 +162,24 @@ def build_tokenizer(directory: Path, vocab_size: int) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def build_model(directory: Path, num_layers: int, seed: int) -> dict[str, Any]:
-    """Saves a random-weight bf16 LlamaForCausalLM of SmolLM2-135M's shape; returns its config facts."""
+def build_model(directory: Path, shape: dict[str, Any], device: str, seed: int) -> dict[str, Any]:
+    """Saves a random-weight bf16 LlamaForCausalLM of this shape, initialised on the device (an 8B
+    model's init on the CPU alone would take minutes); returns its config facts."""
     import transformers
 
-    shape = dict(SMOLLM2_135M, num_hidden_layers=num_layers)
-    config = transformers.LlamaConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})
+    shape = dict(shape)
+    theta = shape.pop("rope_theta")
+    config = transformers.LlamaConfig(**shape, rope_parameters={"rope_type": "default", "rope_theta": theta})
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory)
     build_tokenizer(directory, shape["vocab_size"])
     saved = json.loads((directory / "config.json").read_text())
-    theta = (saved.get("rope_parameters") or {}).get("rope_theta", saved.get("rope_theta"))
-    if theta != ROPE_THETA:
-        log(f"WARNING: config.json has rope_theta {theta}, not {ROPE_THETA} (both engines read the same file)")
     params = sum(p.numel() for p in model.parameters())
-    return {"num_parameters": params, "rope_theta": theta, "config_json": saved}
+    del model
+    free_memory()
+    return {"num_parameters": params, "config_json": saved}
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -176,46 +192,88 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-# -- tachyllm -------------------------------------------------------------------------------------
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def make_llm(path: Path, args: argparse.Namespace) -> LLM:
-    return LLM(
-        str(path),
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_memory=int(args.kv_cache_memory_gib * 2**30),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        seed=args.seed,
+def run_flops(shape: dict[str, Any], prompts: int, input_len: int, output_len: int) -> float:
+    """FLOPs of an offline run: 2 per weight per token in the layers, the LM head once per generated
+    token, and attention's QK and PV products over each token's context."""
+    h, hd, heads, kv = (
+        shape["hidden_size"],
+        shape["head_dim"],
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+    )
+    layers = shape["num_hidden_layers"]
+    per_layer = h * heads * hd * 2 + 2 * h * kv * hd + 3 * h * shape["intermediate_size"]
+    tokens = prompts * (input_len + output_len)
+    contexts = prompts * (input_len * (input_len + 1) // 2 + sum(input_len + j for j in range(1, output_len + 1)))
+    return (
+        2.0 * layers * per_layer * tokens
+        + 2.0 * h * shape["vocab_size"] * prompts * output_len
+        + (4.0 * layers * heads * hd * contexts)
     )
 
 
+def gpu_peaks() -> tuple[float, float] | tuple[None, None]:
+    if not torch.cuda.is_available():
+        return None, None
+    name = torch.cuda.get_device_name()
+    return next((peaks for key, peaks in GPU_PEAKS.items() if key in name), (None, None))
+
+
+# -- tachyllm -------------------------------------------------------------------------------------
+
+
+def engine_options(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    options = dict(
+        device=args.device, dtype=args.dtype, backend=args.backend, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+    )  # fmt: skip
+    if args.kv_cache_memory_gib is not None:
+        options["kv_cache_memory"] = int(args.kv_cache_memory_gib * 2**30)
+    elif args.device.startswith("cuda"):
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return {**options, **overrides}
+
+
+def make_llm(path: Path, args: argparse.Namespace, **overrides: Any) -> LLM:
+    return LLM(str(path), **engine_options(args, **overrides))
+
+
 def engine_settings(llm: LLM) -> dict[str, Any]:
-    """The EngineConfig the LLM runs with, plus what it derived from it (cache blocks, bytes)."""
+    """The EngineConfig the LLM runs with, plus what it derived from it (cache blocks, graphs)."""
     engine = llm.engine
     config = {f.name: getattr(engine.config, f.name) for f in fields(engine.config)}
     config = {k: v if isinstance(v, (int, float, str, bool, type(None))) else str(v) for k, v in config.items()}
-    kv_dtype = engine.runner.kv_caches[0][0].dtype
-    block_bytes = bytes_per_block(engine.model_config, engine.config.block_size, kv_dtype)
     bm = engine.block_manager
+    graphs = engine.runner.graphs
+    cache = engine.runner.kv_caches[0][0]
     return {
         "config": config,
-        "resolved_dtype": str(engine.dtype),
-        "max_model_len": engine.max_model_len,
-        "kv_cache_blocks": bm.num_blocks,
+        "backend": engine.backend.name,
         "kv_cache_tokens": bm.num_blocks * bm.block_size,
-        "kv_cache_bytes": bm.num_blocks * block_bytes,
-        "kv_cache_dtype": str(kv_dtype),
+        "kv_cache_dtype": str((cache.paged() if isinstance(cache, QuantizedKV) else cache).dtype),
         "weight_bytes": engine.weight_bytes,
-        "native_attention": engine.backend.name == "cpu",
-        "torch_threads": torch.get_num_threads(),
+        "cuda_graphs": None if graphs is None else len(graphs.graphs),
     }
 
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def batch_figures(prompts: list[list[int]], new: int, tokens: int, seconds: float) -> dict[str, Any]:
+    return {
+        "prompts": len(prompts),
+        "generated_tokens": tokens,
+        "expected_tokens": len(prompts) * new,
+        "seconds": seconds,
+        "output_tok_s": tokens / seconds,
+    }
 
 
 def tachy_batch(llm: LLM, prompts: list[list[int]], new: int, device: str) -> dict[str, Any]:
@@ -228,24 +286,7 @@ def tachy_batch(llm: LLM, prompts: list[list[int]], new: int, device: str) -> di
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    stats = llm.engine.stats
-    return {
-        **batch_figures(prompts, new, tokens, seconds),
-        "engine_steps_so_far": stats.num_steps,
-        "preemptions_so_far": stats.num_preemptions,
-        "first_tokens": [o.outputs[0].token_ids[0] for o in outs],
-    }
-
-
-def batch_figures(prompts: list[list[int]], new: int, tokens: int, seconds: float) -> dict[str, Any]:
-    return {
-        "prompts": len(prompts),
-        "generated_tokens": tokens,
-        "expected_tokens": len(prompts) * new,
-        "seconds": seconds,
-        "output_tok_s": tokens / seconds,
-        "total_tok_s": (tokens + sum(map(len, prompts))) / seconds,
-    }
+    return batch_figures(prompts, new, tokens, seconds)
 
 
 def tachy_single(llm: LLM, prompt: list[int], new: int, device: str) -> dict[str, Any]:
@@ -256,18 +297,55 @@ def tachy_single(llm: LLM, prompt: list[int], new: int, device: str) -> dict[str
     seconds = time.perf_counter() - start
     if out.error:
         raise RuntimeError(out.error)
-    tokens = len(out.outputs[0].token_ids)
     tpot = out.metrics.mean_tpot
-    return {
-        "generated_tokens": tokens,
-        "seconds": seconds,
-        "whole_tok_s": tokens / seconds,
-        "ttft_s": out.metrics.ttft,
-        "decode_tok_s": 1.0 / tpot if tpot else None,
-    }
+    return {"seconds": seconds, "ttft_s": out.metrics.ttft, "decode_tok_s": 1.0 / tpot if tpot else None}
 
 
-# -- transformers ---------------------------------------------------------------------------------
+def served(path: Path, args: argparse.Namespace, prompts: int, seed: int) -> dict[str, Any]:
+    """`tachy bench serve` metrics of `prompts` x input/output all at once against `tachy serve`."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tachy = [sys.executable, "-m", "tachyllm.entrypoints.cli"]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in engine_options(args).items()]
+    server = subprocess.Popen([*tachy, "serve", str(path), "--port", str(port), *flags], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("tachy serve did not come up")
+            time.sleep(0.5)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "result.json"
+            subprocess.run(
+                [*tachy, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--tokenizer", str(path),
+                 "--num-prompts", str(prompts), "--input-len", str(args.input_len), "--output-len",
+                 str(args.output_len), "--ignore-eos", "--seed", str(seed), "--warmup", "8", "--no-progress",
+                 "--result-json", str(out)],
+                check=True, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            metrics = json.loads(out.read_text())["runs"][0]["metrics"]
+        return {
+            "completed": metrics.get("completed"),
+            "output_tok_s": metrics.get("output_throughput"),
+            "ttft_p99_ms": (metrics.get("ttft_ms") or {}).get("p99"),
+            "ttft_median_ms": (metrics.get("ttft_ms") or {}).get("median"),
+            "tpot_median_ms": (metrics.get("tpot_ms") or {}).get("median"),
+        }
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+# -- transformers and vLLM ------------------------------------------------------------------------
 
 
 def load_hf(path: Path, args: argparse.Namespace):
@@ -293,23 +371,42 @@ def hf_generate(model, prompts: list[list[int]], new: int, device: str) -> tuple
 
 def hf_batch(model, prompts: list[list[int]], new: int, device: str) -> dict[str, Any]:
     seconds, out = hf_generate(model, prompts, new, device)
-    return {**batch_figures(prompts, new, out.numel(), seconds), "first_tokens": out[:, 0].tolist()}
+    return batch_figures(prompts, new, out.numel(), seconds)
 
 
 def hf_single(model, prompt: list[int], new: int, device: str) -> dict[str, Any]:
-    # The first long generate of a process ran ~3x slower than the next ones (H200, transformers
-    # 5.17): it is the warm-up, and the decode rate comes from the two runs after it.
-    seconds, out = hf_generate(model, [prompt], new, device)
+    # Decode rate from the difference of two generates, so that prefill does not count.
     prefill, _ = hf_generate(model, [prompt], 1, device)
     longer, _ = hf_generate(model, [prompt], new + 1, device)
-    seconds, out = hf_generate(model, [prompt], new, device)
-    return {
-        "generated_tokens": out.numel(),
-        "seconds": seconds,
-        "whole_tok_s": out.numel() / seconds,
-        "ttft_s": prefill,
-        "decode_tok_s": new / (longer - prefill),
+    return {"seconds": longer, "ttft_s": prefill, "decode_tok_s": new / (longer - prefill)}
+
+
+def vllm_phases(path: Path, args: argparse.Namespace, p: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's offline batch and single stream on the same weights (its defaults: CUDA graphs on)."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    llm = vllm.LLM(str(path), dtype=args.dtype, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+                   max_num_seqs=args.max_num_seqs)  # fmt: skip
+
+    def generate(prompts: list[list[int]], new: int) -> float:
+        params = vllm.SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=q) for q in prompts], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    generate(p["warm"], args.warmup_output_len)
+    batch_seconds = generate(p["batch"], args.output_len)
+    prefill = generate([p["single"]], 1)
+    longer = generate([p["single"]], args.single_output_len + 1)
+    result = {
+        "version": vllm.__version__,
+        "batch": batch_figures(p["batch"], args.output_len, len(p["batch"]) * args.output_len, batch_seconds),
+        "single": {"decode_tok_s": args.single_output_len / (longer - prefill), "ttft_s": prefill},
     }
+    llm = None  # freed: the closure holds the name
+    free_memory()
+    return result
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -322,15 +419,18 @@ class Bench:
         self.args = args
         self.t0 = time.perf_counter()
         self.report: dict[str, Any] = {"args": vars(args), "env": environment(args.device), "phases": {}, "errors": {}}
-        self.out_file = Path(os.environ["OUT"]) / "gpu_bench.json" if os.environ.get("OUT") else None
+        self.out_file = Path(os.environ["OUT"]) / "gpu_bench.md" if os.environ.get("OUT") else None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def phase(self, name: str, fn: Callable[[], Any], estimate: float | None = None) -> Any:
+    def left(self) -> float:
+        return self.args.time_budget - self.elapsed()
+
+    def phase(self, name: str, fn: Callable[[], Any], estimate: float = 0.0) -> Any:
         """Runs fn; records its result (a dict) and seconds. Skipped when `estimate` seconds would
         overrun the time budget."""
-        if estimate is not None and self.elapsed() + estimate > self.args.time_budget:
+        if estimate > self.left():
             log(f"[{self.elapsed():6.1f}s] {name}: skipped (estimated {estimate:.0f} s would overrun the budget)")
             self.report["phases"][name] = {"skipped": f"estimated {estimate:.1f} s"}
             return None
@@ -345,36 +445,32 @@ class Bench:
             self.save()
             return None
         seconds = time.perf_counter() - start
-        if isinstance(result, dict):
-            self.report["phases"][name] = dict(result, phase_seconds=seconds)
-            shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items() if k != "first_tokens"}
-            log(f"[{self.elapsed():6.1f}s] {name}: {seconds:.1f} s {json.dumps(shown, default=str)}")
-        else:
-            self.report["phases"][name] = {"phase_seconds": seconds}
-            log(f"[{self.elapsed():6.1f}s] {name}: {seconds:.1f} s")
+        recorded = dict(result) if isinstance(result, dict) else {}
+        self.report["phases"][name] = dict(recorded, phase_seconds=seconds)
+        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in recorded.items() if k != "config"}
+        log(f"[{self.elapsed():6.1f}s] {name}: {seconds:.1f} s {json.dumps(shown, default=str)}")
         self.save()
         return result
 
-    def seconds_of(self, name: str) -> float | None:
-        return (self.report["phases"].get(name) or {}).get("seconds")
+    def get(self, name: str, key: str) -> Any:
+        return (self.report["phases"].get(name) or {}).get(key)
 
     def save(self) -> None:
         self.report["elapsed_s"] = self.elapsed()
         if self.out_file is not None:
             self.out_file.parent.mkdir(parents=True, exist_ok=True)
-            self.out_file.write_text(json.dumps(self.report, indent=1, default=str))
+            self.out_file.write_text(render(self.report, self.args))
 
 
 def environment(device: str) -> dict[str, Any]:
     import transformers
 
-    import tachyllm
-
     env = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "tachyllm": getattr(tachyllm, "__version__", None),
+        "vllm_importable": importlib.util.find_spec("vllm") is not None,
+        "triton_importable": importlib.util.find_spec("triton") is not None,
         "device": device,
         "cpu_count": os.cpu_count(),
     }
@@ -389,143 +485,190 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
-@dataclass
-class Prompts:
-    """Random token-id prompts, a fresh set per run: tachyllm caches prompt prefixes across runs."""
-
-    batch: list[list[int]]
-    single: list[int]
-    large: list[list[int]]
-    warm: list[list[int]]
-    single_warm: list[int]
-    warm_new: int  # output tokens of the warm-up runs
-
-    @classmethod
-    def make(cls, args: argparse.Namespace) -> Prompts:
-        vocab, length, seed = SMOLLM2_135M["vocab_size"], args.input_len, args.seed
-        return cls(
-            batch=random_prompts(args.num_prompts, length, vocab, seed + 1),
-            single=random_prompts(1, length, vocab, seed + 2)[0],
-            large=random_prompts(args.large_num_prompts, length, vocab, seed + 3),
-            warm=random_prompts(min(args.warmup_prompts, args.num_prompts), length, vocab, seed + 4),
-            single_warm=random_prompts(1, length, vocab, seed + 5)[0],
-            warm_new=min(args.warmup_output_len, args.output_len),
-        )
+def make_prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    """Random token-id prompts, a fresh set per workload: tachyllm caches prompt prefixes across runs."""
+    length, seed = args.input_len, args.seed
+    return {
+        "batch": random_prompts(args.batch_prompts, length, vocab, seed + 1),
+        "single": random_prompts(1, length, vocab, seed + 2)[0],
+        "single_eager": random_prompts(1, length, vocab, seed + 3)[0],
+        "warm": random_prompts(args.warmup_prompts, length, vocab, seed + 4),
+        "variant_batches": [random_prompts(args.batch_prompts, length, vocab, seed + 10 + i) for i in range(4)],
+    }
 
 
-def load_engines(bench: Bench, directory: Path, p: Prompts) -> tuple[LLM | None, Any]:
-    """Both engines loaded and warmed up (None where that failed or is skipped)."""
+def run_model(bench: Bench, model: str, directory: Path) -> None:
+    """Every workload of one model shape: tachyllm, transformers, served, variants, vLLM; each engine
+    freed before the next loads."""
     args = bench.args
-    llm = bench.phase("tachyllm_load", lambda: make_llm(directory, args))
-    if llm is not None:
-        bench.report["engine_settings"] = engine_settings(llm)
-        log(f"engine settings: {json.dumps(bench.report['engine_settings'], default=str)}")
-        bench.phase("tachyllm_warmup", lambda: tachy_batch(llm, p.warm, p.warm_new, args.device))
-        bench.phase("tachyllm_single_warmup", lambda: tachy_single(llm, p.single_warm, p.warm_new, args.device))
-    hf = None if args.skip_hf else bench.phase("hf_load", lambda: load_hf(directory, args))
-    if hf is not None:
-        bench.report["hf_attn_implementation"] = getattr(hf.config, "_attn_implementation", None)
-        bench.phase("hf_warmup", lambda: hf_batch(hf, p.warm, p.warm_new, args.device))
-    return llm, hf
-
-
-def run(bench: Bench, directory: Path) -> None:
-    """Comparable pairs back to back, cheapest information first; the larger batch last."""
-    args = bench.args
-    if bench.phase("build_model", lambda: build_model(directory, args.num_layers, args.seed)) is None:
+    shape = dict(MODELS[model])
+    if args.num_layers is not None:
+        shape["num_hidden_layers"] = args.num_layers
+    if bench.phase(f"{model}/build", lambda: build_model(directory, shape, args.device, args.seed)) is None:
         return
-    p = Prompts.make(args)
-    llm, hf = load_engines(bench, directory, p)
-    n, big = args.num_prompts, args.large_num_prompts
+    bench.report.setdefault("shapes", {})[model] = shape
+    p = make_prompts(args, shape["vocab_size"])
+    n, new, single_new = args.batch_prompts, args.output_len, args.single_output_len
+    bench.report.setdefault("flops", {})[model] = run_flops(shape, n, args.input_len, new)
+    per_single = single_new / (new * max(1, n // 8))  # a single stream's step is at most a batch step
 
-    # Guards against a slow engine eating the budget. A batch of n goes ahead unless the budget is
-    # spent; the single stream is estimated from its engine's batch (per output token: on a GPU a
-    # step of one sequence costs no more than a step of n), the larger batch linearly from n.
-    def scaled(name: str, factor: float) -> float:
-        return factor * (bench.seconds_of(name) or 0.0)
+    def tachyllm_engine(tag: str, prompts_batch: list[list[int]], **overrides: Any) -> None:
+        """Load, warm up, single stream, offline batch; the engine freed after."""
+        loaded: dict[str, LLM] = {}
 
-    per_single = args.single_output_len / args.output_len
-    if llm is not None:
-        bench.phase(f"tachyllm_batch{n}", lambda: tachy_batch(llm, p.batch, args.output_len, args.device), 0.0)
-    if hf is not None:
-        bench.phase(f"hf_batch{n}", lambda: hf_batch(hf, p.batch, args.output_len, args.device), 0.0)
-    if llm is not None:
-        bench.phase("tachyllm_single", lambda: tachy_single(llm, p.single, args.single_output_len, args.device),
-                    scaled(f"tachyllm_batch{n}", per_single))  # fmt: skip
-    if hf is not None:  # three generates: 1, single_output_len + 1 and single_output_len new tokens
-        bench.phase("hf_single", lambda: hf_single(hf, p.single, args.single_output_len, args.device),
-                    scaled(f"hf_batch{n}", 2 * per_single))  # fmt: skip
-    if big:
-        if llm is not None and bench.seconds_of(f"tachyllm_batch{n}") is not None:
-            bench.phase(f"tachyllm_batch{big}", lambda: tachy_batch(llm, p.large, args.output_len, args.device),
-                        scaled(f"tachyllm_batch{n}", big / n))  # fmt: skip
-        if hf is not None and bench.seconds_of(f"hf_batch{n}") is not None:
-            bench.phase(f"hf_batch{big}", lambda: hf_batch(hf, p.large, args.output_len, args.device),
-                        scaled(f"hf_batch{n}", big / n))  # fmt: skip
+        def load() -> dict[str, Any]:
+            loaded["llm"] = make_llm(directory, args, **overrides)
+            return engine_settings(loaded["llm"])
+
+        bench.phase(f"{model}/{tag}/load", load)
+        llm = loaded.pop("llm", None)
+        if llm is None:
+            return
+        bench.phase(f"{model}/{tag}/warmup", lambda: tachy_batch(llm, p["warm"], args.warmup_output_len, args.device))
+        bench.phase(f"{model}/{tag}/single", lambda: tachy_single(llm, p["single"], single_new, args.device))
+        estimate = (bench.get(f"{model}/{tag}/single", "seconds") or 0.0) / per_single
+        bench.phase(f"{model}/{tag}/batch", lambda: tachy_batch(llm, prompts_batch, new, args.device), estimate)
+        if tag == "bf16" and args.device.startswith("cuda"):
+            llm = None
+            free_memory()
+            llm = bench.phase(f"{model}/eager/load", lambda: make_llm(directory, args, enforce_eager=True))
+            if llm is not None:
+                bench.phase(f"{model}/eager/single", lambda: tachy_single(llm, p["single_eager"], single_new,
+                                                                          args.device))  # fmt: skip
+        llm = None
+        free_memory()
+
+    tachyllm_engine("bf16", p["batch"])
+    if not args.skip_hf:
+        hf = bench.phase(f"{model}/hf/load", lambda: load_hf(directory, args))
+        if hf is not None:
+            bench.phase(f"{model}/hf/warmup", lambda: hf_batch(hf, p["warm"], args.warmup_output_len, args.device))
+            bench.phase(f"{model}/hf/single", lambda: hf_single(hf, p["single"], single_new, args.device))
+            estimate = (bench.get(f"{model}/hf/single", "seconds") or 0.0) / per_single
+            bench.phase(f"{model}/hf/batch", lambda: hf_batch(hf, p["batch"], new, args.device), estimate)
+            hf = None
+            free_memory()
+    if args.serve_prompts:
+        estimate = 30.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0) * args.serve_prompts / n
+        bench.phase(f"{model}/served", lambda: served(directory, args, args.serve_prompts, args.seed + 7), estimate)
+    if not args.skip_variants:
+        for i, (tag, overrides) in enumerate(VARIANTS):
+            estimate = 20.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0)
+            if estimate > bench.left():
+                bench.report["phases"][f"{model}/{tag}/load"] = {"skipped": f"estimated {estimate:.1f} s"}
+                continue
+            tachyllm_engine(tag, p["variant_batches"][i], **overrides)
+    if bench.report["env"]["vllm_importable"] and args.device.startswith("cuda"):
+        bench.phase(f"{model}/vllm", lambda: vllm_phases(directory, args, p), 60.0)
+
+
+def run(bench: Bench) -> None:
+    models = [m.strip() for m in bench.args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"unknown model shape(s) {unknown}: choose from {', '.join(MODELS)}")
+    for model in models:
+        # An 8B model's build, save and two loads alone take minutes: start it only with room for them.
+        if model == "llama3-8b" and bench.left() < 150:
+            bench.report["phases"][f"{model}/build"] = {"skipped": f"{bench.left():.0f} s left of the budget"}
+            continue
+        with tempfile.TemporaryDirectory(prefix=f"tachy-gpu-bench-{model}-") as tmp:
+            try:
+                run_model(bench, model, Path(tmp))
+            except Exception as e:  # outside a phase: the next model still runs
+                traceback.print_exc(file=sys.stdout)
+                bench.report["errors"][model] = f"{type(e).__name__}: {e}"
+        free_memory()
+
+
+# -- the report -----------------------------------------------------------------------------------
 
 
 def summary_rows(report: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per workload: tachyllm and transformers tok/s and their ratio."""
-    phases = report["phases"]
-    rows = []
+    """One row per model and workload: tachyllm, transformers, vLLM and tachyllm / transformers."""
+    phases, rows = report["phases"], []
+    bandwidth, flops_peak = gpu_peaks()
 
-    def add(workload: str, ours: str, theirs: str, key: str) -> None:
-        a = (phases.get(ours) or {}).get(key)
-        b = (phases.get(theirs) or {}).get(key)
-        ratio = a / b if a and b else None
-        rows.append({"workload": workload, "tachyllm": a, "transformers": b, "ratio": ratio})
+    def value(name: str, key: str) -> Any:
+        return (phases.get(name) or {}).get(key)
 
-    shape = f"{args.input_len} in / {args.output_len} out"
-    for n in (args.num_prompts, args.large_num_prompts):
-        if n:
-            add(f"offline batch {n} x ({shape}), output tok/s", f"tachyllm_batch{n}", f"hf_batch{n}", "output_tok_s")
-    single = f"{args.input_len} in / {args.single_output_len} out"
-    add(f"single stream ({single}), decode tok/s", "tachyllm_single", "hf_single", "decode_tok_s")
-    add(f"single stream ({single}), whole generate tok/s", "tachyllm_single", "hf_single", "whole_tok_s")
+    for model in report.get("shapes", {}):
+        vllm = phases.get(f"{model}/vllm") or {}
+        single = f"single stream {args.input_len} in / {args.single_output_len} out, decode tok/s"
+        batch = f"offline {args.batch_prompts} x ({args.input_len} / {args.output_len}), output tok/s"
+        for workload, ours, theirs, key, v in (
+            (single, f"{model}/bf16/single", f"{model}/hf/single", "decode_tok_s", (vllm.get("single") or {})),
+            (batch, f"{model}/bf16/batch", f"{model}/hf/batch", "output_tok_s", (vllm.get("batch") or {})),
+        ):
+            a, b = value(ours, key), value(theirs, key)
+            rows.append({"model": model, "workload": workload, "tachyllm": a, "transformers": b,
+                         "vllm": v.get(key), "ratio": a / b if a and b else None})  # fmt: skip
+        eager = value(f"{model}/eager/single", "decode_tok_s")
+        rows.append({"model": model, "workload": single.replace("decode", "--enforce-eager decode"),
+                     "tachyllm": eager, "transformers": None, "vllm": None, "ratio": None})  # fmt: skip
+        weight_bytes = value(f"{model}/bf16/load", "weight_bytes")
+        tok_s = value(f"{model}/bf16/single", "decode_tok_s")
+        if bandwidth and weight_bytes and tok_s:
+            rows.append({"model": model, "workload": "single stream: share of the HBM bandwidth limit",
+                         "tachyllm": tok_s * weight_bytes / bandwidth, "transformers": None, "vllm": None,
+                         "ratio": None, "limit_tok_s": bandwidth / weight_bytes})  # fmt: skip
+        seconds = value(f"{model}/bf16/batch", "seconds")
+        if seconds:
+            tflops = report["flops"][model] / seconds / 1e12
+            rows.append({"model": model, "workload": "offline batch: achieved TFLOP/s", "tachyllm": tflops,
+                         "transformers": None, "vllm": None,
+                         "ratio": tflops * 1e12 / flops_peak if flops_peak else None})  # fmt: skip
+        serve = phases.get(f"{model}/served") or {}
+        for key, label in (("output_tok_s", "output tok/s"), ("ttft_p99_ms", "TTFT p99 ms")):
+            rows.append({"model": model, "workload": f"served {args.serve_prompts} at once, {label}",
+                         "tachyllm": serve.get(key), "transformers": None, "vllm": None, "ratio": None})  # fmt: skip
     return rows
 
 
-def first_token_agreement(report: dict[str, Any], n: int) -> float | None:
-    """Share of the batch's prompts whose first greedy token is the same in both engines (a sanity
-    check that both run the same model; bf16 near-ties on random weights can flip a few)."""
-    ours = (report["phases"].get(f"tachyllm_batch{n}") or {}).get("first_tokens")
-    theirs = (report["phases"].get(f"hf_batch{n}") or {}).get("first_tokens")
-    if not ours or not theirs:
-        return None
-    return sum(a == b for a, b in zip(ours, theirs)) / len(ours)
+def variant_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    phases, rows = report["phases"], []
+    for model in report.get("shapes", {}):
+        for tag in ["bf16"] + [t for t, _ in VARIANTS]:
+            load = phases.get(f"{model}/{tag}/load") or {}
+            rows.append({
+                "model": model, "variant": tag, "kv_cache_tokens": load.get("kv_cache_tokens"),
+                "weight_bytes": load.get("weight_bytes"),
+                "batch_output_tok_s": (phases.get(f"{model}/{tag}/batch") or {}).get("output_tok_s"),
+                "single_decode_tok_s": (phases.get(f"{model}/{tag}/single") or {}).get("decode_tok_s"),
+            })  # fmt: skip
+    return rows
 
 
-def print_summary(report: dict[str, Any], args: argparse.Namespace) -> None:
-    def fmt(x: float | None) -> str:
-        return "n/a" if x is None else f"{x:.1f}"
+def render(report: dict[str, Any], args: argparse.Namespace) -> str:
+    """The result file: markdown tables, then the whole report as JSON."""
+
+    def fmt(x: Any) -> str:
+        if x is None:
+            return "n/a"
+        return f"{x:.3g}" if isinstance(x, float) and abs(x) < 10 else f"{x:,.0f}" if isinstance(x, (int, float)) else x
 
     env = report["env"]
-    log("")
-    log(f"## tachyllm vs transformers: {env.get('gpu', args.device)}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, {args.dtype}, "
-        f"random-weight SmolLM2-135M shape ({args.num_layers} layers)")  # fmt: skip
-    log("")
-    log("| workload | tachyllm | transformers | tachyllm / transformers |")
-    log("|---|---|---|---|")
-    for row in report["summary"]:
-        ratio = "n/a" if row["ratio"] is None else f"{row['ratio']:.2f}x"
-        log(f"| {row['workload']} | {fmt(row['tachyllm'])} | {fmt(row['transformers'])} | {ratio} |")
-    log("")
-    settings = report.get("engine_settings") or {}
-    if settings:
-        c = settings["config"]
-        log(f"tachyllm: max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens {c['max_num_batched_tokens']}, "
-            f"block_size {c['block_size']}, KV cache {settings['kv_cache_blocks']} blocks = "
-            f"{settings['kv_cache_tokens']} "
-            f"tokens ({settings['kv_cache_bytes'] / 2**30:.2f} GiB, {settings['kv_cache_dtype']}), "
-            f"prefix caching {c['enable_prefix_caching']}, chunked prefill {c['enable_chunked_prefill']}")  # fmt: skip
-    log(f"first-token agreement (batch {args.num_prompts}): {report.get('first_token_agreement')}")
+    vllm = " and vLLM" if env.get("vllm_importable") else ""
+    lines = [
+        f"## tachyllm vs transformers{vllm}: {env.get('gpu', args.device)}, torch {env['torch']}, "
+        f"transformers {env['transformers']}, {args.dtype}, random weights, backend {args.backend}",
+        "",
+        "| model | workload | tachyllm | transformers | vLLM | tachyllm / transformers (TFLOP/s: share of peak) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in summary_rows(report, args):
+        lines.append(f"| {row['model']} | {row['workload']} | {fmt(row['tachyllm'])} | {fmt(row['transformers'])} | "
+                     f"{fmt(row['vllm'])} | {fmt(row['ratio'])} |")  # fmt: skip
+    lines += ["", "| model | weights / KV | KV cache tokens | weight bytes | offline output tok/s | single decode tok/s"
+              " |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in variant_rows(report):
+        lines.append(f"| {row['model']} | {row['variant']} | {fmt(row['kv_cache_tokens'])} | {fmt(row['weight_bytes'])}"
+                     f" | {fmt(row['batch_output_tok_s'])} | {fmt(row['single_decode_tok_s'])} |")  # fmt: skip
     if report["errors"]:
-        log(f"errors: {json.dumps(report['errors'])}")
-    log(f"total {report['elapsed_s']:.1f} s")
-    log("")
-    log("JSON:")
-    log(json.dumps(report, default=str))
+        lines += ["", "Errors:", *(f"- {k}: {v}" for k, v in report["errors"].items())]
+    lines += ["", f"total {report.get('elapsed_s', 0):.1f} s", "", "```json", json.dumps(report, indent=1, default=str),
+              "```", ""]  # fmt: skip
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -534,17 +677,12 @@ def main() -> None:
     logging.getLogger("tachyllm").setLevel(logging.INFO)
     bench = Bench(args)
     log(f"environment: {json.dumps(bench.report['env'])}")
-    with tempfile.TemporaryDirectory(prefix="tachy-gpu-bench-") as tmp:
-        try:
-            run(bench, Path(tmp))
-        finally:
-            report = bench.report
-            report["summary"] = summary_rows(report, args)
-            report["first_token_agreement"] = first_token_agreement(report, args.num_prompts)
-            for phase in report["phases"].values():
-                phase.pop("first_tokens", None)
-            bench.save()
-            print_summary(report, args)
+    try:
+        run(bench)
+    finally:
+        bench.save()
+        log("")
+        log(render(bench.report, args))
 
 
 if __name__ == "__main__":

@@ -193,6 +193,12 @@ class EngineConfig:
         " built, else torch",
         choices=BACKENDS,
     )
+    # vLLM's flag name. Graphs need a CUDA device and a backend whose step metadata they can capture.
+    enforce_eager: bool = option(
+        False,
+        "no CUDA graphs: every step runs eagerly (default: decode-only steps replay graphs captured at start-up"
+        " for batch-size buckets, on a CUDA device with a backend that supports them)",
+    )
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

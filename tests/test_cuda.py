@@ -1,17 +1,25 @@
-"""The engine on a CUDA device: the cuda backend (Triton attention; `auto` picks it) and the portable
-torch backend. Skipped where no GPU is present, as in CI; run on a GPU machine with
-`pytest tests/test_cuda.py` (tests/test_triton_attention.py then runs its kernel cases on the GPU too)."""
+"""The engine on a CUDA device: the cuda backend (Triton attention, CUDA graphs; `auto` picks it),
+the portable torch backend, and host-sync-free sampling. Skipped where no GPU is present, as in CI;
+run on a GPU machine with `pytest tests/test_cuda.py` (benchmarks/gpu_check.sh does;
+tests/test_triton_attention.py then runs its kernel cases on the GPU too)."""
 
 from __future__ import annotations
+
+import logging
+import warnings
 
 import pytest
 import torch
 from test_backends import _engine, _seq
 from test_hf_parity import NEW_TOKENS, hf_greedy, mixed_prompts
+from test_sampler import _every_option_batch
 from test_triton_attention import check, check_split_invariance
 
 from tachyllm import LLM, SamplingParams
-from tachyllm.step import StepBatch
+from tachyllm.backends.registry import resolve_backend_name
+from tachyllm.errors import ConfigError
+from tachyllm.sampling.sampler import Sampler
+from tachyllm.step import ScheduledSeq, StepBatch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -209,3 +217,121 @@ def test_triton_attention_on_the_device(heads, kv_heads, head_dim, dtype, cache_
     args, out = check(specs, block_size=16, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                       cache_dtype=cache_dtype, window=window)  # fmt: skip
     check_split_invariance(args, out, window, 512)
+
+
+def _cuda_backend_or_skip() -> None:
+    try:
+        resolve_backend_name("cuda", torch.device("cuda"))
+    except ConfigError as e:
+        pytest.skip(f"the cuda backend: {e}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_greedy_matches_eager(tiny_model_factory, dtype):
+    """Decode steps replayed from CUDA graphs (batches of 1, 3 and 9 sequences: buckets 1, 4 and 16,
+    so padded) give the same greedy tokens as the same engine run eagerly (--enforce-eager)."""
+    _cuda_backend_or_skip()
+    path = str(tiny_model_factory("llama"))
+    batches = [
+        mixed_prompts(300, lengths=lengths, seed=2) for lengths in ((5,), (2, 40, 9), (3, 7, 1, 23, 6, 2, 9, 5, 4))
+    ]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype=dtype, device="cuda", backend="cuda", max_num_seqs=16, kv_cache_memory=16 << 20,
+                  enforce_eager=eager)  # fmt: skip
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        outputs[eager] = [[o.outputs[0].token_ids for o in llm.generate(p, greedy, use_tqdm=False)] for p in batches]
+        if not eager:
+            assert sorted(graphs.graphs) == [(b, 1) for b in (1, 2, 4, 8, 16)] and graphs.replays >= 3 * 11
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+        del llm
+    assert outputs[False] == outputs[True]
+
+
+def test_cuda_graphs_verification_steps(tiny_model_factory):
+    """n-gram speculation with k = 3 fixed: verification steps of 3 drafts get graphs of their own; the
+    greedy tokens equal the eager engine's (steps with fewer drafts run eagerly)."""
+    _cuda_backend_or_skip()
+    path = str(tiny_model_factory("llama"))
+    prompts = [[5 + i, 6 + i, 7 + i] * 6 for i in range(9)]  # repetitive: the n-gram proposer finds drafts
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(path, dtype="bfloat16", device="cuda", backend="cuda", max_num_seqs=16, kv_cache_memory=16 << 20,
+                  enforce_eager=eager, speculative_config=spec)  # fmt: skip
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        if not eager:
+            assert (16, 4) in llm.engine.runner.graphs.graphs
+        del llm
+    assert outputs[False] == outputs[True]
+
+
+def test_cuda_graph_replays_a_verification_step(tiny_model_factory):
+    """A verification step of 3 sequences with k = 2 drafts each, replayed from the graph of batch size 4
+    (padded): the hidden states and greedy tokens of the same step run eagerly, at every position."""
+    _cuda_backend_or_skip()
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", device="cuda", backend="cuda", block_size=4,
+              max_num_seqs=8, kv_cache_memory=8 << 20, speculative_config=spec)  # fmt: skip
+    runner = llm.engine.runner
+    prompts = mixed_prompts(250, lengths=(5, 9, 4), seed=4)
+    tables = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]  # block 0 holds the captures' K/V
+
+    def seq(i: int, start: int, tokens: list[int], drafts: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            seq_id=i, request_id=str(i), start=start, token_ids=tokens, num_draft_tokens=drafts,
+            block_table=tables[i], seq_len=start + len(tokens) - drafts, completes=True,
+        )  # fmt: skip
+
+    runner.forward(StepBatch([seq(i, 0, p, 0) for i, p in enumerate(prompts)]))  # a prefill: eager
+    step = StepBatch([seq(i, len(p), [7 + i, 8, 9 + i], 2) for i, p in enumerate(prompts)])
+    graphs = runner.graphs
+    assert graphs.bucket(step) == (4, 3)
+    replayed = runner.forward(step).clone()
+    assert graphs.replays == 1
+    runner.graphs = None
+    eager = runner.forward(step)
+    runner.graphs = graphs
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+    logits = llm.engine.model.compute_logits
+    assert torch.equal(logits(replayed).argmax(-1), logits(eager).argmax(-1))
+
+
+def test_cuda_graph_memory_is_reserved_before_the_kv_cache(tiny_model_factory, caplog):
+    """Without --kv-cache-memory the cache is sized after the graphs' memory is measured; capture is logged."""
+    _cuda_backend_or_skip()
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", device="cuda", backend="cuda", max_num_seqs=8,
+                  gpu_memory_utilization=0.3)  # fmt: skip
+    assert "CUDA graphs: a trial capture of 1 (batch sizes [8]" in caplog.text  # measured before the KV cache
+    assert "CUDA graphs: 4 (batch sizes [1, 2, 4, 8] x queries per sequence [1]) captured" in caplog.text
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_cuda_sampler_syncs_once_per_step(logprobs):
+    """torch.cuda's sync debug mode warns at every call that waits for the device: a step's sampling
+    with every option (seeded rows on their own device generators) waits once for the sampled ids,
+    and once more for logprobs when a row asks for them."""
+    rows = [r for r in _every_option_batch() if logprobs or r.params.logprobs is None]
+    for r in rows:
+        if r.generator is not None:
+            r.generator = torch.Generator(device="cuda").manual_seed(r.params.seed)
+    sampler = Sampler(20, eos_token_ids=[19], device=torch.device("cuda"), seed=3)
+    logits = torch.randn(len(rows), 20, device="cuda")
+    sampler(logits, rows)  # lazy initialisation (pinned memory, kernels) outside the count
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sampler(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1 + logprobs, syncs

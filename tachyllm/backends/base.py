@@ -99,7 +99,10 @@ PORTABLE_OPS = LayerOps()
 
 
 class MetadataBuilder(ABC):
-    """Belongs to one model runner (one KV cache): prepares each of its steps."""
+    """Belongs to one model runner (one KV cache): prepares each of its steps.
+
+    A builder that takes `prepare(batch, pad_to=n)` pads a decode-only step to n sequences (the
+    padding rows' outputs are dropped); see Backend.graph_capturable."""
 
     def __init__(self, backend: Backend, kv_caches: list[LayerKV], block_size: int):
         self.backend = backend
@@ -110,6 +113,12 @@ class MetadataBuilder(ABC):
     @abstractmethod
     def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, metadata) of the step; reads only the batch."""
+
+    def allocate_graph_buffers(self, max_num_seqs: int, max_blocks: int, queries_per_seq: int = 1) -> object:
+        """The persistent buffers `prepare(batch, pad_to=...)` writes a decode-only step into, for
+        CUDA graphs: up to `max_num_seqs` sequences of `queries_per_seq` tokens and `max_blocks` KV
+        blocks each. Builders of backends that are not graph_capturable keep none."""
+        return None
 
     def token_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Input ids, positions and cache slots of every token of the batch, in row order."""
@@ -139,6 +148,11 @@ class MetadataBuilder(ABC):
 class Backend(ABC):
     name: ClassVar[str]  # as EngineConfig.backend names it
     description: ClassVar[str]  # for the start-up log
+    # Its builders' `prepare(batch, pad_to=n)` write a decode-only step's inputs and metadata into the
+    # same memory every time, in shapes that depend only on n and the queries per sequence, and its
+    # kernels launch without host syncs: a CUDA graph captured over them replays any step of that
+    # shape (runner/cuda_graphs.py).
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(self, device: torch.device):
         self.device = device

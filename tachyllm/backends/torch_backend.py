@@ -94,7 +94,11 @@ class TorchMetadataBuilder(MetadataBuilder):
         self.use_chunk_buffers = not quantized
         self.chunk_buffers: dict[int, _ChunkBuffer] = {}
 
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, TorchMetadata]:
+    def prepare(self, batch: StepBatch, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, TorchMetadata]:
+        """pad_to: a decode-only batch padded with copies of its last decode, which write the same
+        K/V into the same slots (its buffers are not persistent: this serves the padding's tests)."""
+        if pad_to is not None and pad_to > len(batch.seqs):
+            batch = StepBatch(batch.seqs + [batch.seqs[-1]] * (pad_to - len(batch.seqs)), batch.finished_seq_ids)
         for seq_id in batch.finished_seq_ids:
             self.chunk_buffers.pop(seq_id, None)
         input_ids, positions, slot_mapping = self.token_inputs(batch)

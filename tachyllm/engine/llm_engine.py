@@ -25,7 +25,7 @@ from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from tachyllm.quantization.kv_calibration import kv_cache_scales
-from tachyllm.runner import kv_cache
+from tachyllm.runner import cuda_graphs, kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
@@ -90,8 +90,17 @@ class LLMEngine:
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
         block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
         wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
+        graph_queries = self._graph_query_counts()
+        max_blocks = -(-self.max_model_len // config.block_size)  # a sequence's longest block table
+        graph_bytes = 0
+        if graph_queries and config.kv_cache_memory is None:
+            # Measured over a cache of the model dtype: the graphs' memory is activations, whatever the cache stores.
+            graph_bytes = cuda_graphs.measure_graph_memory(
+                model, self.backend, lambda n: self.backend.allocate_kv_cache(mc, n, config.block_size, self.dtype),
+                config.block_size, config.max_num_seqs, max_blocks, graph_queries,
+            )  # fmt: skip
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
-            self.device, wanted, config.gpu_memory_utilization
+            self.device, wanted, config.gpu_memory_utilization, graph_bytes
         )
         num_blocks = cache_bytes // block_bytes
         if num_blocks < 1:
@@ -136,6 +145,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
         self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+        if graph_queries:
+            self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
@@ -152,6 +163,19 @@ class LLMEngine:
         logger.info(
             "engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype
         )
+
+    def _graph_query_counts(self) -> tuple[int, ...] | None:
+        """Queries per sequence of the decode-only steps CUDA graphs capture (1, and 1 + k when
+        speculating k tokens), or None when every step runs eagerly."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if not self.backend.graph_capturable:
+            logger.info(
+                "CUDA graphs off: the %s backend's steps cannot be captured (--backend cuda)", self.backend.name
+            )
+            return None
+        spec = self.config.speculative_config
+        return (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)
 
     def _prefix_cache_key(self) -> bytes:
         """Cached KV blocks are only reusable by an engine that stores K/V the same way."""

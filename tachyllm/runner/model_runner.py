@@ -7,14 +7,19 @@ then prefill chunks, with no padding between sequences.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tachyllm import faults, tracing
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
 from tachyllm.models.llama import LlamaForCausalLM
-from tachyllm.sampling.sampler import Sampler, logprob_rows
+from tachyllm.runner.cuda_graphs import DecodeGraphs
+from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
 from tachyllm.sampling.verify import verify
 from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
+
+logger = logging.getLogger("tachyllm")
 
 # Prompt rows scored through the LM head at once: a whole 2048-token chunk's fp32 logits would take
 # 400 MB at a 49152-token vocabulary; 256 rows take 50 MB.
@@ -37,6 +42,20 @@ class ModelRunner:
         self.backend = backend
         self.device = backend.device
         self.builder = backend.metadata_builder(kv_caches, block_size)
+        self.graphs: DecodeGraphs | None = None
+
+    def use_graphs(
+        self, max_num_seqs: int, max_blocks: int, query_counts: tuple[int, ...], capture: bool = True
+    ) -> None:
+        """Decode-only steps of these queries per sequence (and block tables of up to max_blocks) run
+        padded to their batch-size bucket, replaying graphs captured now (capture=False: the padded
+        forward eagerly; tests)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.builder, self.kv_caches, max_num_seqs, max_blocks, query_counts, capture
+        )
+        seconds, used = self.graphs.capture_all()
+        if capture:
+            logger.info("CUDA graphs: %s captured in %.1f s, %.0f MiB", self.graphs.describe(), seconds, used / 2**20)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> StepResult:
@@ -56,7 +75,7 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, seqs)
         if not plain_rows and not spec_rows:
             return StepResult([], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[to_device(plain_rows + spec_rows, torch.long, self.device)])
         faults.check("sample", seqs)
         with tracing.span("sample"):
             return StepResult(self._sample(logits, plain, len(plain_rows), spec), prompt_logprobs)
@@ -123,6 +142,13 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         faults.check("prepare", batch.seqs)
+        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
+        if bucket is not None:
+            with tracing.span("prepare_inputs"):
+                inputs = self.graphs.prepare(batch, bucket)
+            faults.check("forward", batch.seqs)
+            with tracing.span("forward"):
+                return self.graphs.replay(bucket, inputs)[: batch.num_tokens]
         with tracing.span("prepare_inputs"):
             input_ids, positions, meta = self.prepare(batch)
         faults.check("forward", batch.seqs)

@@ -4,6 +4,11 @@ Every transform is a tensor op over the whole [rows, vocab] batch; Python only l
 rows to gather parameters and to draw seeded noise. A token is drawn by inverting the row's
 CDF at one uniform, which draws from p and lets each seeded request own its noise stream, so
 its tokens do not depend on what else is in the batch.
+
+On a GPU a step's sampling does not wait for the device until its one copy of the sampled ids
+back to the host (two with logprobs): the parameters go up in pinned memory without blocking
+(`to_device`), nothing reads a device value on the host before that, and each seeded row's uniform
+comes from its own device generator (a launch, not a sync).
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ from tachyllm.step import LogprobInfo, SamplingInput
 class SampleResult:
     token_ids: list[int]
     logprobs: list[LogprobInfo | None]  # per row, when that row asked for logprobs
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) on `device`. To a GPU through pinned memory without blocking: a
+    plain copy from pageable memory waits for the device's queue to drain (a host sync); the caching
+    host allocator keeps the pinned block until the copy has run."""
+    if device.type == "cpu":
+        return torch.as_tensor(values, dtype=dtype)
+    return torch.as_tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 class Sampler:
@@ -40,7 +54,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         if not all(s.params.greedy for s in seqs):
             sampled = self.draw(self.probs(logits, seqs), seqs)
-            is_greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
+            is_greedy = to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
             tokens = torch.where(is_greedy, tokens, sampled)
         rows = logprob_rows(raw_logprobs, tokens, num_logprobs) if raw_logprobs is not None else [None] * len(seqs)
         return SampleResult(tokens.tolist(), rows)
@@ -60,12 +74,11 @@ class Sampler:
         dead = (~allowed.any(dim=1)).nonzero().squeeze(1)
         if len(dead) and self.eos_token_ids:
             allowed[dead.unsqueeze(1), torch.tensor(self.eos_token_ids)] = True
-        allowed = allowed.to(logits.device)
-        forbidden = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+        allowed = to_device(allowed, torch.bool, logits.device)
         if len(rows) == len(seqs):
-            return torch.where(allowed, logits, forbidden)
-        index = torch.tensor(rows, device=logits.device)
-        return logits.index_copy(0, index, torch.where(allowed, logits[index], forbidden))
+            return torch.where(allowed, logits, float("-inf"))
+        index = to_device(rows, torch.long, logits.device)
+        return logits.index_copy(0, index, torch.where(allowed, logits[index], float("-inf")))
 
     def process(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens,
@@ -82,7 +95,7 @@ class Sampler:
         top-k / top-p and min-p (greedy rows are treated as temperature 1)."""
         dev = logits.device
         temperature = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
-        temperature = torch.tensor(temperature, device=dev).unsqueeze(1)
+        temperature = to_device(temperature, torch.float32, dev).unsqueeze(1)
         logits = logits / temperature
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
@@ -91,7 +104,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         min_p = [s.params.min_p for s in seqs]
         if any(m > 0 for m in min_p):
-            threshold = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            threshold = to_device(min_p, torch.float32, dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
         return probs
 
@@ -101,13 +114,15 @@ class Sampler:
         [rows, vocab] tensor of exponential noise cost more than the rest of a decode step's
         sampling (measurements: docs/design_measurements.md#sampling-noise). The CDF is summed in
         float64 so that rounding cannot shift even the rarest token's share noticeably."""
-        u = torch.empty(len(seqs), dtype=torch.float64, device=probs.device)
+        dev = probs.device
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            u[unseeded] = torch.rand(len(unseeded), generator=self.generator, dtype=torch.float64, device=probs.device)
-        for i, s in enumerate(seqs):
-            if s.generator is not None:
-                u[i] = torch.rand(1, generator=s.generator, dtype=torch.float64, device=probs.device)[0]
+        seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
+        counts = [(len(unseeded), self.generator)] if unseeded else []
+        counts += [(1, seqs[i].generator) for i in seeded]
+        parts = [torch.rand(n, generator=g, dtype=torch.float64, device=dev) for n, g in counts]
+        u = torch.cat(parts)
+        if seeded and unseeded:  # each row's uniform to its place
+            u = torch.empty_like(u).index_copy_(0, to_device(unseeded + seeded, torch.long, dev), u)
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)
         # The first token whose cumulative share exceeds u * total: never one of probability 0.
         target = (u * cdf[:, -1]).unsqueeze(1)
@@ -127,8 +142,9 @@ class Sampler:
                 rows += [i] * len(stop_ids)
                 cols += stop_ids
         if rows:
+            dev = logits.device
             logits = logits.clone()
-            logits[rows, cols] = float("-inf")
+            logits[to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)] = float("-inf")
         return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
@@ -139,22 +155,32 @@ class Sampler:
                 cols.append(token)
                 values.append(bias)
         dev = logits.device
-        index = (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev))
-        return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+        index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))
+        return logits.index_put(index, to_device(values, logits.dtype, dev), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         n, vocab, dev = len(seqs), logits.shape[1], logits.device
-        rep = torch.tensor([s.params.repetition_penalty for s in seqs], device=dev).unsqueeze(1)
-        pres = torch.tensor([s.params.presence_penalty for s in seqs], device=dev).unsqueeze(1)
-        freq = torch.tensor([s.params.frequency_penalty for s in seqs], device=dev).unsqueeze(1)
-        out_counts = torch.zeros(n, vocab, device=dev)
-        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev)
+        # One transfer: the three penalties per row, then flat (row, token) pairs of outputs and of history.
+        values = [s.params.repetition_penalty for s in seqs] + [s.params.presence_penalty for s in seqs]
+        values += [s.params.frequency_penalty for s in seqs]
+        penalties = to_device(values, torch.float32, dev).view(3, n, 1)
+        rep, pres, freq = penalties[0], penalties[1], penalties[2]
+        out_rows, out_ids, all_rows, all_ids = [], [], [], []
         for i, s in enumerate(seqs):
-            out_ids = torch.tensor(s.output_token_ids, dtype=torch.long, device=dev)
-            out_ids = out_ids[out_ids < vocab]
-            out_counts[i].index_add_(0, out_ids, torch.ones(len(out_ids), device=dev))
-            all_ids = torch.tensor(s.token_ids, dtype=torch.long, device=dev)
-            seen[i, all_ids[all_ids < vocab]] = True
+            ids = [t for t in s.output_token_ids if t < vocab]
+            out_rows += [i] * len(ids)
+            out_ids += ids
+            ids = [t for t in s.token_ids if t < vocab]
+            all_rows += [i] * len(ids)
+            all_ids += ids
+        pairs = to_device([out_rows, out_ids], torch.long, dev)
+        out_counts = torch.zeros(n, vocab, device=dev).index_put_(
+            (pairs[0], pairs[1]), torch.ones(len(out_ids), device=dev), accumulate=True
+        )
+        pairs = to_device([all_rows, all_ids], torch.long, dev)
+        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev).index_put_(
+            (pairs[0], pairs[1]), torch.ones(len(all_ids), dtype=torch.bool, device=dev)
+        )
         # Repetition penalty (over prompt and output) divides positive logits and multiplies negative ones.
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -171,15 +197,18 @@ def logprob_rows(
     k = max(n or 0 for n in num_logprobs)
     chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     ranks = (raw_logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-    top_lp, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-    chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-    top_ids_l = top_ids.tolist() if k else None
-    top_lp_l = top_lp.tolist() if k else None
+    columns = [chosen.unsqueeze(1), ranks.unsqueeze(1)]
+    if k:
+        top_lp, top_ids = raw_logprobs.topk(k, dim=-1)
+        columns += [top_lp, top_ids]
+    # One copy to the host: float64 holds fp32 logprobs, ranks and token ids exactly.
+    host = torch.cat([c.double() for c in columns], dim=1).tolist()
     for i, n in enumerate(num_logprobs):
         if n is not None:
-            top = zip(top_ids_l[i][:n], top_lp_l[i][:n]) if n else ()
-            kept = [(t, lp) for t, lp in top if lp != float("-inf")]  # a grammar forbade them
-            rows[i] = (chosen_l[i], ranks_l[i], [t for t, _ in kept], [lp for _, lp in kept])
+            h = host[i]
+            top = zip(h[2 + k : 2 + k + n], h[2 : 2 + n])
+            kept = [(int(t), lp) for t, lp in top if lp != float("-inf")]  # a grammar forbade them
+            rows[i] = (h[0], int(h[1]), [t for t, _ in kept], [lp for _, lp in kept])
     return rows
 
 
@@ -187,11 +216,11 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     """Masks (to -inf) tokens outside each row's top-k and outside its top-p nucleus."""
     dev, vocab = logits.device, logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([vocab if x == -1 else min(x, vocab) for x in top_k], device=dev)
+    k = to_device([vocab if x == -1 else min(x, vocab) for x in top_k], torch.long, dev)
     ranks = torch.arange(vocab, device=dev).unsqueeze(0)
     drop = ranks >= k.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    p = torch.tensor(top_p, device=dev).unsqueeze(1)
+    p = to_device(top_p, torch.float32, dev).unsqueeze(1)
     probs = torch.softmax(sorted_logits, dim=-1)
     # Drop a token when the tokens ranked above it already cover p; the top token always stays.
     drop = (probs.cumsum(dim=-1) - probs) >= p

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tachyllm.sampling.sampler import Sampler, logprob_rows
+from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq
 
@@ -85,7 +85,7 @@ def verify(
     ]
     probs = None
     if sampled:
-        probs = sampler.probs(processed[torch.tensor(sampled, device=logits.device)], [rows[r] for r in sampled])
+        probs = sampler.probs(processed[to_device(sampled, torch.long, logits.device)], [rows[r] for r in sampled])
     position = {r: j for j, r in enumerate(sampled)}
 
     out = []
@@ -103,7 +103,7 @@ def verify(
         logprobs: list[LogprobInfo | None] = [None] * len(tokens)
         if seq.params.logprobs is not None:
             emitted = slice(first, first + len(tokens))
-            chosen = torch.tensor(tokens, device=logits.device)
+            chosen = to_device(tokens, torch.long, logits.device)
             logprobs = logprob_rows(raw_logprobs[emitted], chosen, [seq.params.logprobs] * len(tokens))
         out.append((tokens, logprobs))
     return out
@@ -116,7 +116,7 @@ def _rejection_sample(
     distributions, or None for a deterministic proposal."""
     k = len(drafts)
     p = p / p.sum(dim=-1, keepdim=True)
-    draft_ids = torch.tensor(drafts, device=p.device)
+    draft_ids = to_device(drafts, torch.long, p.device)
     p_draft = p[:k].gather(1, draft_ids.unsqueeze(1)).squeeze(1)
     q_draft = torch.ones_like(p_draft) if q is None else q[:k].gather(1, draft_ids.unsqueeze(1)).squeeze(1)
     # u < p/q accepts with probability min(1, p/q); q(d) > 0 because d was drawn from q.
