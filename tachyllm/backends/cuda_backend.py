@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -147,14 +148,22 @@ class CudaMetadataBuilder(MetadataBuilder):
 @register_backend
 class CudaBackend(Backend):
     name = "cuda"
-    description = "Triton paged attention on the GPU"
+    description = "Triton paged attention, fused ops and quantized GEMMs on the GPU; CUDA graphs for decodes"
+    graph_capturable = True  # the builder's prepare(batch, pad_to) fills persistent buffers
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        from tachyllm.kernels.triton import paged_attention  # imports triton: only once the backend is chosen
+        # These import triton: only once the backend is chosen.
+        from tachyllm.backends.triton_ops import TritonOps
+        from tachyllm.kernels.triton import paged_attention, quant_matmul
 
+        self.ops = TritonOps()
+        self._quant_matmul = quant_matmul
         self._write_kv = paged_attention.write_kv
         self._paged_attention = paged_attention.paged_attention
+
+    def quantized_matmul_kernels(self) -> ModuleType:
+        return self._quant_matmul
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
