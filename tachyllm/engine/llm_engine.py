@@ -88,16 +88,13 @@ class LLMEngine:
         model = self.model
 
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
-        window_blocks = kv_cache.window_pool_blocks(
-            mc, config.block_size, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
-        )
-        wanted = kv_cache.wanted_bytes(
-            mc, config.block_size, kv_dtype, config.max_num_seqs, self.max_model_len, window_blocks
-        )
+        # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
+        limits = (config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        wanted = kv_cache.wanted_bytes(mc, config.block_size, kv_dtype, *limits)
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
             self.device, wanted, config.gpu_memory_utilization
         )
-        layout = kv_cache.kv_cache_layout(mc, config.block_size, kv_dtype, cache_bytes, window_blocks)
+        layout = kv_cache.kv_cache_layout(mc, config.block_size, kv_dtype, cache_bytes, *limits)
         num_blocks = layout.num_blocks
         if num_blocks < 1:
             raise RequestError(

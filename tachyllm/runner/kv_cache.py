@@ -44,42 +44,56 @@ class KVCacheLayout:
 def window_pool_blocks(
     cfg: ModelConfig, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
 ) -> int:
-    """Blocks the sliding-window layers' own pool needs so that it never runs out before the scheduler's
-    cap of sequences runs (NULL_BLOCK included), or 0 where they keep the one pool: no sliding layers,
-    no full-attention layer, or a window no sequence outgrows by a block. A sequence holds at most
-    cdiv(window, block_size) + 1 window blocks between steps, and one more plus the blocks of its
-    step's new tokens during a step; those new tokens are at most max_num_batched_tokens in all."""
+    """Blocks the sliding-window layers' own pool needs so that it never runs out before max_num_seqs
+    sequences run (NULL_BLOCK included), or 0 where they keep the one pool: no sliding layers, no
+    full-attention layer, or a window no sequence outgrows by a block. Between steps a sequence holds
+    at most cdiv(window, block_size) + 1 window blocks; during a step one more, and the blocks of its
+    new tokens, which are at most max_num_batched_tokens in all."""
     window = cfg.sliding_window
     if not cfg.sliding_layers or len(cfg.sliding_layers) == cfg.num_layers or max_model_len - window < block_size:
         return 0
-    per_seq = -(-window // block_size) + 2
-    return 1 + max_num_seqs * per_seq + -(-max_num_batched_tokens // block_size)
+    return 1 + max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)
 
 
 def wanted_bytes(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, max_num_seqs: int, max_model_len: int, window_blocks: int
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
 ) -> int:
     """What the configured sequences could ever use: max_num_seqs sequences of max_model_len tokens in
     the full-attention pool (every layer's without a window pool), and the window pool."""
+    window_blocks = window_pool_blocks(cfg, block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
     window_bytes = bytes_per_block(cfg, block_size, dtype, len(cfg.sliding_layers)) if window_blocks else 0
     full_bytes = bytes_per_block(cfg, block_size, dtype) - window_bytes
     return max_num_seqs * -(-max_model_len // block_size) * full_bytes + window_blocks * window_bytes
 
 
 def kv_cache_layout(
-    cfg: ModelConfig, block_size: int, dtype: torch.dtype, cache_bytes: int, window_blocks: int
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    cache_bytes: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
 ) -> KVCacheLayout:
-    """The pools that fit cache_bytes. The window pool gets window_blocks (window_pool_blocks), but never
-    more blocks than one pool of every layer would have had (it holds a subset of what that one did);
-    the full-attention layers' pool gets the rest, so it is never smaller than that one pool either."""
+    """The pools that fit cache_bytes. The window pool gets what window_pool_blocks asks, but no more
+    blocks than one pool of every layer would have had (it holds a subset of what that one did), though
+    at least what one sequence alone needs; the full-attention layers' pool gets the rest, so it is
+    not smaller than that one pool either, but for the smallest budgets."""
     one_pool = cache_bytes // bytes_per_block(cfg, block_size, dtype)
-    if not window_blocks or one_pool < 2:
+    window_blocks = window_pool_blocks(cfg, block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
+    if not window_blocks:
         return KVCacheLayout(one_pool, bytes_per_block(cfg, block_size, dtype))
+    alone = window_pool_blocks(cfg, block_size, 1, max_num_batched_tokens, max_model_len)
+    window_blocks = min(window_blocks, max(one_pool, alone))
     window_bytes = bytes_per_block(cfg, block_size, dtype, len(cfg.sliding_layers))
     full_bytes = bytes_per_block(cfg, block_size, dtype, cfg.num_layers - len(cfg.sliding_layers))
-    window_blocks = min(window_blocks, one_pool)
     return KVCacheLayout(
-        (cache_bytes - window_blocks * window_bytes) // full_bytes, full_bytes, window_blocks, window_bytes
+        max(cache_bytes - window_blocks * window_bytes, 0) // full_bytes, full_bytes, window_blocks, window_bytes
     )
 
 
