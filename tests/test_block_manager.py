@@ -355,3 +355,53 @@ def test_blocks_holding_nothing_reusable_are_handed_out_first():
     bm.free_seq(seq)
     again = computed(bm, [5, 6, 7, 8])
     assert set(again.block_table) == used
+
+
+# -- the sliding-window layers' pool ---------------------------------------------------------------
+
+
+def test_window_pool_needs_a_window_and_two_blocks():
+    for window, window_blocks in ((None, 4), (0, 4), (4, 1)):
+        with pytest.raises(ValueError, match="window pool"):
+            BlockManager(8, 4, window=window, window_blocks=window_blocks)
+    assert BlockManager(8, 4, window=4).window_pool is None  # no blocks: every layer in the one pool
+
+
+def test_window_blocks_are_released_behind_the_window_and_cached():
+    """Window 8, blocks of 4: after 24 computed tokens the next query (position 24) sees 17..24, so
+    blocks 0..3 are released (still cached while free); the full-attention table keeps all six."""
+    bm = BlockManager(16, 4, window=8, window_blocks=10)
+    seq = make_seq(list(range(24)))
+    assert bm.allocate(seq, 24)
+    assert bm.num_free_window_blocks == 9 - 6
+    seq.num_computed_tokens = 24
+    bm.commit(seq)
+    assert seq.window_block_table[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in seq.window_block_table[4:]
+    assert bm.num_free_window_blocks == 9 - 2 and len(bm.window_pool.cached) == 6
+    assert len(seq.block_table) == 6 and bm.num_free_blocks == 16 - 6
+    bm.check_invariants([seq])
+    bm.free_seq(seq)
+    bm.check_invariants([])
+    assert (bm.num_free_blocks, bm.num_free_window_blocks) == (16, 9)
+
+
+def test_prefix_hit_needs_the_window_pool_to_hold_its_last_window():
+    """A 24-token prefix is served whole while the window pool holds its blocks 4 and 5 (the window of
+    position 24); once block 5 is gone there, the hit shrinks to the 5 blocks whose own last window
+    (blocks 3 and 4) is still held, although the full-attention pool still holds the whole chain."""
+    bm = BlockManager(16, 4, window=8, window_blocks=10)
+    first = computed(bm, list(range(24)))
+    bm.commit(first)
+    bm.free_seq(first)
+    second = make_seq(list(range(24)) + [99])
+    whole = bm.match_prefix(second)
+    assert len(whole) == 6 and bm.match_prefix(second, max_blocks=3) == whole[:3]
+    del bm.window_pool.cached[first.block_hashes[5]]  # as if evicted
+    assert all(h in bm.cached for h in first.block_hashes)
+    hit = bm.match_prefix(second)
+    assert hit == whole[:5]
+    assert bm.allocate(second, 5, hit)
+    assert second.window_block_table[:3] == [NULL_BLOCK] * 3
+    assert second.window_block_table[3:5] == [bm.window_pool.cached[h] for h in first.block_hashes[3:5]]
+    assert second.num_computed_tokens == 20 and len(second.window_block_table) == 7
+    bm.check_invariants([second])

@@ -5,6 +5,7 @@ own; its GGUF form; and the sliding window of both backends' attention against a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -19,6 +20,7 @@ from test_hf_parity import hf_greedy
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.torch_backend import TorchBackend, TorchMetadataBuilder, paged_attention
+from tachyllm.config import ModelConfig
 from tachyllm.core.block_manager import NULL_BLOCK
 from tachyllm.errors import ModelLoadError
 from tachyllm.kernels import native
@@ -400,3 +402,61 @@ def test_torch_attention_window_matches_reference_and_skips_old_blocks():
     out = paged_attention(q, k[positions], v[positions], k_cache, v_cache, meta, head_dim**-0.5, window=window)
     expected = _reference(q, k, v, positions, window, head_dim**-0.5)
     assert torch.allclose(out.double(), expected, atol=1e-5), (out.double() - expected).abs().max()
+
+
+# -- sizing the two pools ------------------------------------------------------------------------------
+
+# Gemma-3-270M's KV shape: 18 layers, every 6th global, window 512, one KV head of 256 dims.
+GEMMA3_270M = ModelConfig(
+    architecture="gemma3", vocab_size=262_144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+    num_kv_heads=1, head_dim=256, sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
+)  # fmt: skip
+
+
+def test_kv_cache_without_a_window_pool_is_one_pool_as_before():
+    """No sliding layers, only sliding layers, or a window no sequence outgrows by a block: one pool of
+    every layer, the numbers the engine always had."""
+    limits = (256, 2048, 32_768)
+    for cfg, max_model_len in (
+        (dataclasses.replace(GEMMA3_270M, sliding_window=None, sliding_layers=()), 32_768),
+        (dataclasses.replace(GEMMA3_270M, sliding_layers=tuple(range(18))), 32_768),
+        (GEMMA3_270M, 512 + 15),
+    ):
+        limits = (256, 2048, max_model_len)
+        block = 2 * 18 * 16 * 256 * 2
+        assert kv_cache.window_pool_blocks(cfg, 16, *limits) == 0
+        assert kv_cache.kv_cache_layout(cfg, 16, torch.bfloat16, 4 << 30, *limits) == kv_cache.KVCacheLayout(
+            (4 << 30) // block, block
+        )
+        assert kv_cache.wanted_bytes(cfg, 16, torch.bfloat16, *limits) == 256 * -(-max_model_len // 16) * block
+    assert kv_cache.window_pool_blocks(GEMMA3_270M, 16, 256, 2048, 512 + 16) > 0
+
+
+def test_window_pool_sizing_rule():
+    """The window pool holds cdiv(window, block) + 2 blocks per sequence the scheduler may run, plus the
+    step's token budget in blocks, plus NULL_BLOCK; never more than one pool of every layer would have
+    had (but what one sequence alone needs); the full-attention pool gets the rest of the memory."""
+    per_layer = 2 * 16 * 256 * 2  # one bf16 block of one layer
+    assert kv_cache.window_pool_blocks(GEMMA3_270M, 16, 256, 2048, 32_768) == 1 + 256 * (32 + 2) + 128
+    layout = kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 4 << 30, 256, 2048, 32_768)
+    one_pool = (4 << 30) // (18 * per_layer)
+    assert (layout.window_blocks, layout.window_block_bytes, layout.block_bytes) == (
+        8833,
+        15 * per_layer,
+        3 * per_layer,
+    )
+    assert layout.num_blocks == ((4 << 30) - 8833 * 15 * per_layer) // (3 * per_layer) > 2.9 * one_pool
+    assert layout.total_bytes <= 4 << 30
+    # A small budget: the window pool is capped at the one pool's blocks, the full pool is not below it.
+    small = kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 1000 * 18 * per_layer, 256, 2048, 32_768)
+    assert small.window_blocks == 1000 and small.num_blocks == 1000
+    # Smaller still: a one pool of fewer blocks than one sequence alone needs in the window pool (1 + 34 +
+    # 128) stays one pool.
+    tiny = kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 162 * 18 * per_layer, 256, 2048, 32_768)
+    assert tiny == kv_cache.KVCacheLayout(162, 18 * per_layer)
+    assert kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 163 * 18 * per_layer, 256, 2048, 32_768) == (
+        kv_cache.KVCacheLayout(163, 3 * per_layer, 163, 15 * per_layer)
+    )
+    assert kv_cache.wanted_bytes(GEMMA3_270M, 16, torch.bfloat16, 256, 2048, 32_768) == (
+        256 * 2048 * 3 * per_layer + 8833 * 15 * per_layer
+    )

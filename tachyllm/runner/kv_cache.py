@@ -81,19 +81,18 @@ def kv_cache_layout(
     max_model_len: int,
 ) -> KVCacheLayout:
     """The pools that fit cache_bytes. The window pool gets what window_pool_blocks asks, but no more
-    blocks than one pool of every layer would have had (it holds a subset of what that one did), though
-    at least what one sequence alone needs; the full-attention layers' pool gets the rest, so it is
-    not smaller than that one pool either, but for the smallest budgets."""
+    blocks than one pool of every layer would have had (it holds a subset of what that one did); the
+    full-attention layers' pool gets the rest, so it is never smaller than that one pool. A budget whose
+    one pool could not even give the window pool what one sequence alone needs keeps the one pool."""
     one_pool = cache_bytes // bytes_per_block(cfg, block_size, dtype)
     window_blocks = window_pool_blocks(cfg, block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
-    if not window_blocks:
+    if not window_blocks or one_pool < window_pool_blocks(cfg, block_size, 1, max_num_batched_tokens, max_model_len):
         return KVCacheLayout(one_pool, bytes_per_block(cfg, block_size, dtype))
-    alone = window_pool_blocks(cfg, block_size, 1, max_num_batched_tokens, max_model_len)
-    window_blocks = min(window_blocks, max(one_pool, alone))
+    window_blocks = min(window_blocks, one_pool)
     window_bytes = bytes_per_block(cfg, block_size, dtype, len(cfg.sliding_layers))
     full_bytes = bytes_per_block(cfg, block_size, dtype, cfg.num_layers - len(cfg.sliding_layers))
     return KVCacheLayout(
-        max(cache_bytes - window_blocks * window_bytes, 0) // full_bytes, full_bytes, window_blocks, window_bytes
+        (cache_bytes - window_blocks * window_bytes) // full_bytes, full_bytes, window_blocks, window_bytes
     )
 
 
