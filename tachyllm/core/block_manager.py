@@ -269,15 +269,30 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
         """Makes seq's block tables cover num_new_tokens more tokens after its computed ones,
         first adopting prefix_blocks (cache hits from match_prefix, only for empty tables). All or nothing."""
-        prefix_blocks = prefix_blocks or []
-        assert not prefix_blocks or not seq.block_table
+        if prefix_blocks:
+            return self._allocate_after_prefix(seq, num_new_tokens, prefix_blocks)
+        num_new_blocks = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_table)
+        if num_new_blocks <= 0:  # a decode inside its last block: the common case, kept short
+            return True
+        window_pool = self.window_pool
+        if num_new_blocks > len(self.pool.free) or (window_pool and num_new_blocks > len(window_pool.free)):
+            return False
+        for _ in range(num_new_blocks):
+            seq.block_table.append(self.pool.take())
+            if window_pool:
+                seq.window_block_table.append(window_pool.take())
+        return True
+
+    def _allocate_after_prefix(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int]) -> bool:
+        assert not seq.block_table
         bs = self.block_size
-        total_tokens = seq.num_computed_tokens + len(prefix_blocks) * bs + num_new_tokens
-        num_new_blocks = max(cdiv(total_tokens, bs) - len(seq.block_table) - len(prefix_blocks), 0)
+        num_new_blocks = cdiv(seq.num_computed_tokens + len(prefix_blocks) * bs + num_new_tokens, bs) - len(
+            prefix_blocks
+        )
         window_prefix = []
         if self.window_pool:
             # The prefix's blocks before its last window are not held: their entries are NULL_BLOCK.
-            first = self._window_start(len(prefix_blocks) * bs) if prefix_blocks else 0
+            first = self._window_start(len(prefix_blocks) * bs)
             window_prefix = [NULL_BLOCK] * first + [
                 self._window_lookup(seq, prefix_blocks, i) for i in range(first, len(prefix_blocks))
             ]
@@ -325,7 +340,8 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """After seq's computed tokens grew: registers the blocks it filled (cache_full_blocks), then
         releases the window blocks that no later query of seq reads (they stay cached while free)."""
-        self.cache_full_blocks(seq)
+        if self.enable_prefix_caching and seq.num_computed_tokens // self.block_size > seq.num_cached_blocks:
+            self.cache_full_blocks(seq)
         if self.window_pool is None:
             return
         table = seq.window_block_table
