@@ -81,11 +81,8 @@ NULL_BLOCK = 0
 
 
 class BlockPool:
-    """One pool of KV blocks: reference counts, the LRU free list and the prefix-cache map.
-
-    Blocks whose reference count drops to zero go to the back of the free list but keep their
-    content hash, so a later request with the same prefix can take them back; a block is only
-    forgotten when the free list hands it out for new content (lazy eviction)."""
+    """One pool of KV blocks: reference counts, the LRU free list (lazy eviction: see the module
+    docstring) and the prefix-cache map."""
 
     def __init__(self, num_blocks: int, reserved: int = 0):
         self.blocks = [Block(i) for i in range(num_blocks)]
