@@ -73,6 +73,9 @@ class ScheduledSeq:
     completes: bool
     sampling: SamplingInput | None = None  # what sampling needs, when the step samples this sequence
     prompt_logprobs: PromptLogprobsInput | None = None  # prompt rows to score, when its request asks
+    # The sliding-window layers' own blocks (read-only), where they have a pool of their own; entries
+    # before the window of the step's first query are placeholders that attention never reads.
+    window_block_table: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:

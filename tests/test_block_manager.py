@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 )
 
 from tachyllm.core import block_manager as bm_module
-from tachyllm.core.block_manager import BlockManager, hash_block
+from tachyllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv, hash_block
 from tachyllm.core.sequence import Request, Sequence
 from tachyllm.outputs import RequestMetrics
 from tachyllm.sampling_params import SamplingParams
@@ -40,22 +40,29 @@ def make_seq(tokens: list[int], priority: int = 0, arrival: float = 0.0, max_tok
 
 class FakeKV:
     """Stands in for the paged KV tensors: slot (block, offset) holds the token prefix whose last
-    token's KV was written there, so reading a sequence back proves which KV it attends to."""
+    token's KV was written there, so reading a sequence back proves which KV it attends to. With
+    a `window`, the sliding-window layers' pool, read through window_block_table."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, window: int | None = None):
         self.block_size = block_size
+        self.window = window
         self.slots: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_blocks)]
 
+    def table(self, seq: Sequence) -> list[int]:
+        return seq.block_table if self.window is None else seq.window_block_table
+
     def write(self, seq: Sequence, start: int, end: int) -> None:
-        bs = self.block_size
+        bs, table = self.block_size, self.table(seq)
         for p in range(start, end):
-            self.slots[seq.block_table[p // bs]][p % bs] = tuple(seq.token_ids[: p + 1])
+            assert self.window is None or table[p // bs] != NULL_BLOCK, f"seq {seq.seq_id} writes into NULL_BLOCK"
+            self.slots[table[p // bs]][p % bs] = tuple(seq.token_ids[: p + 1])
 
     def check(self, seq: Sequence, end: int) -> None:
-        """Positions [0, end) of seq hold KV computed from seq's own tokens."""
-        bs = self.block_size
-        for p in range(end):
-            got = self.slots[seq.block_table[p // bs]][p % bs]
+        """Positions [0, end) of seq (with a window, those a query at `end` sees) hold KV computed from
+        seq's own tokens."""
+        bs, table = self.block_size, self.table(seq)
+        for p in range(0 if self.window is None else max(0, end - self.window + 1), end):
+            got = self.slots[table[p // bs]][p % bs]
             assert got == tuple(seq.token_ids[: p + 1]), f"seq {seq.seq_id} position {p} reads KV of {got}"
 
 
@@ -72,13 +79,22 @@ prompts = st.builds(
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Sequences go through match_prefix -> allocate -> compute -> cache_full_blocks, decode single
-    tokens, get preempted (freed and reset) or freed for good, in any order."""
+    """Sequences go through match_prefix -> allocate -> compute -> commit, decode single tokens, get
+    preempted (freed and reset) or freed for good, in any order; with or without a sliding-window pool."""
 
-    @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 4), caching=st.booleans())
-    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.bm = BlockManager(num_blocks, block_size, caching)
+    @initialize(
+        num_blocks=st.integers(3, 12),
+        block_size=st.integers(1, 4),
+        caching=st.booleans(),
+        window=st.one_of(st.none(), st.integers(1, 9)),
+        window_blocks=st.integers(2, 12),
+    )
+    def setup(self, num_blocks: int, block_size: int, caching: bool, window: int | None, window_blocks: int) -> None:
+        """With a window, the sliding-window layers' pool of window_blocks (NULL_BLOCK included)."""
+        window_blocks = window_blocks if window else 0
+        self.bm = BlockManager(num_blocks, block_size, caching, window=window, window_blocks=window_blocks)
         self.kv = FakeKV(num_blocks, block_size)
+        self.window_kv = FakeKV(window_blocks, block_size, window) if window else None
         self.live: list[Sequence] = []
         self.mirror = set(self.bm.track_cache_events())  # what a router learns from the events
 
@@ -102,18 +118,27 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert self.kv.slots[block_id][off] == tuple(seq.token_ids[: p + 1])
         start = seq.num_computed_tokens + len(prefix) * self.bm.block_size
         num_new = min(chunk, seq.num_tokens - start)
-        table_before, free_before, cached_before = list(seq.block_table), self.bm.num_free_blocks, seq.num_cached_blocks
-        if not self.bm.allocate(seq, num_new, prefix):
-            assert seq.block_table == table_before and self.bm.num_free_blocks == free_before  # all or nothing
+        bm = self.bm
+        before = (list(seq.block_table), list(seq.window_block_table), bm.num_free_blocks, bm.num_free_window_blocks)
+        cached_before = seq.num_cached_blocks
+        if not bm.allocate(seq, num_new, prefix):
+            # all or nothing
+            assert before == (seq.block_table, seq.window_block_table, bm.num_free_blocks, bm.num_free_window_blocks)
             return
-        assert seq.block_table[: len(table_before)] == table_before
+        assert seq.block_table[: len(before[0])] == before[0]
         assert seq.num_cached_blocks == cached_before + len(prefix)  # registered blocks stay registered
         assert seq.num_computed_tokens == start
-        assert len(seq.block_table) * self.bm.block_size >= start + num_new
-        self.kv.write(seq, start, start + num_new)
+        assert len(seq.block_table) * bm.block_size >= start + num_new
+        for kv in filter(None, (self.kv, self.window_kv)):
+            kv.check(seq, start)  # what the chunk's first query reads, a window hit's blocks included
+            kv.write(seq, start, start + num_new)
         seq.num_computed_tokens += num_new
-        self.bm.cache_full_blocks(seq)
-        self.kv.check(seq, seq.num_computed_tokens)
+        bm.commit(seq)
+        for kv in filter(None, (self.kv, self.window_kv)):
+            kv.check(seq, seq.num_computed_tokens)
+        if self.window_kv:  # at most the next query's window, straddling one block more
+            held = len(seq.window_block_table) - seq.window_block_table.count(NULL_BLOCK)
+            assert held <= cdiv(bm.window, bm.block_size) + 1
 
     @precondition(lambda self: any(s.block_table and not s.num_uncomputed_tokens for s in self.live))
     @rule(index=st.integers(0, 100), token=st.integers(0, 2))
@@ -148,6 +173,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         referenced = {b for s in self.live for b in s.block_table}
         assert len(referenced) + self.bm.num_free_blocks == self.bm.num_blocks
         assert sum(b.ref_count for b in self.bm.blocks) == sum(len(s.block_table) for s in self.live)
+        referenced = {b for s in self.live for b in s.window_block_table} - {NULL_BLOCK}
+        assert len(referenced) + self.bm.num_free_window_blocks == self.bm.num_window_blocks
 
     def teardown(self) -> None:
         if not hasattr(self, "bm"):
@@ -156,6 +183,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free_seq(seq)
         self.bm.check_invariants([])
         assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_free_window_blocks == self.bm.num_window_blocks
 
 
 MACHINE_SETTINGS = settings(
@@ -327,3 +355,53 @@ def test_blocks_holding_nothing_reusable_are_handed_out_first():
     bm.free_seq(seq)
     again = computed(bm, [5, 6, 7, 8])
     assert set(again.block_table) == used
+
+
+# -- the sliding-window layers' pool ---------------------------------------------------------------
+
+
+def test_window_pool_needs_a_window_and_two_blocks():
+    for window, window_blocks in ((None, 4), (0, 4), (4, 1)):
+        with pytest.raises(ValueError, match="window pool"):
+            BlockManager(8, 4, window=window, window_blocks=window_blocks)
+    assert BlockManager(8, 4, window=4).window_pool is None  # no blocks: every layer in the one pool
+
+
+def test_window_blocks_are_released_behind_the_window_and_cached():
+    """Window 8, blocks of 4: after 24 computed tokens the next query (position 24) sees 17..24, so
+    blocks 0..3 are released (still cached while free); the full-attention table keeps all six."""
+    bm = BlockManager(16, 4, window=8, window_blocks=10)
+    seq = make_seq(list(range(24)))
+    assert bm.allocate(seq, 24)
+    assert bm.num_free_window_blocks == 9 - 6
+    seq.num_computed_tokens = 24
+    bm.commit(seq)
+    assert seq.window_block_table[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in seq.window_block_table[4:]
+    assert bm.num_free_window_blocks == 9 - 2 and len(bm.window_pool.cached) == 6
+    assert len(seq.block_table) == 6 and bm.num_free_blocks == 16 - 6
+    bm.check_invariants([seq])
+    bm.free_seq(seq)
+    bm.check_invariants([])
+    assert (bm.num_free_blocks, bm.num_free_window_blocks) == (16, 9)
+
+
+def test_prefix_hit_needs_the_window_pool_to_hold_its_last_window():
+    """A 24-token prefix is served whole while the window pool holds its blocks 4 and 5 (the window of
+    position 24); once block 5 is gone there, the hit shrinks to the 5 blocks whose own last window
+    (blocks 3 and 4) is still held, although the full-attention pool still holds the whole chain."""
+    bm = BlockManager(16, 4, window=8, window_blocks=10)
+    first = computed(bm, list(range(24)))
+    bm.commit(first)
+    bm.free_seq(first)
+    second = make_seq(list(range(24)) + [99])
+    whole = bm.match_prefix(second)
+    assert len(whole) == 6 and bm.match_prefix(second, max_blocks=3) == whole[:3]
+    del bm.window_pool.cached[first.block_hashes[5]]  # as if evicted
+    assert all(h in bm.cached for h in first.block_hashes)
+    hit = bm.match_prefix(second)
+    assert hit == whole[:5]
+    assert bm.allocate(second, 5, hit)
+    assert second.window_block_table[:3] == [NULL_BLOCK] * 3
+    assert second.window_block_table[3:5] == [bm.window_pool.cached[h] for h in first.block_hashes[3:5]]
+    assert second.num_computed_tokens == 20 and len(second.window_block_table) == 7
+    bm.check_invariants([second])

@@ -1,9 +1,11 @@
 """Gemma 3: greedy output token for token equal to transformers (fp32) on tiny random models with
-sliding-window layers whose window (16) prompts exceed, chunked prefill and prefix caching included;
-its GGUF form; and the sliding window of both backends' attention against a plain reference."""
+sliding-window layers whose window (16) prompts exceed, chunked prefill, prefix caching and
+preemption included, the sliding-window layers holding only their window's blocks in a pool of their
+own; its GGUF form; and the sliding window of both backends' attention against a plain reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -17,10 +19,14 @@ from gguf_files import finish
 from test_hf_parity import hf_greedy
 
 from tachyllm import LLM, SamplingParams
+from tachyllm.backends.cuda_backend import CudaBackend
 from tachyllm.backends.torch_backend import TorchBackend, TorchMetadataBuilder, paged_attention
+from tachyllm.config import ModelConfig
+from tachyllm.core.block_manager import NULL_BLOCK
 from tachyllm.errors import ModelLoadError
 from tachyllm.kernels import native
 from tachyllm.loading import load_checkpoint
+from tachyllm.runner import kv_cache
 from tachyllm.step import ScheduledSeq, StepBatch
 
 WINDOW = 16
@@ -97,8 +103,8 @@ def test_greedy_matches_transformers(gemma_path, backend):
     llm = LLM(str(gemma_path), dtype="float32", block_size=4, kv_cache_memory=4 << 20, max_num_batched_tokens=64,
               backend=backend)  # fmt: skip
     assert _greedy(llm, prompts) == expected
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert llm.engine.block_manager.window_pool is not None
+    _assert_all_free(llm)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -136,6 +142,122 @@ def test_speculative_decoding_keeps_the_output(gemma_path, backend):
                   speculative_config={"num_speculative_tokens": 3, **spec})  # fmt: skip
         assert _greedy(llm, prompts) == expected, spec
         assert llm.engine.stats.spec_num_draft_tokens > 0, spec
+
+
+# -- the sliding-window layers' own KV pool ------------------------------------------------------------
+
+# Window blocks a sequence holds between steps at most: its next query's window, straddling a block more.
+WINDOW_HELD = -(-WINDOW // 4) + 1
+
+
+def _assert_all_free(llm: LLM) -> None:
+    """Every block of both pools is back, and nothing was written to the window pool's NULL_BLOCK."""
+    bm = llm.engine.block_manager
+    bm.check_invariants([])
+    assert (bm.num_free_blocks, bm.num_free_window_blocks) == (bm.num_blocks, bm.num_window_blocks)
+    if bm.window_pool is not None:
+        for layer in llm.engine.model_config.sliding_layers:
+            k_cache, v_cache = llm.engine.runner.kv_caches[layer]
+            assert k_cache.shape[0] == bm.num_window_blocks + 1
+            assert not k_cache[NULL_BLOCK].any() and not v_cache[NULL_BLOCK].any()
+
+
+def _run_checked(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], int, int]:
+    """Greedy tokens of each prompt, stepping the engine and checking after every step both pools'
+    bookkeeping and that no sequence holds more window blocks than WINDOW_HELD; with the most window
+    blocks one sequence held and the most sequences that ran at once."""
+    engine, params = llm.engine, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    done, most_held, most_running = {}, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None
+                done[out.request_id] = out.outputs[0].token_ids
+        live = engine.scheduler.running + engine.scheduler.waiting
+        engine.block_manager.check_invariants(live)
+        for seq in live:
+            held = len(seq.window_block_table) - seq.window_block_table.count(NULL_BLOCK)
+            assert held <= WINDOW_HELD, (seq.num_computed_tokens, seq.window_block_table)
+            most_held = max(most_held, held)
+        most_running = max(most_running, len(engine.scheduler.running))
+    _assert_all_free(llm)
+    return [done[str(i)] for i in range(len(prompts))], most_held, most_running
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu", "cuda"])
+def test_window_layers_hold_only_their_window(gemma_path, backend):
+    """Prompts up to 4x the window in 7-token chunks: the sliding-window layers' pool releases the blocks
+    before every later query's window as sequences advance, and the output stays transformers'. (cuda: the
+    Triton kernels, in Triton's interpreter where no GPU is present.)"""
+    if backend == "cpu" and ops is None:
+        pytest.skip("C++ kernels could not be built here")
+    if backend == "cuda" and (reason := CudaBackend.unavailable_reason(torch.device("cpu"))) is not None:
+        pytest.skip(reason)
+    hf = _hf(gemma_path)
+    prompts = _prompts(hf.config.vocab_size)
+    llm = LLM(str(gemma_path), dtype="float32", block_size=4, kv_cache_memory=4 << 20, max_num_batched_tokens=7,
+              max_num_seqs=4, backend=backend)  # fmt: skip
+    tokens, most_held, _ = _run_checked(llm, prompts)
+    assert tokens == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert most_held == WINDOW_HELD  # the bound is reached, never passed: 80 positions, 5 blocks held
+
+
+def test_preemption_frees_both_pools(gemma_path):
+    """A full-attention pool of 40 blocks for four 50-token sequences (13 blocks each): preemptions, and
+    recomputed sequences end as transformers' do."""
+    hf = _hf(gemma_path)
+    prompts = _prompts(hf.config.vocab_size, (40, 40, 40, 40), seed=6)
+    one_pool = 40 * kv_cache.bytes_per_block(load_checkpoint(str(gemma_path)).config, 4, torch.float32)
+    llm = LLM(str(gemma_path), dtype="float32", block_size=4, kv_cache_memory=one_pool, max_num_seqs=4,
+              max_num_batched_tokens=64, backend="torch")  # fmt: skip
+    assert llm.engine.block_manager.num_blocks == 40
+    tokens, _, _ = _run_checked(llm, prompts)
+    assert tokens == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert llm.engine.stats.num_preemptions > 0
+
+
+def test_prefix_hit_needs_the_window_blocks(gemma_path):
+    """A 48-token prefix cached by an earlier request: reused whole while the window pool still holds
+    its last window's blocks; once other requests took those blocks over, only the full-attention
+    blocks are still cached, and the prefix is recomputed (a shorter hit at most). Cold, warm and
+    evicted runs give the same tokens."""
+    hf = _hf(gemma_path)
+    vocab = hf.config.vocab_size
+    prefix = _prompts(vocab, (48,), seed=3)[0]
+    prompt = prefix + _prompts(vocab, (9,), seed=4)[0]
+    expected = hf_greedy(hf, prompt, NEW_TOKENS)
+    # One sequence at a time: a window pool of 1 + 6 + 16 blocks, which a 64-token prompt turns over.
+    llm = LLM(str(gemma_path), dtype="float32", block_size=4, kv_cache_memory=4 << 20, max_num_seqs=1,
+              max_num_batched_tokens=64, backend="torch")  # fmt: skip
+    bm, stats = llm.engine.block_manager, llm.engine.stats
+    assert bm.num_window_blocks == 22
+    assert _greedy(llm, [prefix]) == [hf_greedy(hf, prefix, NEW_TOKENS)]
+    hits = stats.prefix_cache_hits
+    assert _greedy(llm, [prompt]) == [expected]
+    assert stats.prefix_cache_hits - hits == 48  # 12 blocks: all the prefix
+    hits = stats.prefix_cache_hits
+    _greedy(llm, _prompts(vocab, (64,), seed=7))  # takes every window block over
+    assert _greedy(llm, [prompt]) == [expected]
+    assert stats.prefix_cache_hits - hits < 48
+
+
+def test_capacity_for_long_contexts(gemma_path, monkeypatch):
+    """At the same cache memory (120 blocks of every layer), eight 100-token prompts: with one pool for
+    every layer at most four run at once; with the window layers' own pool all eight do, and the
+    tokens are the same."""
+    prompts = _prompts(load_checkpoint(str(gemma_path)).config.vocab_size, (100,) * 8, seed=8)
+    memory = 120 * kv_cache.bytes_per_block(load_checkpoint(str(gemma_path)).config, 4, torch.float32)
+    options = dict(dtype="float32", block_size=4, kv_cache_memory=memory, max_num_seqs=8, max_num_batched_tokens=128,
+                   backend="torch")  # fmt: skip
+    split = LLM(str(gemma_path), **options)
+    tokens, _, running = _run_checked(split, prompts)
+    assert running == 8
+    monkeypatch.setattr(kv_cache, "window_pool_blocks", lambda *args: 0)
+    one_pool = LLM(str(gemma_path), **options)
+    assert one_pool.engine.block_manager.window_pool is None and one_pool.engine.block_manager.num_blocks == 120
+    assert _run_checked(one_pool, prompts)[::2] == (tokens, 4)
 
 
 def _gguf_from_hf(hf_dir: Path, path: Path) -> None:
@@ -284,3 +406,61 @@ def test_torch_attention_window_matches_reference_and_skips_old_blocks():
     out = paged_attention(q, k[positions], v[positions], k_cache, v_cache, meta, head_dim**-0.5, window=window)
     expected = _reference(q, k, v, positions, window, head_dim**-0.5)
     assert torch.allclose(out.double(), expected, atol=1e-5), (out.double() - expected).abs().max()
+
+
+# -- sizing the two pools ------------------------------------------------------------------------------
+
+# Gemma-3-270M's KV shape: 18 layers, every 6th global, window 512, one KV head of 256 dims.
+GEMMA3_270M = ModelConfig(
+    architecture="gemma3", vocab_size=262_144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
+    num_kv_heads=1, head_dim=256, sliding_window=512, sliding_layers=tuple(i for i in range(18) if (i + 1) % 6),
+)  # fmt: skip
+
+
+def test_kv_cache_without_a_window_pool_is_one_pool_as_before():
+    """No sliding layers, only sliding layers, or a window no sequence outgrows by a block: one pool of
+    every layer, the numbers the engine always had."""
+    limits = (256, 2048, 32_768)
+    for cfg, max_model_len in (
+        (dataclasses.replace(GEMMA3_270M, sliding_window=None, sliding_layers=()), 32_768),
+        (dataclasses.replace(GEMMA3_270M, sliding_layers=tuple(range(18))), 32_768),
+        (GEMMA3_270M, 512 + 15),
+    ):
+        limits = (256, 2048, max_model_len)
+        block = 2 * 18 * 16 * 256 * 2
+        assert kv_cache.window_pool_blocks(cfg, 16, *limits) == 0
+        assert kv_cache.kv_cache_layout(cfg, 16, torch.bfloat16, 4 << 30, *limits) == kv_cache.KVCacheLayout(
+            (4 << 30) // block, block
+        )
+        assert kv_cache.wanted_bytes(cfg, 16, torch.bfloat16, *limits) == 256 * -(-max_model_len // 16) * block
+    assert kv_cache.window_pool_blocks(GEMMA3_270M, 16, 256, 2048, 512 + 16) > 0
+
+
+def test_window_pool_sizing_rule():
+    """The window pool holds cdiv(window, block) + 2 blocks per sequence the scheduler may run, plus the
+    step's token budget in blocks, plus NULL_BLOCK; never more than one pool of every layer would have
+    had (but what one sequence alone needs); the full-attention pool gets the rest of the memory."""
+    per_layer = 2 * 16 * 256 * 2  # one bf16 block of one layer
+    assert kv_cache.window_pool_blocks(GEMMA3_270M, 16, 256, 2048, 32_768) == 1 + 256 * (32 + 2) + 128
+    layout = kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 4 << 30, 256, 2048, 32_768)
+    one_pool = (4 << 30) // (18 * per_layer)
+    assert (layout.window_blocks, layout.window_block_bytes, layout.block_bytes) == (
+        8833,
+        15 * per_layer,
+        3 * per_layer,
+    )
+    assert layout.num_blocks == ((4 << 30) - 8833 * 15 * per_layer) // (3 * per_layer) > 2.9 * one_pool
+    assert layout.total_bytes <= 4 << 30
+    # A small budget: the window pool is capped at the one pool's blocks, the full pool is not below it.
+    small = kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 1000 * 18 * per_layer, 256, 2048, 32_768)
+    assert small.window_blocks == 1000 and small.num_blocks == 1000
+    # Smaller still: a one pool of fewer blocks than one sequence alone needs in the window pool (1 + 34 +
+    # 128) stays one pool.
+    tiny = kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 162 * 18 * per_layer, 256, 2048, 32_768)
+    assert tiny == kv_cache.KVCacheLayout(162, 18 * per_layer)
+    assert kv_cache.kv_cache_layout(GEMMA3_270M, 16, torch.bfloat16, 163 * 18 * per_layer, 256, 2048, 32_768) == (
+        kv_cache.KVCacheLayout(163, 3 * per_layer, 163, 15 * per_layer)
+    )
+    assert kv_cache.wanted_bytes(GEMMA3_270M, 16, torch.bfloat16, 256, 2048, 32_768) == (
+        256 * 2048 * 3 * per_layer + 8833 * 15 * per_layer
+    )

@@ -302,10 +302,10 @@ def test_every_failed_step_ends_a_request(offline, monkeypatch):
     engine = offline.engine
     match_prefix = engine.block_manager.match_prefix
 
-    def broken(seq):
+    def broken(seq, *args):
         if seq.request.request_id == "culprit":
             raise RuntimeError("prefix lookup bug")
-        return match_prefix(seq)
+        return match_prefix(seq, *args)
 
     monkeypatch.setattr(engine.block_manager, "match_prefix", broken)
     for rid in ("a", "culprit", "b"):

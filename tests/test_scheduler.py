@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 from test_block_manager import FakeKV, make_seq, prompts
 
-from tachyllm.core.block_manager import BlockManager
+from tachyllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv
 from tachyllm.core.scheduler import Scheduler
 from tachyllm.core.sequence import Sequence, SequenceStatus
 from tachyllm.outputs import StepStats
@@ -72,9 +72,12 @@ def schedule(sched: Scheduler) -> Scheduled:
     return Scheduled(batch, scheduled, preempted)
 
 
-def execute(sched: Scheduler, out: Scheduled, kv: FakeKV | None = None, seconds: float = 0.0) -> list[Sequence]:
-    """Does what the model runner does with a batch, with the fake model, and hands the result (which
-    took `seconds`) to the scheduler; returns the sequences that finished."""
+def execute(
+    sched: Scheduler, out: Scheduled, kv: FakeKV | None = None, seconds: float = 0.0, window_kv: FakeKV | None = None
+) -> list[Sequence]:
+    """Does what the model runner does with a batch, with the fake model (and the sliding-window layers'
+    pool, read through the sequences' window tables), and hands the result (which took `seconds`) to
+    the scheduler; returns the sequences that finished."""
     bm = sched.block_manager
     results = []
     for s in out.scheduled:
@@ -88,6 +91,10 @@ def execute(sched: Scheduler, out: Scheduled, kv: FakeKV | None = None, seconds:
             for p in range(start, start + s.num_new_tokens):
                 assert bm.blocks[seq.block_table[p // bm.block_size]].ref_count == 1, "write into a shared block"
             kv.write(seq, start, start + s.num_new_tokens)
+        if window_kv is not None:
+            assert entry.window_block_table == seq.window_block_table
+            window_kv.check(seq, start)
+            window_kv.write(seq, start, start + s.num_new_tokens)
         if entry.completes:
             last = seq.num_tokens - 1
             prefix = (
@@ -108,12 +115,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(1, 10),
         chunked=st.booleans(),
         caching=st.booleans(),
+        window=st.one_of(st.none(), st.integers(1, 6)),
+        window_spare=st.integers(0, 6),
     )
-    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked, caching) -> None:
-        self.bm = BlockManager(num_blocks, block_size, caching)
+    def setup(self, num_blocks, block_size, max_num_seqs, budget, chunked, caching, window, window_spare) -> None:
+        """With a window, the sliding-window layers' pool: what one sequence alone needs at most
+        (runner/kv_cache.py's rule for one sequence), and window_spare blocks more."""
+        window_blocks = 0
+        if window:
+            window_blocks = 1 + cdiv(window, block_size) + 2 + cdiv(budget, block_size) + window_spare
+        self.bm = BlockManager(num_blocks, block_size, caching, window=window, window_blocks=window_blocks)
         self.stats = StepStats()
         self.sched = Scheduler(self.bm, max_num_seqs, budget, chunked, self.stats)
         self.kv = FakeKV(num_blocks, block_size)
+        self.window_kv = FakeKV(window_blocks, block_size, window) if window else None
         self.live: list[Sequence] = []
         self.completed: list[Sequence] = []
         self.clock = 0
@@ -150,7 +165,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert all(s.arrival_order < victim.arrival_order for s in sched.running)
         if any(s not in decodes for s in scheduled):  # a prefill ran: every decode was served first
             assert all(s in scheduled or s in out.preempted for s in decodes)
-        for seq in execute(sched, out, self.kv):
+        for seq in execute(sched, out, self.kv, window_kv=self.window_kv):
             self.live.remove(seq)
             self.completed.append(seq)
 
@@ -174,6 +189,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         bm.check_invariants(sched.running + sched.waiting)
         referenced = {b for s in sched.running for b in s.block_table}
         assert len(referenced) + bm.num_free_blocks == bm.num_blocks
+        referenced = {b for s in sched.running for b in s.window_block_table} - {NULL_BLOCK}
+        assert len(referenced) + bm.num_free_window_blocks == bm.num_window_blocks
 
     def teardown(self) -> None:
         if not hasattr(self, "sched"):
@@ -189,6 +206,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             )
         self.bm.check_invariants([])
         assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_free_window_blocks == self.bm.num_window_blocks
 
 
 def test_scheduler_state_machine():

@@ -53,6 +53,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot where each token's K/V is written
     # Whether the backend's fused decoder layers (where it built them) run this step.
     fused_layers: bool = False
+    # The sliding-window layers' metadata (their slots and block tables), where they have a KV pool of
+    # their own (ScheduledSeq.window_block_table); None: they read this one.
+    sliding: AttentionMetadata | None = None
 
 
 class LayerOps:
@@ -121,7 +124,7 @@ class MetadataBuilder(ABC):
         return None
 
     def token_inputs(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Input ids, positions and cache slots of every token of the batch, in row order."""
+        """Input ids, positions and cache slots (full-attention tables) of every token of the batch, in row order."""
         input_ids, positions, slot_mapping = self.token_lists(batch)
         device = self.device
         return (
@@ -132,17 +135,25 @@ class MetadataBuilder(ABC):
 
     def token_lists(self, batch: StepBatch) -> tuple[list[int], list[int], list[int]]:
         """token_inputs as Python lists."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slot_mapping: list[int] = []
         for s in batch.seqs:
-            start, table = s.start, s.block_table
-            end = start + len(s.token_ids)
             input_ids += s.token_ids
-            positions += range(start, end)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-        return input_ids, positions, slot_mapping
+            positions += range(s.start, s.start + len(s.token_ids))
+        return input_ids, positions, self.slot_list(batch, [s.block_table for s in batch.seqs])
+
+    def slot_mapping(self, batch: StepBatch, tables: list[list[int]]) -> torch.Tensor:
+        """The flat cache slot of every token of the batch, in row order, by one block table per sequence
+        (the full-attention or the sliding-window layers' pool)."""
+        return torch.tensor(self.slot_list(batch, tables), dtype=torch.long, device=self.device)
+
+    def slot_list(self, batch: StepBatch, tables: list[list[int]]) -> list[int]:
+        """slot_mapping as a Python list."""
+        bs = self.block_size
+        slots: list[int] = []
+        for s, table in zip(batch.seqs, tables):
+            slots += [table[p // bs] * bs + p % bs for p in range(s.start, s.start + len(s.token_ids))]
+        return slots
 
 
 class Backend(ABC):
@@ -186,23 +197,26 @@ class Backend(ABC):
 
     # -- the KV cache ------------------------------------------------------------------------
     def allocate_kv_cache(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, scales: KVScales | None = None
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        scales: KVScales | None = None,
+        window_blocks: int = 0,
     ) -> list[LayerKV]:
         """Per layer (K, V) caches [blocks, block_size, kv_heads, head_dim] carved out of one
-        allocation; with `scales`, `dtype` is a quantized storage type and each is a QuantizedKV."""
-        # Zero-filled: attention reads padding slots (masked out) and 0 * garbage could be NaN.
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        if self.device.type == "cpu":
-            # A fresh anonymous mapping: the OS hands out zero pages on first touch, so a multi-GiB
-            # cache costs nothing until it is used (torch.zeros writes every byte). Not numpy's
-            # zeros (calloc), which asks for transparent huge pages on large arrays: on this VM first
-            # writes to that memory cost several times more (measurements:
-            # docs/design_measurements.md#kv-cache-allocation).
-            raw = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
-            storage = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
-        else:
-            storage = torch.zeros(shape, dtype=dtype, device=self.device)
-        caches = [(storage[i, 0], storage[i, 1]) for i in range(cfg.num_layers)]
+        allocation; with `window_blocks`, the sliding-window layers (cfg.sliding_layers) get a pool
+        of that many blocks of their own, the other layers num_blocks. With `scales`, `dtype` is a
+        quantized storage type and each is a QuantizedKV."""
+        sliding = [i for i in range(cfg.num_layers) if window_blocks and i in cfg.sliding_layers]
+        full = [i for i in range(cfg.num_layers) if i not in sliding]
+        caches: list[LayerKV] = [None] * cfg.num_layers
+        for layers, blocks in ((full, num_blocks), (sliding, window_blocks)):
+            if layers:
+                storage = self._zeroed((len(layers), 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)
+                for j, layer in enumerate(layers):
+                    caches[layer] = (storage[j, 0], storage[j, 1])
         if scales is None:
             return caches
         flat = (-1, cfg.num_kv_heads, cfg.head_dim)
@@ -213,6 +227,18 @@ class Backend(ABC):
             )
             for (k, v), (ks, vs) in zip(caches, scales)
         ]
+
+    def _zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # Zero-filled: attention reads padding slots (masked out) and 0 * garbage could be NaN.
+        if self.device.type == "cpu":
+            # A fresh anonymous mapping: the OS hands out zero pages on first touch, so a multi-GiB
+            # cache costs nothing until it is used (torch.zeros writes every byte). Not numpy's
+            # zeros (calloc), which asks for transparent huge pages on large arrays: on this VM first
+            # writes to that memory cost several times more (measurements:
+            # docs/design_measurements.md#kv-cache-allocation).
+            raw = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
     # -- running steps -----------------------------------------------------------------------
     @abstractmethod

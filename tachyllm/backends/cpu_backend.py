@@ -39,15 +39,28 @@ class CpuMetadataBuilder(MetadataBuilder):
             info.append((row, n, s.start))
             tables.append(s.block_table)
             row += n
-        width = max(len(t) for t in tables)
         meta = CpuMetadata(
             backend=self.backend,
             slot_mapping=slot_mapping,
             fused_layers=True,
             seq_info=torch.tensor(info, dtype=torch.int32),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            block_tables=_padded(tables),
         )
+        if batch.seqs[0].window_block_table is not None:
+            window_tables = [s.window_block_table for s in batch.seqs]
+            meta.sliding = CpuMetadata(
+                backend=self.backend,
+                slot_mapping=self.slot_mapping(batch, window_tables),
+                seq_info=meta.seq_info,
+                block_tables=_padded(window_tables),
+            )
         return input_ids, positions, meta
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """int32 [len(tables), longest] block tables."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 def kernel_caches(

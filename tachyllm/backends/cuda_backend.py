@@ -93,6 +93,17 @@ class CudaMetadataBuilder(MetadataBuilder):
             query_start=torch.tensor(query_start, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         )
+        if batch.seqs[0].window_block_table is not None:
+            window_tables = [s.window_block_table for s in batch.seqs]
+            meta.sliding = CudaMetadata(
+                backend=self.backend,
+                slot_mapping=self.slot_mapping(batch, window_tables),
+                block_tables=torch.tensor(
+                    [t + [0] * (width - len(t)) for t in window_tables], dtype=torch.int32, device=device
+                ),
+                query_start=meta.query_start,
+                seq_lens=meta.seq_lens,
+            )
         return (
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
@@ -106,6 +117,8 @@ class CudaMetadataBuilder(MetadataBuilder):
         max_seqs, max_blocks = buf.block_tables.shape
         if not len(batch.seqs) <= pad_to <= max_seqs:
             raise ValueError(f"cannot pad {len(batch.seqs)} sequences to {pad_to} (buffers for {max_seqs})")
+        if batch.seqs[0].window_block_table is not None:
+            raise ValueError("a padded step has no sliding-window pool's buffers (the engine captures no graphs then)")
         if any(not s.is_decode or len(s.token_ids) > buf.queries_per_seq for s in batch.seqs):
             raise ValueError(f"a padded step is decode-only, at most {buf.queries_per_seq} tokens per sequence")
         ids, positions, slots, query_start, seq_lens, tables = self._host_inputs(batch)

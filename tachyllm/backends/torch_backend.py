@@ -12,6 +12,7 @@ A sliding-window layer gathers and multiplies only the positions inside its quer
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +73,7 @@ class TorchMetadata(AttentionMetadata):
             slots, bias = decode_context(
                 self.decode_tables, self.decode_starts, self.decode_counts, self.decode_queries, self.block_size, window
             )
-            self._windowed[window] = slots.to(self.decode_slots.device), bias.to(self.decode_slots.device)
+            self._windowed[window] = slots.to(self.slot_mapping.device), bias.to(self.slot_mapping.device)
         return self._windowed[window]
 
 
@@ -102,13 +103,17 @@ class TorchMetadataBuilder(MetadataBuilder):
         for seq_id in batch.finished_seq_ids:
             self.chunk_buffers.pop(seq_id, None)
         input_ids, positions, slot_mapping = self.token_inputs(batch)
-        tables, starts, counts = [], [], []  # of the decodes, which read the paged cache by block table
+        # The sliding-window layers' own block tables, where they have a pool of their own.
+        windowed = batch.seqs[0].window_block_table is not None
+        tables, window_tables, starts, counts = [], [], [], []  # of the decodes, which read by block table
         prefills: list[PrefillSpan] = []
+        window_prefills: list[PrefillSpan] = []
         offset = 0
         for s in batch.seqs:
             start, n = s.start, len(s.token_ids)
             if s.is_decode:
                 tables.append(s.block_table)
+                window_tables.append(s.window_block_table)
                 starts.append(start)
                 counts.append(n)
             else:
@@ -122,12 +127,25 @@ class TorchMetadataBuilder(MetadataBuilder):
                     if s.completes:  # the prompt is done: decodes read the paged cache
                         del self.chunk_buffers[s.seq_id]
                 prefills.append(span)
+                if windowed:  # the same chunk (and contiguous copy: its layers are disjoint), other slots
+                    slots = self._slots([s.window_block_table], start + n)[0].to(self.device) if read_back else None
+                    window_prefills.append(dataclasses.replace(span, context_slots=slots))
             offset += n
         meta = TorchMetadata(
             backend=self.backend, slot_mapping=slot_mapping, num_decode_tokens=sum(counts), prefills=prefills
         )
         if tables:
             self._decode_metadata(meta, tables, starts, counts)
+        if windowed:
+            meta.sliding = TorchMetadata(
+                backend=self.backend,
+                slot_mapping=self.slot_mapping(batch, [s.window_block_table for s in batch.seqs]),
+                num_decode_tokens=meta.num_decode_tokens,
+                prefills=window_prefills,
+            )
+            if tables:
+                # Its layers read only their windows (TorchMetadata.decode_context), never whole contexts.
+                self._decode_metadata(meta.sliding, window_tables, starts, counts, whole_contexts=False)
         return input_ids, positions, meta
 
     def _chunk_buffer(self, s: ScheduledSeq) -> _ChunkBuffer | None:
@@ -153,17 +171,24 @@ class TorchMetadataBuilder(MetadataBuilder):
         return slots.view(len(block_tables), -1)[:, :num_slots]
 
     def _decode_metadata(
-        self, meta: TorchMetadata, tables: list[list[int]], starts: list[int], counts: list[int]
+        self,
+        meta: TorchMetadata,
+        tables: list[list[int]],
+        starts: list[int],
+        counts: list[int],
+        whole_contexts: bool = True,
     ) -> None:
-        """Context slots and masks of the decodes; query j of a decode starting at position p sees
-        positions <= p + j (padding queries repeat the decode's last one)."""
+        """Context slots and masks of the decodes (with whole_contexts; otherwise only what their windowed
+        views are made from); query j of a decode starting at position p sees positions <= p + j
+        (padding queries repeat the decode's last one)."""
         queries = max(counts)
         starts_t, counts_t = torch.tensor(starts), torch.tensor(counts)
         width = max(len(t) for t in tables)
         meta.decode_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         meta.decode_starts, meta.decode_counts, meta.block_size = starts_t, counts_t, self.block_size
-        slots, bias = decode_context(meta.decode_tables, starts_t, counts_t, queries, self.block_size, None)
-        meta.decode_slots, meta.decode_bias = slots.to(self.device), bias.to(self.device)
+        if whole_contexts:
+            slots, bias = decode_context(meta.decode_tables, starts_t, counts_t, queries, self.block_size, None)
+            meta.decode_slots, meta.decode_bias = slots.to(self.device), bias.to(self.device)
         meta.decode_queries = queries
         j = torch.arange(queries).unsqueeze(0)
         if min(counts) != queries:

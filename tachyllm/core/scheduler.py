@@ -170,11 +170,10 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = self.block_manager.match_prefix(seq)
-            if seq.needs_prompt_logprobs:
-                # A cached position would go unscored: the prefix serves only positions whose prompt
-                # logprobs are known (none, at first: vLLM's rule), so they are computed, not kept.
-                prefix = prefix[: len(seq.request.prompt_logprobs) // self.block_manager.block_size]
+            # A cached position would go unscored: with prompt logprobs the prefix serves only positions
+            # whose prompt logprobs are known (none, at first: vLLM's rule), so they are computed, not kept.
+            limit = len(seq.request.prompt_logprobs) // self.block_manager.block_size
+            prefix = self.block_manager.match_prefix(seq, limit if seq.needs_prompt_logprobs else None)
             num_new = seq.num_tokens - len(prefix) * self.block_manager.block_size
             # Without chunked prefill a prompt goes in one step; only a preempted sequence whose prompt
             # plus output outgrew the whole budget is recomputed in chunks, or it could never resume.
@@ -213,6 +212,7 @@ class Scheduler:
                 ScheduledSeq(
                     seq.seq_id, seq.request.request_id, start, new_tokens, len(s.spec_token_ids), seq.block_table,
                     seq.num_tokens, s.completes, sampling, _prompt_logprobs_input(seq, start, s.num_real_tokens),
+                    seq.window_block_table if self.block_manager.window_pool else None,
                 )
             )  # fmt: skip
         self._fill_bitmasks(plan.scheduled, seqs)
@@ -253,7 +253,7 @@ class Scheduler:
             seq = seqs[s.seq_id]
             if not s.num_draft_tokens:
                 seq.num_computed_tokens += s.num_new_tokens
-                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.commit(seq)
             seq.clear_spec()
         now = time.time()
         updates = []
@@ -276,7 +276,7 @@ class Scheduler:
                     break
             if r.num_draft_tokens and not seq.is_finished:
                 self.block_manager.trim(seq, seq.num_tokens)
-                self.block_manager.cache_full_blocks(seq)
+                self.block_manager.commit(seq)
             updates.append(SeqUpdate(seq, r.token_ids[:kept], r.logprobs[:kept]))
         self._in_flight = {}
         return updates

@@ -26,7 +26,7 @@ _seq_counter = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream. Its KV lives in the blocks of block_table; the first
+    """One token stream. Its KV lives in the blocks of block_table (and window_block_table); the first
     num_computed_tokens of token_ids have KV in the cache, the rest still need a forward."""
 
     request: Request
@@ -38,6 +38,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # The sliding-window layers' blocks, where they have a pool of their own (core/block_manager.py):
+    # as long as block_table, the blocks before the window of its next query released (NULL_BLOCK).
+    window_block_table: list[int] = field(default_factory=list)
     # Hash of each full block in block_table order (prefix caching); grows as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache

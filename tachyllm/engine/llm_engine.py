@@ -88,8 +88,9 @@ class LLMEngine:
         model = self.model
 
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
-        block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
-        wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
+        # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
+        limits = (config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        wanted = kv_cache.wanted_bytes(mc, config.block_size, kv_dtype, *limits)
         graph_queries = self._graph_query_counts()
         max_blocks = -(-self.max_model_len // config.block_size)  # a sequence's longest block table
         graph_bytes = 0
@@ -102,18 +103,27 @@ class LLMEngine:
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
             self.device, wanted, config.gpu_memory_utilization, graph_bytes
         )
-        num_blocks = cache_bytes // block_bytes
+        layout = kv_cache.kv_cache_layout(mc, config.block_size, kv_dtype, cache_bytes, *limits)
+        num_blocks = layout.num_blocks
         if num_blocks < 1:
             raise RequestError(
-                f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)"
+                f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {layout.block_bytes} bytes)"
             )
         scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
-        caches = self.backend.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, scales)
+        caches = self.backend.allocate_kv_cache(
+            mc, num_blocks, config.block_size, kv_dtype, scales, layout.window_blocks
+        )
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
-            num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20,
+            num_blocks, config.block_size, num_blocks * config.block_size, layout.total_bytes / 2**20,
             str(kv_dtype).removeprefix("torch."), self.max_model_len,
         )  # fmt: skip
+        if layout.window_blocks:
+            logger.info(
+                "KV cache: the %d sliding-window layers (window %d) hold their last blocks only, in a pool of "
+                "their own: %d blocks (%.1f MiB) of the above", len(mc.sliding_layers), mc.sliding_window,
+                layout.window_blocks - 1, layout.window_blocks * layout.window_block_bytes / 2**20,
+            )  # fmt: skip
         if config.kv_cache_dtype != "auto":
             logger.info(
                 "KV cache dtype %s: %.1fx the blocks of %s at the same memory",
@@ -122,8 +132,9 @@ class LLMEngine:
 
         self.stats = StepStats()
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key()
-        )
+            num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key(),
+            window=mc.sliding_window, window_blocks=layout.window_blocks,
+        )  # fmt: skip
         eos = list(mc.eos_token_ids) or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
@@ -173,6 +184,10 @@ class LLMEngine:
             logger.info(
                 "CUDA graphs off: the %s backend's steps cannot be captured (--backend cuda)", self.backend.name
             )
+            return None
+        if self.model_config.sliding_layers:
+            # Their own KV pool would need a second set of graph buffers.
+            logger.info("CUDA graphs off: the model's sliding-window layers are not captured yet")
             return None
         spec = self.config.speculative_config
         return (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)

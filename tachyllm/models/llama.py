@@ -38,6 +38,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
+        if self.window is not None and meta.sliding is not None:
+            meta = meta.sliding  # the sliding-window layers' own block tables
         with tracing.span("attention"):
             o = meta.backend.attention(q, k, v, kv_cache, meta, self.scale, self.layer_index, self.window)
         return self.o_proj(o.view(n, self.q_size))
