@@ -18,9 +18,9 @@ from tachyllm.core.sequence import Request, Sequence
 from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
-from tachyllm.errors import EngineCorruptedError, RequestError
+from tachyllm.errors import EngineCorruptedError, RequestError, WorkerError
 from tachyllm.kernels.kv_quant import KV_STORAGE
-from tachyllm.loading import load_checkpoint
+from tachyllm.loading import Checkpoint, load_checkpoint
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
@@ -74,12 +74,30 @@ class LLMEngine:
         self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)
+        self.executor = None  # the tensor-parallel group, when there is one
+        self._shut_down: Exception | None = None  # why the engine stopped (a dead worker), if it did
+        try:
+            self._build(config, ckpt, t0)
+        except BaseException:
+            self.shutdown()
+            raise
 
-        self.model, self.weight_bytes = build_model(
-            ckpt, self.dtype, self.backend, self.max_model_len,
-            config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
-            batch_invariant=config.deterministic,
-        )  # fmt: skip
+    def _build(self, config: EngineConfig, ckpt: Checkpoint, t0: float) -> None:
+        mc = self.model_config
+        # What this process holds of the model: all of it, or rank 0's shard (its KV cache sized to match).
+        rank_config = mc
+        if config.tensor_parallel_size > 1:
+            from tachyllm.distributed.executor import TensorParallelExecutor  # torch.distributed only when used
+
+            self.executor = TensorParallelExecutor(config, ckpt, self.backend, self.dtype, self.max_model_len)
+            self.model, self.weight_bytes = self.executor.model, self.executor.weight_bytes
+            rank_config = self.executor.plan.config
+        else:
+            self.model, self.weight_bytes = build_model(
+                ckpt, self.dtype, self.backend, self.max_model_len,
+                config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
+                batch_invariant=config.deterministic,
+            )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
             logger.info(
                 "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
@@ -88,7 +106,7 @@ class LLMEngine:
         model = self.model
 
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
-        block_bytes = kv_cache.bytes_per_block(mc, config.block_size, kv_dtype)
+        block_bytes = kv_cache.bytes_per_block(rank_config, config.block_size, kv_dtype)
         wanted = config.max_num_seqs * -(-self.max_model_len // config.block_size) * block_bytes
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
             self.device, wanted, config.gpu_memory_utilization
@@ -99,7 +117,7 @@ class LLMEngine:
                 f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {block_bytes} bytes)"
             )
         scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
-        caches = self.backend.allocate_kv_cache(mc, num_blocks, config.block_size, kv_dtype, scales)
+        caches = self.backend.allocate_kv_cache(rank_config, num_blocks, config.block_size, kv_dtype, scales)
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
             num_blocks, config.block_size, num_blocks * config.block_size, num_blocks * block_bytes / 2**20,
@@ -135,7 +153,11 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
-        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+        if self.executor is not None:
+            self.executor.start(caches, num_blocks, config.block_size, sampler)
+            self.runner = self.executor
+        else:
+            self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
@@ -152,6 +174,11 @@ class LLMEngine:
         logger.info(
             "engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype
         )
+
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); idempotent, a no-op without them."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _prefix_cache_key(self) -> bytes:
         """Cached KV blocks are only reusable by an engine that stores K/V the same way."""
@@ -172,6 +199,8 @@ class LLMEngine:
         """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
         it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
         with its own params."""
+        if self._shut_down is not None:
+            raise EngineCorruptedError(f"the engine has shut down: {self._shut_down}")
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, ProcessedRequest):
@@ -261,7 +290,12 @@ class LLMEngine:
             self._failed_steps += 1
             seqs = self.scheduler.running if self._step_seqs is None else self._step_seqs
             blamed = {s.request.request_id: s.request for s in seqs if s.request.request_id in self.requests}
-            if not blamed or self._failed_steps >= MAX_FAILED_STEPS:
+            if isinstance(e, WorkerError):
+                # The tensor-parallel group is gone (its executor stopped it): every request fails, and the
+                # engine refuses new ones.
+                self._shut_down = e
+                blamed = dict(self.requests)
+            elif not blamed or self._failed_steps >= MAX_FAILED_STEPS:
                 # Nobody to pin it on (a waiting request broke scheduling), or failing the step's
                 # requests did not help: fail them all, so that every failed step ends some request
                 # and the engine cannot fail the same way forever.

@@ -1,0 +1,191 @@
+"""What one tensor-parallel rank holds of the model, Megatron-style (as vLLM splits it):
+
+- q/k/v and gate/up are split by output rows (column-parallel): a rank owns whole attention heads and
+  a slice of the MLP's intermediate units, and computes them without talking to the others;
+- o and down are split by input columns (row-parallel): each rank's product is a partial sum, and one
+  all-reduce after each gives every rank the layer's full output (two per decoder layer);
+- the embedding and the LM head are split by vocabulary (padded to a multiple of the ranks): a rank
+  looks up only the ids it owns (the others read zero, then an all-reduce), and the LM head's logit
+  shards are gathered on rank 0, the only rank that samples;
+- KV heads are split with their query heads; with fewer KV heads than ranks each is replicated on
+  the ranks whose query heads read it.
+
+A rank's model is an ordinary model of its family built for the shard's own ModelConfig (fewer
+heads, a narrower MLP and vocabulary), its checkpoint tensors sliced as they are read, and then the
+row-parallel linears, the embedding and the LM head wrapped in modules that add the collectives
+(module swaps, as quantization does). Norms, rotary tables and q/k norms are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from tachyllm.config import ModelConfig
+from tachyllm.distributed.group import TPGroup
+from tachyllm.errors import ConfigError
+from tachyllm.loading import Checkpoint
+from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.runner.model_loader import build_model
+
+# checkpoint name (without "model.") -> how it is split: "rows" of heads / units / vocabulary, or "cols"
+_SPLITS = [
+    (re.compile(r"layers\.\d+\.self_attn\.q_proj\.(weight|bias)$"), "q"),
+    (re.compile(r"layers\.\d+\.self_attn\.[kv]_proj\.(weight|bias)$"), "kv"),
+    (re.compile(r"layers\.\d+\.self_attn\.o_proj\.weight$"), "o"),
+    (re.compile(r"layers\.\d+\.mlp\.(gate|up)_proj\.weight$"), "gate_up"),
+    (re.compile(r"layers\.\d+\.mlp\.down_proj\.weight$"), "down"),
+    (re.compile(r"(embed_tokens|lm_head)\.weight$"), "vocab"),
+]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank `rank` of `size`'s share of a model of config `full`."""
+
+    full: ModelConfig
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        cfg, n = self.full, self.size
+        for what, count in (("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)):
+            if count % n:
+                raise ConfigError(f"tensor_parallel_size={n} does not divide the model's {what} ({count})")
+        kv = cfg.num_kv_heads
+        if kv % n and n % kv:
+            raise ConfigError(
+                f"tensor_parallel_size={n} must divide the model's {kv} KV heads, or be a multiple of them "
+                "(each KV head then replicated)"
+            )
+
+    @property
+    def heads(self) -> int:
+        return self.full.num_heads // self.size
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.full.num_kv_heads // self.size)
+
+    @property
+    def first_kv_head(self) -> int:
+        kv, n = self.full.num_kv_heads, self.size
+        # Replicated: ranks r * n / kv .. share KV head r, whose query heads they own.
+        return self.rank * self.kv_heads if kv >= n else self.rank // (n // kv)
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.full.vocab_size // self.size)
+
+    @property
+    def first_token(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    @property
+    def config(self) -> ModelConfig:
+        """The rank's model: an ordinary model of the family with its shard's sizes."""
+        return replace(
+            self.full,
+            num_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            intermediate_size=self.full.intermediate_size // self.size,
+            vocab_size=self.vocab_per_rank,
+        )
+
+    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's part of a checkpoint tensor ([out, in] linears, [vocab, hidden] embeddings)."""
+        split = next((kind for pattern, kind in _SPLITS if pattern.search(name.removeprefix("model."))), None)
+        d, r = self.full.head_dim, self.rank
+        if split == "q":
+            return tensor[r * self.heads * d : (r + 1) * self.heads * d]
+        if split == "kv":
+            first = self.first_kv_head * d
+            return tensor[first : first + self.kv_heads * d]
+        if split == "o":
+            return tensor[:, r * self.heads * d : (r + 1) * self.heads * d]
+        inter = self.full.intermediate_size // self.size
+        if split == "gate_up":
+            return tensor[r * inter : (r + 1) * inter]
+        if split == "down":
+            return tensor[:, r * inter : (r + 1) * inter]
+        if split == "vocab":
+            part = tensor[self.first_token : self.first_token + self.vocab_per_rank]
+            if part.shape[0] < self.vocab_per_rank:  # the last rank's padding rows: never looked up, logits cut
+                part = torch.cat([part, part.new_zeros(self.vocab_per_rank - part.shape[0], part.shape[1])])
+            return part
+        return tensor
+
+    def weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            yield name, self.slice(name, tensor).contiguous()
+
+
+class RowParallel(nn.Module):
+    """A linear whose input features are split over the ranks: its partial sums, all-reduced."""
+
+    def __init__(self, inner: nn.Module, group: TPGroup):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(x).contiguous())
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of tokens first .. first + n - 1; other ids read zero before the sum."""
+
+    def __init__(self, inner: nn.Embedding, first: int, group: TPGroup):
+        super().__init__()
+        self.inner = inner
+        self.first = first
+        self.group = group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.inner.num_embeddings)
+        x = self.inner(local.masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Module):
+    """The LM head over the rank's vocabulary shard; rank 0 gets the full logits (padding cut)."""
+
+    def __init__(self, inner: nn.Module, vocab_size: int, group: TPGroup):
+        super().__init__()
+        self.inner = inner
+        self.vocab_size = vocab_size
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.group.gather_last_dim(self.inner(hidden))[..., : self.vocab_size]
+
+
+def parallelize(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
+    """Wraps a rank's built model (weights loaded, packed) in the collectives of its splits."""
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.first_token, group)
+    model.lm_head = ParallelLMHead(model.lm_head, plan.full.vocab_size, group)
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+
+
+def build_rank_model(
+    ckpt: Checkpoint, plan: ShardPlan, group: TPGroup, dtype: torch.dtype, backend, max_model_len: int,
+    batch_invariant: bool,
+) -> tuple[LlamaForCausalLM, int]:  # fmt: skip
+    """The rank's model, ready to run (its collectives included), and the bytes a decode step streams."""
+    shard = replace(ckpt, config=plan.config, weights=lambda: plan.weights(ckpt.weights()))
+    model, weight_bytes = build_model(
+        shard, dtype, backend, max_model_len, batch_invariant=batch_invariant, fuse_layers=False
+    )
+    parallelize(model, plan, group)
+    return model, weight_bytes
