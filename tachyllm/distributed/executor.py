@@ -42,6 +42,8 @@ logger = logging.getLogger("tachyllm")
 START_TIMEOUT_S = 600.0
 # Grace given to a worker told to stop before it is killed.
 STOP_GRACE_S = 5.0
+# How long a failed step waits for a worker's death to become visible before blaming rank 0.
+DEATH_GRACE_S = 2.0
 NUMA_ROOT = Path("/sys/devices/system/node")
 
 
@@ -124,6 +126,8 @@ class TensorParallelExecutor:
 
     def _dead_worker(self) -> str | None:
         """Why a worker is gone (its own error message when it sent one), or None while all live."""
+        # A killed worker's sockets close (rank 0's collective fails) a moment before it can be reaped.
+        wait([w.process.sentinel for w in self.workers], timeout=DEATH_GRACE_S)
         for w in self.workers:
             message = _error_message(w)
             if message is not None or not w.process.is_alive():
@@ -140,7 +144,9 @@ class TensorParallelExecutor:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise WorkerError(f"tensor-parallel rank {w.rank} did not reach {stage!r} in {START_TIMEOUT_S:.0f} s")
+                    raise WorkerError(
+                        f"tensor-parallel rank {w.rank} did not reach {stage!r} in {START_TIMEOUT_S:.0f} s"
+                    )
                 ready = wait([w.conn, w.process.sentinel], timeout=left)
                 if w.conn in ready:
                     try:

@@ -7,7 +7,8 @@
 - the embedding and the LM head are split by vocabulary (padded to a multiple of the ranks): a rank
   looks up only the ids it owns (the others read zero, then an all-reduce), and the LM head's logit
   shards are gathered on rank 0, the only rank that samples;
-- KV heads are split with their query heads; with fewer KV heads than ranks each is replicated on
+- KV heads are split with their query heads (whole GQA groups: where the ranks do not divide the KV
+  heads, the first ranks take one group more); with fewer KV heads than ranks each is replicated on
   the ranks whose query heads read it.
 
 A rank's model is an ordinary model of its family built for the shard's own ModelConfig (fewer
@@ -53,29 +54,51 @@ class ShardPlan:
 
     def __post_init__(self) -> None:
         cfg, n = self.full, self.size
-        for what, count in (("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)):
-            if count % n:
-                raise ConfigError(f"tensor_parallel_size={n} does not divide the model's {what} ({count})")
-        kv = cfg.num_kv_heads
-        if kv % n and n % kv:
+        if cfg.intermediate_size % n:
             raise ConfigError(
-                f"tensor_parallel_size={n} must divide the model's {kv} KV heads, or be a multiple of them "
-                "(each KV head then replicated)"
+                f"tensor_parallel_size={n} does not divide the model's MLP intermediate size ({cfg.intermediate_size})"
+            )
+        kv = cfg.num_kv_heads
+        if kv < n and (n % kv or (cfg.num_heads // kv) % (n // kv)):
+            raise ConfigError(
+                f"tensor_parallel_size={n} does not split the model's {cfg.num_heads} attention heads over {kv} KV "
+                "heads: with fewer KV heads than ranks, the ranks must be a multiple of the KV heads and each KV "
+                "head's query heads split evenly over its ranks"
             )
 
     @property
-    def heads(self) -> int:
-        return self.full.num_heads // self.size
-
-    @property
     def kv_heads(self) -> int:
-        return max(1, self.full.num_kv_heads // self.size)
+        if self.full.num_kv_heads < self.size:
+            return 1
+        first, end = self._kv_range
+        return end - first
 
     @property
     def first_kv_head(self) -> int:
         kv, n = self.full.num_kv_heads, self.size
         # Replicated: ranks r * n / kv .. share KV head r, whose query heads they own.
-        return self.rank * self.kv_heads if kv >= n else self.rank // (n // kv)
+        return self._kv_range[0] if kv >= n else self.rank // (n // kv)
+
+    @property
+    def _kv_range(self) -> tuple[int, int]:
+        """Whole KV heads (with their query heads) per rank, as even as they go: where the ranks do not
+        divide them, the first ranks take one more (SmolLM2's 3 over 2 ranks: 2 and 1)."""
+        kv, n, r = self.full.num_kv_heads, self.size, self.rank
+        return -(-r * kv // n), -(-(r + 1) * kv // n)
+
+    @property
+    def heads(self) -> int:
+        cfg = self.full
+        if cfg.num_kv_heads < self.size:
+            return cfg.num_heads // self.size
+        return self.kv_heads * (cfg.num_heads // cfg.num_kv_heads)
+
+    @property
+    def first_head(self) -> int:
+        cfg = self.full
+        if cfg.num_kv_heads < self.size:
+            return self.rank * self.heads
+        return self.first_kv_head * (cfg.num_heads // cfg.num_kv_heads)
 
     @property
     def vocab_per_rank(self) -> int:
@@ -101,12 +124,12 @@ class ShardPlan:
         split = next((kind for pattern, kind in _SPLITS if pattern.search(name.removeprefix("model."))), None)
         d, r = self.full.head_dim, self.rank
         if split == "q":
-            return tensor[r * self.heads * d : (r + 1) * self.heads * d]
+            return tensor[self.first_head * d : (self.first_head + self.heads) * d]
         if split == "kv":
             first = self.first_kv_head * d
             return tensor[first : first + self.kv_heads * d]
         if split == "o":
-            return tensor[:, r * self.heads * d : (r + 1) * self.heads * d]
+            return tensor[:, self.first_head * d : (self.first_head + self.heads) * d]
         inter = self.full.intermediate_size // self.size
         if split == "gate_up":
             return tensor[r * inter : (r + 1) * inter]

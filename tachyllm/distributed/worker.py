@@ -11,6 +11,7 @@ ends the loop; a worker inside a collective whose driver died gets gloo's connec
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -39,26 +40,35 @@ def one_line(exc: BaseException) -> str:
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """The worker process's entry point (torch.multiprocessing spawn)."""
+    """The worker process's entry point (torch.multiprocessing spawn). Ends with os._exit: tearing
+    down an interpreter that holds a process group takes seconds, and there is nothing to save."""
+    code = _serve(spec, conn)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(spec: WorkerSpec, conn: Connection) -> int:
+    """Runs the worker; returns its exit code."""
     try:
         runner = _start(spec, conn)
     except Exception as exc:
         traceback.print_exc()
         _send(conn, ("error", one_line(exc)))
-        return
+        return 1
     while True:
         try:
             batch = conn.recv()
         except (EOFError, OSError):  # the driver is gone
-            return
+            return 1
         if batch is None:  # shut down
-            return
+            return 0
         try:
             runner.execute_shard(batch)
         except Exception as exc:  # the group cannot go on without this rank: say why, then exit
             traceback.print_exc()
             _send(conn, ("error", one_line(exc)))
-            return
+            return 1
 
 
 def _start(spec: WorkerSpec, conn: Connection):
