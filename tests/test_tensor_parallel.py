@@ -26,6 +26,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.errors import ConfigError, EngineCorruptedError, WorkerError
 from tachyllm.loading import load_checkpoint
+from tachyllm.loading.weights import select_part
 from tachyllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -241,6 +242,29 @@ def test_refused_before_any_process_starts(tiny_model_factory):
     assert spawned() <= before
 
 
+def test_safetensors_rank_reads_only_its_slices(tiny_model_factory, monkeypatch):
+    """A rank's weights come from safetensors slices (get_slice), equal to the slices of the whole tensors."""
+    from safetensors import safe_open
+
+    ckpt = load_checkpoint(str(tiny_model_factory("qwen2", True, num_key_value_heads=1)))
+    whole = dict(ckpt.weights())
+    plan = ShardPlan(ckpt.config, 1, 2)
+    handle_type = type(safe_open(str(next(tiny_model_factory("llama").glob("*.safetensors"))), framework="pt"))
+    sliced = []
+    real_get_slice = handle_type.get_slice
+    monkeypatch.setattr(handle_type, "get_slice", lambda self, name: sliced.append(name) or real_get_slice(self, name))
+    parts = dict(plan.weights(ckpt.weights))
+    assert set(parts) == set(whole) and set(sliced) == set(whole)
+    for name, tensor in whole.items():
+        index = plan.index(name, tuple(tensor.shape))
+        expected = tensor if index is None else tensor[index]
+        if name.endswith("embed_tokens.weight"):
+            expected = plan.pad(expected)
+        assert torch.equal(parts[name], expected), name
+    assert parts["model.embed_tokens.weight"].shape[0] == plan.vocab_per_rank
+    assert parts["model.layers.0.self_attn.k_proj.weight"].shape[0] == ckpt.config.head_dim  # the replicated KV head
+
+
 def _config(heads: int, kv: int, vocab: int = 10) -> ModelConfig:
     return ModelConfig("llama", vocab, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=heads,
                        num_kv_heads=kv, head_dim=2)  # fmt: skip
@@ -261,7 +285,12 @@ def test_shards_put_together_give_the_whole_tensor(heads, kv, size):
         "model.norm.weight": torch.randn(hidden),
     }
     plans = [ShardPlan(cfg, r, size) for r in range(size)]
-    shards = {name: [p.slice(name, t) for p in plans] for name, t in full.items()}
+
+    def source(select=None):
+        return ((name, select_part(select, name, t)) for name, t in full.items())
+
+    parts = [dict(p.weights(source)) for p in plans]
+    shards = {name: [part[name] for part in parts] for name in full}
     cat = lambda name, dim: torch.cat(shards[name], dim)  # noqa: E731
     assert torch.equal(cat("model.layers.0.self_attn.q_proj.weight", 0), full["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(cat("model.layers.0.self_attn.o_proj.weight", 1), full["model.layers.0.self_attn.o_proj.weight"])

@@ -20,7 +20,7 @@ row-parallel linears, the embedding and the LM head wrapped in modules that add 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,6 +30,7 @@ from tachyllm.config import ModelConfig
 from tachyllm.distributed.group import TPGroup
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint
+from tachyllm.loading.weights import WeightSource
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.model_loader import build_model
 
@@ -119,32 +120,39 @@ class ShardPlan:
             vocab_size=self.vocab_per_rank,
         )
 
-    def slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The rank's part of a checkpoint tensor ([out, in] linears, [vocab, hidden] embeddings)."""
+    def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        """The rank's part of a checkpoint tensor ([out, in] linears, [vocab, hidden] embeddings), as
+        the index the loaders read (loading/weights.py: only these bytes of a safetensors file)."""
         split = next((kind for pattern, kind in _SPLITS if pattern.search(name.removeprefix("model."))), None)
-        d, r = self.full.head_dim, self.rank
+        d, inter = self.full.head_dim, self.full.intermediate_size // self.size
+        every = slice(None)
         if split == "q":
-            return tensor[self.first_head * d : (self.first_head + self.heads) * d]
+            return (slice(self.first_head * d, (self.first_head + self.heads) * d),)
         if split == "kv":
-            first = self.first_kv_head * d
-            return tensor[first : first + self.kv_heads * d]
+            return (slice(self.first_kv_head * d, (self.first_kv_head + self.kv_heads) * d),)
         if split == "o":
-            return tensor[:, self.first_head * d : (self.first_head + self.heads) * d]
-        inter = self.full.intermediate_size // self.size
+            return every, slice(self.first_head * d, (self.first_head + self.heads) * d)
         if split == "gate_up":
-            return tensor[r * inter : (r + 1) * inter]
+            return (slice(self.rank * inter, (self.rank + 1) * inter),)
         if split == "down":
-            return tensor[:, r * inter : (r + 1) * inter]
+            return every, slice(self.rank * inter, (self.rank + 1) * inter)
         if split == "vocab":
-            part = tensor[self.first_token : self.first_token + self.vocab_per_rank]
-            if part.shape[0] < self.vocab_per_rank:  # the last rank's padding rows: never looked up, logits cut
-                part = torch.cat([part, part.new_zeros(self.vocab_per_rank - part.shape[0], part.shape[1])])
-            return part
-        return tensor
+            return (slice(self.first_token, self.first_token + self.vocab_per_rank),)
+        return None
 
-    def weights(self, stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in stream:
-            yield name, self.slice(name, tensor).contiguous()
+    def pad(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A vocabulary shard short of vocab_per_rank rows (the last rank's) gets zero rows: never
+        looked up, and their logits are cut."""
+        if tensor.shape[0] == self.vocab_per_rank:
+            return tensor
+        return torch.cat([tensor, tensor.new_zeros(self.vocab_per_rank - tensor.shape[0], tensor.shape[1])])
+
+    def weights(self, source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+        """The rank's parts of a checkpoint's tensors, read as parts."""
+        for name, tensor in source(self.index):
+            if name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
+                tensor = self.pad(tensor)
+            yield name, tensor.contiguous()
 
 
 class RowParallel(nn.Module):
@@ -206,7 +214,7 @@ def build_rank_model(
     batch_invariant: bool,
 ) -> tuple[LlamaForCausalLM, int]:  # fmt: skip
     """The rank's model, ready to run (its collectives included), and the bytes a decode step streams."""
-    shard = replace(ckpt, config=plan.config, weights=lambda: plan.weights(ckpt.weights()))
+    shard = replace(ckpt, config=plan.config, weights=lambda: plan.weights(ckpt.weights))
     model, weight_bytes = build_model(
         shard, dtype, backend, max_model_len, batch_invariant=batch_invariant, fuse_layers=False
     )
