@@ -173,7 +173,7 @@ def test_killed_worker_fails_requests_and_shuts_down(tiny_model_factory):
         outputs, t0 = [], time.monotonic()
         while engine.has_unfinished_requests():
             outputs += engine.step()
-        assert time.monotonic() - t0 < 10  # gloo sees the peer gone; no collective timeout
+        assert time.monotonic() - t0 < 60  # gloo sees the peer gone: no collective timeout (120 s)
         assert sorted(o.request_id for o in outputs) == ["0", "1", "2"]
         for out in outputs:
             assert out.finished and out.outputs[0].finish_reason == "error"

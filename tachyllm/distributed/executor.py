@@ -43,7 +43,7 @@ START_TIMEOUT_S = 600.0
 # Grace given to a worker told to stop before it is killed.
 STOP_GRACE_S = 5.0
 # How long a failed step waits for a worker's death to become visible before blaming rank 0.
-DEATH_GRACE_S = 2.0
+DEATH_GRACE_S = 10.0
 NUMA_ROOT = Path("/sys/devices/system/node")
 
 
