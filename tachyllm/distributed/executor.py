@@ -126,14 +126,19 @@ class TensorParallelExecutor:
 
     def _dead_worker(self) -> str | None:
         """Why a worker is gone (its own error message when it sent one), or None while all live."""
-        # A killed worker's sockets close (rank 0's collective fails) a moment before it can be reaped.
-        wait([w.process.sentinel for w in self.workers], timeout=DEATH_GRACE_S)
+        # A killed worker's sockets close (rank 0's collective fails) a moment before its sentinel does,
+        # and that a moment before it can be reaped (its exit code known): a loaded host takes a while.
+        ended = wait([w.process.sentinel for w in self.workers], timeout=DEATH_GRACE_S)
         for w in self.workers:
             message = _error_message(w)
-            if message is not None or not w.process.is_alive():
-                w.process.join(STOP_GRACE_S)
-                why = message or f"exit code {w.process.exitcode}"
-                return f"tensor-parallel rank {w.rank} (pid {w.process.pid}) died: {why}"
+            if message is None and w.process.sentinel not in ended:
+                continue
+            deadline = time.monotonic() + DEATH_GRACE_S
+            while w.process.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            code = w.process.exitcode
+            why = message or (f"exit code {code}" if code is not None else "its process ended")
+            return f"tensor-parallel rank {w.rank} (pid {w.process.pid}) died: {why}"
         return None
 
     def _expect(self, stage: str) -> None:
