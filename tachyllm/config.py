@@ -200,6 +200,17 @@ class EngineConfig:
         " for batch-size buckets, on a CUDA device with a backend that supports them)",
     )
 
+    # Tensor parallelism (docs/tensor_parallel.md): the engine starts N - 1 worker processes; each rank holds
+    # 1/N of every layer and joins one all-reduce after attention and one after the MLP.
+    tensor_parallel_size: int = option(
+        1, "split the model over this many processes (tensor parallelism: gloo on the CPU, NCCL on CUDA) (default: 1)"
+    )
+    tp_cpu_binding: bool = option(
+        False,
+        "tensor parallelism on the CPU: pin each rank's threads to its own share of the usable cores (its NUMA node"
+        " when there is one node per rank) (default: off)",
+    )
+
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.chat_template is not None:
@@ -243,6 +254,8 @@ class EngineConfig:
             raise ConfigError(f"max_decode_slowdown must be > 1.0 (or unset), got {self.max_decode_slowdown}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

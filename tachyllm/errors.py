@@ -25,3 +25,7 @@ class RequestError(TachyError, ValueError):
 
 class EngineCorruptedError(TachyError):
     """The engine's state is no longer consistent (after a failed step): it must be restarted."""
+
+
+class WorkerError(EngineCorruptedError):
+    """A tensor-parallel worker failed or died, or the group failed a step: the engine cannot go on."""

@@ -67,6 +67,7 @@ NON_DEFAULTS = [
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'], "speculative_config",
      SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
     (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
 ]  # fmt: skip
 
 

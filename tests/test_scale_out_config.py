@@ -141,3 +141,12 @@ def test_server_options_for_ray_serve_builders():
         server_args({"max_m": 4})
     with pytest.raises(ConfigError, match="--max-n"):
         server_args({"max_n": "zero"})
+
+
+def test_tensor_parallel_size_reaches_every_replica():
+    """--replicas 2 --tensor-parallel-size 2: each replica's engine is a TP group of 2 ranks, which share
+    the replica's threads (and its Ray CPU reservation)."""
+    config = from_args(parse("--replicas", "2", "--tensor-parallel-size", "2", "--threads-per-replica", "2"))
+    (model,) = config.models
+    assert model.replicas == 2 and model.engine.tensor_parallel_size == 2
+    assert model.engine.threads == 2 and model.ray_num_cpus == 2

@@ -18,9 +18,9 @@ from tachyllm.core.sequence import Request, Sequence
 from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
-from tachyllm.errors import EngineCorruptedError, RequestError
+from tachyllm.errors import EngineCorruptedError, RequestError, WorkerError
 from tachyllm.kernels.kv_quant import KV_STORAGE
-from tachyllm.loading import load_checkpoint
+from tachyllm.loading import Checkpoint, load_checkpoint
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
@@ -74,12 +74,30 @@ class LLMEngine:
         self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)
+        self.executor = None  # the tensor-parallel group, when there is one
+        self._shut_down: Exception | None = None  # why the engine stopped (a dead worker), if it did
+        try:
+            self._build(config, ckpt, t0)
+        except BaseException:
+            self.shutdown()
+            raise
 
-        self.model, self.weight_bytes = build_model(
-            ckpt, self.dtype, self.backend, self.max_model_len,
-            config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
-            batch_invariant=config.deterministic,
-        )  # fmt: skip
+    def _build(self, config: EngineConfig, ckpt: Checkpoint, t0: float) -> None:
+        mc = self.model_config
+        # What this process holds of the model: all of it, or rank 0's shard (its KV cache sized to match).
+        rank_config = mc
+        if config.tensor_parallel_size > 1:
+            from tachyllm.distributed.executor import TensorParallelExecutor  # torch.distributed only when used
+
+            self.executor = TensorParallelExecutor(config, ckpt, self.backend, self.dtype, self.max_model_len)
+            self.model, self.weight_bytes = self.executor.model, self.executor.weight_bytes
+            rank_config = self.executor.plan.config
+        else:
+            self.model, self.weight_bytes = build_model(
+                ckpt, self.dtype, self.backend, self.max_model_len,
+                config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
+                batch_invariant=config.deterministic,
+            )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
             logger.info(
                 "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
@@ -90,7 +108,7 @@ class LLMEngine:
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
         # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
         limits = (config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        wanted = kv_cache.wanted_bytes(mc, config.block_size, kv_dtype, *limits)
+        wanted = kv_cache.wanted_bytes(rank_config, config.block_size, kv_dtype, *limits)
         graph_queries = self._graph_query_counts()
         max_blocks = -(-self.max_model_len // config.block_size)  # a sequence's longest block table
         graph_bytes = 0
@@ -103,7 +121,7 @@ class LLMEngine:
         cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
             self.device, wanted, config.gpu_memory_utilization, graph_bytes
         )
-        layout = kv_cache.kv_cache_layout(mc, config.block_size, kv_dtype, cache_bytes, *limits)
+        layout = kv_cache.kv_cache_layout(rank_config, config.block_size, kv_dtype, cache_bytes, *limits)
         num_blocks = layout.num_blocks
         if num_blocks < 1:
             raise RequestError(
@@ -111,7 +129,7 @@ class LLMEngine:
             )
         scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
         caches = self.backend.allocate_kv_cache(
-            mc, num_blocks, config.block_size, kv_dtype, scales, layout.window_blocks
+            rank_config, num_blocks, config.block_size, kv_dtype, scales, layout.window_blocks
         )
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
@@ -155,9 +173,13 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
-        self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
-        if graph_queries:
-            self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
+        if self.executor is not None:
+            self.executor.start(caches, num_blocks, config.block_size, sampler)
+            self.runner = self.executor
+        else:
+            self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+            if graph_queries:
+                self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
@@ -178,7 +200,7 @@ class LLMEngine:
     def _graph_query_counts(self) -> tuple[int, ...] | None:
         """Queries per sequence of the decode-only steps CUDA graphs capture (1, and 1 + k when
         speculating k tokens), or None when every step runs eagerly."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if self.device.type != "cuda" or self.config.enforce_eager or self.executor is not None:
             return None
         if not self.backend.graph_capturable:
             logger.info(
@@ -191,6 +213,11 @@ class LLMEngine:
             return None
         spec = self.config.speculative_config
         return (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)
+
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); idempotent, a no-op without them."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _prefix_cache_key(self) -> bytes:
         """Cached KV blocks are only reusable by an engine that stores K/V the same way."""
@@ -211,6 +238,8 @@ class LLMEngine:
         """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
         it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
         with its own params."""
+        if self._shut_down is not None:
+            raise EngineCorruptedError(f"the engine has shut down: {self._shut_down}")
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, ProcessedRequest):
@@ -300,7 +329,12 @@ class LLMEngine:
             self._failed_steps += 1
             seqs = self.scheduler.running if self._step_seqs is None else self._step_seqs
             blamed = {s.request.request_id: s.request for s in seqs if s.request.request_id in self.requests}
-            if not blamed or self._failed_steps >= MAX_FAILED_STEPS:
+            if isinstance(e, WorkerError):
+                # The tensor-parallel group is gone (its executor stopped it): every request fails, and the
+                # engine refuses new ones.
+                self._shut_down = e
+                blamed = dict(self.requests)
+            elif not blamed or self._failed_steps >= MAX_FAILED_STEPS:
                 # Nobody to pin it on (a waiting request broke scheduling), or failing the step's
                 # requests did not help: fail them all, so that every failed step ends some request
                 # and the engine cannot fail the same way forever.

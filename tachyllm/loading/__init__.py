@@ -5,7 +5,7 @@ A GGUF file's parsed and dequantized contents are cached on disk (cache.py; TACH
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -20,6 +20,7 @@ from tachyllm.loading.gguf import load_gguf, raw_tensors
 from tachyllm.loading.hf import load_hf
 from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.loading.tokenizer import Tokenizer
+from tachyllm.loading.weights import Select, WeightSource
 
 __all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint"]
 
@@ -34,7 +35,8 @@ class Checkpoint:
     tokenizer: Tokenizer
     # Each call starts a fresh pass; tensors are read (and dequantized) one at a time, with
     # canonical HF names and nn.Linear [out, in] shapes. lm_head.weight is absent when tied.
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    # weights(select): only each tensor's selected part (loading/weights.py).
+    weights: WeightSource
     source: str
     format: Literal["gguf", "hf"]
     # A pre-quantized HF checkpoint's packed linears (its weights() yields them dequantized).
@@ -83,14 +85,12 @@ def _load_hf(directory: Path, source: str) -> Checkpoint:
     return Checkpoint(config, Tokenizer.from_hf_dir(directory), _guarded(weights, source), source, "hf", packed)
 
 
-def _guarded(
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], source: str
-) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+def _guarded(weights: WeightSource, source: str) -> WeightSource:
     """Reading happens later, while the model is built; a damaged tensor must still say which file."""
 
-    def read() -> Iterator[tuple[str, torch.Tensor]]:
+    def read(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         try:
-            yield from weights()
+            yield from weights(select)
         except Exception as exc:
             raise ModelLoadError(f"cannot read weights from {source}: {_one_line(exc)}") from exc
 

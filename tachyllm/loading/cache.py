@@ -29,7 +29,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from functools import lru_cache
 from pathlib import Path
@@ -39,6 +39,7 @@ import torch
 
 from tachyllm.config import ModelConfig
 from tachyllm.loading.tokenizer import Tokenizer
+from tachyllm.loading.weights import Select, WeightSource, read_part, select_part
 
 logger = logging.getLogger("tachyllm")
 
@@ -52,8 +53,6 @@ _ENTRY_SUFFIX = ".safetensors"
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_S = 3600  # a temporary file this old belongs to a writer that died
 _ALIGN = 8  # safetensors pads its header so that tensor data starts 8-byte aligned
-
-WeightSource = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
 def cache_dir() -> Path | None:
@@ -135,15 +134,15 @@ def caching_weights(
     """
     state = {"started": False, "written": False}
 
-    def read() -> Iterator[tuple[str, torch.Tensor]]:
+    def read(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         if state["written"]:
             cached = load(entry)
             if cached is not None:
-                yield from cached.weights()
+                yield from cached.weights(select)
                 return
             state["written"] = False  # the entry vanished or broke since; the GGUF file still works
         if state["started"]:
-            yield from weights()
+            yield from weights(select)
             return
         state["started"] = True
         writer = _Writer.open(entry, shapes, _metadata(entry, config, tokenizer, [n for n, _ in shapes]))
@@ -152,7 +151,7 @@ def caching_weights(
                 if writer is not None and not writer.add(name, tensor):
                     writer.abort()
                     writer = None
-                yield name, tensor
+                yield name, select_part(select, name, tensor)  # the entry holds whole tensors
             if writer is not None:
                 state["written"] = writer.commit()
                 writer = None
@@ -180,10 +179,10 @@ def _read(entry: CacheEntry) -> CachedCheckpoint:
     config = _config_from_json(meta["tachyllm.config"])
     tokenizer = Tokenizer.from_state(json.loads(meta["tachyllm.tokenizer"]))
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         # Memory-mapped, copy-on-write: reading costs no copy, writing never reaches the file.
         for name in names:
-            yield name, handle.get_tensor(name)
+            yield name, read_part(handle, name, select)
 
     return CachedCheckpoint(config, tokenizer, weights)
 

@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
+from tachyllm.loading.weights import Select, WeightSource, select_part
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # Mistral GGUFs say "llama"
 
@@ -142,7 +143,7 @@ def _gemma3_fields(meta: Callable[..., Any], head_dim: int) -> dict[str, Any]:
     }
 
 
-def gguf_weights(reader: GGUFReader, config: ModelConfig) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+def gguf_weights(reader: GGUFReader, config: ModelConfig) -> WeightSource:
     """Check every tensor can be named and dequantized now; return a lazy (name, fp32 tensor) source."""
     plan = []
     for tensor in reader.tensors:
@@ -155,9 +156,11 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> Callable[[], Iterat
     for first_of_type in {t.tensor_type: t for _, t in reversed(plan)}.values():
         _check_dequantizable(first_of_type)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        # Dequantized whole (a rank's columns cut K across quantized blocks); the checkpoint cache's
+        # copy, read on later loads, is sliced as it is read.
         for name, tensor in plan:
-            yield name, _to_torch(tensor, name, config)
+            yield name, select_part(select, name, _to_torch(tensor, name, config))
 
     return weights
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tachyllm.config import DTYPES, ModelConfig
 from tachyllm.errors import ModelLoadError
 from tachyllm.loading.hf_quantized import PrequantizedWeights, parse_quant_format
+from tachyllm.loading.weights import Select, WeightSource, read_part, select_part
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -158,7 +159,7 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def hf_weights(
     tensors: dict[str, Path], config: ModelConfig, packed: PrequantizedWeights | None = None
-) -> Callable[[], Iterator[tuple[str, torch.Tensor]]]:
+) -> WeightSource:
     by_file: dict[Path, list[str]] = {}
     stored_packed = packed.stored_names() if packed is not None else set()
     for name, file in tensors.items():
@@ -167,14 +168,15 @@ def hf_weights(
         if not tied_head and not name.endswith("rotary_emb.inv_freq") and name not in stored_packed:
             by_file.setdefault(file, []).append(name)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as handle:
                 for name in names:
-                    yield name, handle.get_tensor(name)
+                    yield name, read_part(handle, name, select)
         for module in packed.modules if packed is not None else ():
             if not (module == "lm_head" and config.tie_word_embeddings):
-                yield f"{module}.weight", packed.read(module).dequantize()
+                name = f"{module}.weight"
+                yield name, select_part(select, name, packed.read(module).dequantize())
 
     return weights
 

@@ -26,9 +26,11 @@ def build_model(
     quant_skip: str | None = None,
     quant_activation_bits: int = 16,
     batch_invariant: bool = False,
+    fuse_layers: bool = True,
 ) -> tuple[LlamaForCausalLM, int]:
     """`batch_invariant`: every token's result independent of what else the step computes
-    (docs/determinism.md)."""
+    (docs/determinism.md). `fuse_layers`: give the layers the backend's fused form (not for a
+    tensor-parallel shard, whose layers join collectives the fused call has no place for)."""
     device = backend.device
     with torch.device("meta"):
         model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
@@ -56,5 +58,6 @@ def build_model(
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
         pack_linears(model, backend.bf16_linear_kernels(), batch_invariant)
-    model.fuse_layers(backend)
+    if fuse_layers:
+        model.fuse_layers(backend)
     return model.eval(), weight_bytes

@@ -32,7 +32,7 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_caches: list[LayerKV],
         block_size: int,
-        sampler: Sampler,
+        sampler: Sampler | None,  # None on a tensor-parallel worker rank, which never samples
         backend: Backend,
     ):
         self.model = model
@@ -62,16 +62,7 @@ class ModelRunner:
         """Runs the step; returns what each sequence that reached its next token gained."""
         seqs = batch.seqs
         hidden = self._forward(batch)
-        plain_rows, plain, spec_rows, spec = [], [], [], []
-        end = 0
-        for s in seqs:
-            end += s.num_new_tokens
-            if s.num_draft_tokens:
-                spec_rows += range(end - s.num_new_tokens, end)  # every position is checked
-                spec.append(s)
-            elif s.completes:
-                plain_rows.append(end - 1)
-                plain.append(s)
+        plain_rows, plain, spec_rows, spec = _sampled_rows(seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, seqs)
         if not plain_rows and not spec_rows:
             return StepResult([], prompt_logprobs)
@@ -80,20 +71,22 @@ class ModelRunner:
         with tracing.span("sample"):
             return StepResult(self._sample(logits, plain, len(plain_rows), spec), prompt_logprobs)
 
+    @torch.inference_mode()
+    def execute_shard(self, batch: StepBatch) -> None:
+        """A tensor-parallel worker rank's share of `execute`: the same forward and the same LM-head
+        calls in the same order (each joins collectives with rank 0), without sampling."""
+        hidden = self._forward(batch)
+        rows = _prompt_rows(batch.seqs)[0]
+        for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            self.model.compute_logits(hidden[torch.tensor(rows[i : i + PROMPT_LOGPROB_ROWS], device=self.device)])
+        plain_rows, _, spec_rows, _ = _sampled_rows(batch.seqs)
+        if plain_rows or spec_rows:
+            self.model.compute_logits(hidden[torch.tensor(plain_rows + spec_rows, device=self.device)])
+
     def _prompt_logprobs(self, hidden: torch.Tensor, seqs: list[ScheduledSeq]) -> dict[int, list[LogprobInfo]]:
         """The prompt rows the batch asks to score (ScheduledSeq.prompt_logprobs), from this step's own
         hidden states: each row's log-softmax over the vocabulary, at the prompt token that follows it."""
-        rows, targets, nums, owners = [], [], [], []
-        start = 0
-        for s in seqs:
-            want = s.prompt_logprobs
-            if want is not None:
-                first = start + want.first_row
-                rows += range(first, first + len(want.target_ids))
-                targets += want.target_ids
-                nums += [want.num_logprobs] * len(want.target_ids)
-                owners.append((s.seq_id, len(want.target_ids)))
-            start += s.num_new_tokens
+        rows, targets, nums, owners = _prompt_rows(seqs)
         if not rows:
             return {}
         entries: list[LogprobInfo] = []
@@ -154,3 +147,34 @@ class ModelRunner:
         faults.check("forward", batch.seqs)
         with tracing.span("forward"):
             return self.model(input_ids, positions, self.kv_caches, meta)
+
+
+def _sampled_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[ScheduledSeq], list[int], list[ScheduledSeq]]:
+    """(rows sampled plainly, their sequences, rows of speculating sequences, theirs), in batch order."""
+    plain_rows, plain, spec_rows, spec = [], [], [], []
+    end = 0
+    for s in seqs:
+        end += s.num_new_tokens
+        if s.num_draft_tokens:
+            spec_rows += range(end - s.num_new_tokens, end)  # every position is checked
+            spec.append(s)
+        elif s.completes:
+            plain_rows.append(end - 1)
+            plain.append(s)
+    return plain_rows, plain, spec_rows, spec
+
+
+def _prompt_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+    """(rows to score, the prompt token each is scored for, top-N of each, (seq id, row count) per sequence)."""
+    rows, targets, nums, owners = [], [], [], []
+    start = 0
+    for s in seqs:
+        want = s.prompt_logprobs
+        if want is not None:
+            first = start + want.first_row
+            rows += range(first, first + len(want.target_ids))
+            targets += want.target_ids
+            nums += [want.num_logprobs] * len(want.target_ids)
+            owners.append((s.seq_id, len(want.target_ids)))
+        start += s.num_new_tokens
+    return rows, targets, nums, owners

@@ -1,0 +1,56 @@
+"""The process group of one tensor-parallel engine: its rank and size, and the two collectives the
+sharded model joins (a sum over ranks, and the vocabulary shards of the logits gathered on rank 0).
+
+A group object of its own (ProcessGroupGloo / ProcessGroupNCCL over a FileStore) rather than
+torch.distributed's global default group: several engines may then live in one process (the tests
+keep a few), and starting one never touches state another owns."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Bounded waits: a collective whose peer never arrives fails after this long instead of hanging. The
+# ranks of a step arrive at its collectives together; idle time between steps is spent outside them.
+COLLECTIVE_TIMEOUT_S = 120.0
+
+
+@dataclass(eq=False)
+class TPGroup:
+    rank: int
+    size: int
+    pg: dist.ProcessGroup
+
+    @classmethod
+    def join(cls, store_path: str, rank: int, size: int, device: torch.device) -> TPGroup:
+        """Blocks until every rank has joined (the store is a file all ranks of one engine name)."""
+        store = dist.FileStore(store_path, size)
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        return cls(rank, size, pg)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, in place."""
+        self.pg.allreduce([x]).wait()
+        return x
+
+    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """On rank 0: every rank's x concatenated along the last dimension, in rank order; on the other
+        ranks x itself (they never read it)."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        x = x.contiguous()
+        if self.rank != 0:
+            self.pg.gather([], [x], opts).wait()
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.gather([parts], [x], opts).wait()
+        return torch.cat(parts, dim=-1)

@@ -1,0 +1,352 @@
+"""Tensor parallelism (docs/tensor_parallel.md): a model split over 2 CPU processes (1 thread each)
+gives the same greedy tokens as one process in fp32, with the engine's features on; a dead worker
+fails the requests cleanly; nothing outlives the engine.
+
+Each TP engine spawns a worker that imports torch (seconds on this machine): engines are shared by
+module-scoped fixtures where the cases allow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+import torch
+
+from tachyllm.config import EngineConfig, ModelConfig
+from tachyllm.distributed import executor as tp_executor
+from tachyllm.distributed.executor import TensorParallelExecutor, rank_cpus
+from tachyllm.distributed.sharding import ShardPlan
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.entrypoints.llm import LLM
+from tachyllm.errors import ConfigError, EngineCorruptedError, WorkerError
+from tachyllm.loading import load_checkpoint
+from tachyllm.loading.weights import select_part
+from tachyllm.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = (1, 3, 7, 17, 40)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths] + [[7, 8, 9, 10] * 6]
+
+
+def greedy(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def spawned() -> set[int]:
+    """Pids of this process's live spawned interpreters (tensor-parallel workers; not multiprocessing's
+    resource tracker, which lives as long as this process)."""
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def worker_pids(llm_or_engine) -> set[int]:
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    return {w.process.pid for w in engine.executor.workers}
+
+
+# The three families' layouts: KV heads split (2 over 2 ranks), replicated (1 KV head, tied
+# embeddings, q/k/v bias), and split with per-head q/k norms.
+MODELS = {
+    "llama-kv2": ("llama", False, {}),
+    "qwen2-kv1-tied": ("qwen2", True, {"num_key_value_heads": 1}),
+    "qwen3-kv2": ("qwen3", False, {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def tiny_pair(request, tiny_model_factory):
+    """(model path, TP=1 greedy tokens, TP=2 LLM) in fp32."""
+    arch, tie, overrides = MODELS[request.param]
+    path = tiny_model_factory(arch, tie, **overrides)
+    single = LLM(str(path), dtype="float32", threads=1)
+    batch = prompts(single.engine.model_config.vocab_size)
+    expected = greedy(single, batch)
+    tp = LLM(str(path), dtype="float32", tensor_parallel_size=2, threads=2)
+    yield path, batch, expected, tp
+    tp.engine.shutdown()
+
+
+def test_tp2_greedy_identical_to_tp1_fp32(tiny_pair):
+    path, batch, expected, tp = tiny_pair
+    assert tp.engine.executor.size == 2
+    assert greedy(tp, batch) == expected
+    # Per request too (a batch of one), and again once the prompts are in the prefix cache.
+    assert greedy(tp, batch[3:4]) == expected[3:4]
+    hits = tp.engine.stats.prefix_cache_hits
+    assert greedy(tp, batch) == expected
+    assert tp.engine.stats.prefix_cache_hits > hits
+
+
+def test_tp2_features_chunked_prefill_preemption_ngram_prefix_cache(tiny_model_factory):
+    """Chunked prefill (8-token budget), preemption (a KV cache too small for the batch), n-gram
+    speculation and prefix caching, all under TP=2: still TP=1's greedy tokens."""
+    path = tiny_model_factory("llama")
+    single = LLM(str(path), dtype="float32", threads=1)
+    batch = prompts(single.engine.model_config.vocab_size)
+    params = replace(GREEDY, max_tokens=24)
+    expected = greedy(single, batch, params)
+    tp = LLM(
+        str(path), dtype="float32", tensor_parallel_size=2, threads=2, block_size=4, max_num_batched_tokens=8,
+        kv_cache_memory=2 * 2 * 4 * 1 * 16 * 4 * 40,  # 40 blocks of 4 tokens at this rank's size (2 layers, 1 KV head)
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    pids = worker_pids(tp)
+    try:
+        assert greedy(tp, batch, params) == expected
+        assert greedy(tp, batch, params) == expected  # again: prefix-cache hits
+        stats = tp.engine.stats
+        assert stats.num_preemptions > 0
+        assert stats.spec_num_accepted_tokens > 0
+        assert stats.prefix_cache_hits > 0
+    finally:
+        tp.engine.shutdown()
+    assert not pids & spawned()
+
+
+def test_tp2_draft_model_runs_unsharded_in_the_driver(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    single = LLM(str(path), dtype="float32", threads=1)
+    batch = prompts(single.engine.model_config.vocab_size)[:3]
+    expected = greedy(single, batch)
+    spec = {"method": "draft_model", "model": "self:int4", "num_speculative_tokens": 2}
+    tp = LLM(str(path), dtype="float32", tensor_parallel_size=2, threads=2, speculative_config=spec)
+    try:
+        assert greedy(tp, batch) == expected
+        assert tp.engine.stats.spec_num_draft_tokens > 0
+    finally:
+        tp.engine.shutdown()
+
+
+def test_tp2_bf16_within_near_tie_tolerance(tiny_model_factory):
+    """bf16: the all-reduce sums partial products in another order; a divergence is accepted only
+    where TP=1's own top two logprobs were nearly tied."""
+    path = tiny_model_factory("qwen3")
+    single = LLM(str(path), dtype="bfloat16", threads=1)
+    batch = prompts(single.engine.model_config.vocab_size)
+    params = replace(GREEDY, logprobs=2)
+    reference = single.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    tp = LLM(str(path), dtype="bfloat16", tensor_parallel_size=2, threads=2)
+    try:
+        ours = greedy(tp, batch, params)
+    finally:
+        tp.engine.shutdown()
+    diverged = 0
+    for out, tokens in zip(reference, ours):
+        ref = out.outputs[0]
+        for i, (a, b) in enumerate(zip(ref.token_ids, tokens)):
+            if a != b:
+                top2 = sorted(ref.logprobs[i].values(), key=lambda lp: -lp.logprob)[:2]
+                margin = top2[0].logprob - top2[1].logprob
+                assert margin < 0.1, f"diverged at token {i} ({a} vs {b}) with a TP=1 top-2 margin of {margin:.3f}"
+                diverged += 1
+                break
+    assert diverged <= len(batch) // 2
+
+
+def test_killed_worker_fails_requests_and_shuts_down(tiny_model_factory):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", tensor_parallel_size=2))
+    try:
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        for i in range(3):
+            engine.add_request(str(i), [5, 6, 7, 8, 9, 10 + i], params)
+        for _ in range(3):
+            assert not any(out.finished for out in engine.step())
+        worker = engine.executor.workers[0].process
+        os.kill(worker.pid, signal.SIGKILL)
+        outputs, t0 = [], time.monotonic()
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert time.monotonic() - t0 < 60  # gloo sees the peer gone: no collective timeout (120 s)
+        assert sorted(o.request_id for o in outputs) == ["0", "1", "2"]
+        for out in outputs:
+            assert out.finished and out.outputs[0].finish_reason == "error"
+            assert f"tensor-parallel rank 1 (pid {worker.pid}) died" in out.error
+        with pytest.raises(EngineCorruptedError, match="the engine has shut down: tensor-parallel rank 1"):
+            engine.add_request("late", [5, 6], params)
+        assert not worker_pids(engine) & spawned()  # the group was stopped with the failed step
+        assert engine.block_manager.usage == 0
+    finally:
+        engine.shutdown()
+
+
+def test_no_orphans_after_shutdown_or_driver_death(tiny_model_factory, tmp_path):
+    """shutdown() stops the workers; a driver killed with SIGKILL takes its workers along (their
+    pipe to it closes)."""
+    path = tiny_model_factory("llama")
+    script = (
+        "import sys, time\n"
+        "from tachyllm.entrypoints.llm import LLM\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(path)!r}, dtype='float32', tensor_parallel_size=2)\n"
+        "    print(llm.engine.executor.workers[0].process.pid, flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        worker = psutil.Process(int(driver.stdout.readline()))
+        driver.kill()
+        driver.wait()
+        worker.wait(timeout=10)  # psutil.TimeoutExpired: an orphan
+    finally:
+        driver.kill()
+
+
+def test_worker_start_failure_is_one_line(tiny_model_factory):
+    """A rank that cannot start (here: its model path is gone) fails the engine's start in one line,
+    and leaves no process behind."""
+    path = tiny_model_factory("llama")
+    ckpt = load_checkpoint(str(path))
+    config = EngineConfig(model=str(path / "missing"), dtype="float32", tensor_parallel_size=2)
+    from tachyllm.backends import create_backend
+
+    before = spawned()
+    with pytest.raises(WorkerError) as info:
+        TensorParallelExecutor(config, ckpt, create_backend("auto", torch.device("cpu")), torch.float32, 64)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("tensor-parallel rank 1 failed to start: ModelLoadError: model path does not exist")
+    assert spawned() <= before
+
+
+def test_refused_before_any_process_starts(tiny_model_factory):
+    before = spawned()
+    path = str(tiny_model_factory("llama"))  # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide the model's MLP intermediate size"):
+        LLMEngine(EngineConfig(model=path, tensor_parallel_size=3))
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 does not support quantized weights"):
+        LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, quantization="int8"))
+    with pytest.raises(ConfigError, match="does not support kv_cache_dtype 'int8'"):
+        LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, kv_cache_dtype="int8"))
+    spec = {"method": "draft_model", "model": "self:layers=1", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="self:layers=N"):
+        LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, speculative_config=spec))
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    assert spawned() <= before
+
+
+def test_safetensors_rank_reads_only_its_slices(tiny_model_factory, monkeypatch):
+    """A rank's weights come from safetensors slices (get_slice), equal to the slices of the whole tensors."""
+    from safetensors import safe_open
+
+    ckpt = load_checkpoint(str(tiny_model_factory("qwen2", True, num_key_value_heads=1)))
+    whole = dict(ckpt.weights())
+    plan = ShardPlan(ckpt.config, 1, 2)
+    handle_type = type(safe_open(str(next(tiny_model_factory("llama").glob("*.safetensors"))), framework="pt"))
+    sliced = []
+    real_get_slice = handle_type.get_slice
+    monkeypatch.setattr(handle_type, "get_slice", lambda self, name: sliced.append(name) or real_get_slice(self, name))
+    parts = dict(plan.weights(ckpt.weights))
+    assert set(parts) == set(whole) and set(sliced) == set(whole)
+    for name, tensor in whole.items():
+        index = plan.index(name, tuple(tensor.shape))
+        expected = tensor if index is None else tensor[index]
+        if name.endswith("embed_tokens.weight"):
+            expected = plan.pad(expected)
+        assert torch.equal(parts[name], expected), name
+    assert parts["model.embed_tokens.weight"].shape[0] == plan.vocab_per_rank
+    assert parts["model.layers.0.self_attn.k_proj.weight"].shape[0] == ckpt.config.head_dim  # the replicated KV head
+
+
+def _config(heads: int, kv: int, vocab: int = 10) -> ModelConfig:
+    return ModelConfig("llama", vocab, hidden_size=8, intermediate_size=12, num_layers=1, num_heads=heads,
+                       num_kv_heads=kv, head_dim=2)  # fmt: skip
+
+
+# Even splits, replicated KV heads (1 over 2 and 4 ranks), and 3 KV groups over 2 ranks (2 + 1, as SmolLM2's).
+@pytest.mark.parametrize(("heads", "kv", "size"), [(4, 2, 2), (4, 1, 2), (4, 1, 4), (4, 2, 4), (6, 3, 3), (6, 3, 2)])
+def test_shards_put_together_give_the_whole_tensor(heads, kv, size):
+    cfg = _config(heads, kv)
+    d, hidden, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    full = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(heads * d, hidden),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(kv * d, hidden),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(hidden, heads * d),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(inter, hidden),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(hidden, inter),
+        "model.embed_tokens.weight": torch.randn(cfg.vocab_size, hidden),
+        "model.norm.weight": torch.randn(hidden),
+    }
+    plans = [ShardPlan(cfg, r, size) for r in range(size)]
+
+    def source(select=None):
+        return ((name, select_part(select, name, t)) for name, t in full.items())
+
+    parts = [dict(p.weights(source)) for p in plans]
+    shards = {name: [part[name] for part in parts] for name in full}
+    cat = lambda name, dim: torch.cat(shards[name], dim)  # noqa: E731
+    assert torch.equal(cat("model.layers.0.self_attn.q_proj.weight", 0), full["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(cat("model.layers.0.self_attn.o_proj.weight", 1), full["model.layers.0.self_attn.o_proj.weight"])
+    assert torch.equal(cat("model.layers.0.mlp.up_proj.weight", 0), full["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(cat("model.layers.0.mlp.down_proj.weight", 1), full["model.layers.0.mlp.down_proj.weight"])
+    vocab = cat("model.embed_tokens.weight", 0)
+    assert vocab.shape[0] == -(-cfg.vocab_size // size) * size  # padded to a multiple of the ranks
+    assert torch.equal(vocab[: cfg.vocab_size], full["model.embed_tokens.weight"])
+    assert not vocab[cfg.vocab_size :].any()
+    assert all(torch.equal(s, full["model.norm.weight"]) for s in shards["model.norm.weight"])
+    # Each rank's KV heads are those its query heads read (GQA group = heads / kv).
+    k = full["model.layers.0.self_attn.k_proj.weight"].view(kv, d, hidden)
+    for plan, shard in zip(plans, shards["model.layers.0.self_attn.k_proj.weight"]):
+        wanted = sorted({h * kv // heads for h in range(plan.first_head, plan.first_head + plan.heads)})
+        assert torch.equal(shard.view(-1, d, hidden), k[wanted])
+        # The rank's own GQA layout: its query heads in order, each group reading its KV head.
+        local = plan.config
+        assert local.num_kv_heads == len(wanted) and local.num_heads == plan.heads
+        assert local.num_heads % local.num_kv_heads == 0
+
+
+@pytest.mark.parametrize(("heads", "kv", "size", "what"), [
+    (4, 2, 3, "does not split the model's 4 attention heads over 2 KV heads"),
+    (2, 1, 4, "does not split the model's 2 attention heads over 1 KV heads"),
+    (8, 8, 8, "does not divide the model's MLP intermediate size"),
+])  # fmt: skip
+def test_shard_plan_refuses_splits_that_do_not_fit(heads, kv, size, what):
+    with pytest.raises(ConfigError, match=what):
+        ShardPlan(_config(heads, kv), 0, size)
+
+
+def test_cpu_binding_one_numa_node_per_rank_else_equal_shares(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(tp_executor, "NUMA_ROOT", tmp_path)
+    for node, cpus in (("node0", "0-3\n"), ("node1", "4-5,7\n")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus)
+    assert rank_cpus(2) == [[0, 1, 2, 3], [4, 5, 7]]
+    assert rank_cpus(4) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # not one node per rank: equal shares
+    with pytest.raises(ConfigError, match="9 ranks"):
+        rank_cpus(9)
+
+
+@pytest.mark.slow
+def test_default_model_tp2_greedy_identical_fp32():
+    """SmolLM2-135M: 9 query heads over 3 KV heads, split 6 + 3 over the two ranks."""
+    single = LLM(dtype="float32", threads=1, kv_cache_memory=64 << 20)
+    tok = single.get_tokenizer()
+    questions = ["What is the capital of France?", "Write a Python function that reverses a string."]
+    batch = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+             for q in questions]  # fmt: skip
+    params = replace(GREEDY, max_tokens=24)
+    expected = greedy(single, batch, params)
+    del single
+    tp = LLM(dtype="float32", tensor_parallel_size=2, threads=2, kv_cache_memory=64 << 20)
+    try:
+        assert greedy(tp, batch, params) == expected
+    finally:
+        tp.engine.shutdown()
