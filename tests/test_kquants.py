@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
-from gguf import GGML_QUANT_SIZES
 from gguf_files import HALF_FIELDS, add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
 from test_quant_gemv import EXACT_RTOL, UNROUNDED_RTOL, round_activations
 

@@ -7,8 +7,10 @@
 // its own, in a fixed order (blocks in input order): a row's result does not depend on the other rows
 // of the batch nor on the number of threads.
 //
-// Portable scalar code reads the same layout where AVX-512 VNNI is missing (correct, not fast: the
-// Python side then prefers aten's int4 kernel or the dequantized weights, see quantization/).
+// Without AVX-512 VNNI, an AVX2 path (e.g. AMD Zen 3) multiplies the same tiles as two 8-row halves
+// with the same arithmetic (see tile_avx2). Portable scalar code reads the same layout where neither
+// exists (correct, not fast: the Python side then prefers aten's int4 kernel or the dequantized
+// weights, see quantization/).
 //
 // Packed layout ("tiles"): 16 output rows are interleaved so that int32 lane j of an AVX-512 register
 // accumulates row j. A tile holds, per super-block (one 32-block for the non-K formats), the codes of
