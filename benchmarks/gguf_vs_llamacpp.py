@@ -46,7 +46,7 @@ def tachy(args: argparse.Namespace, sub: str, flags: list[str], extra: list[str]
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "bench", sub, "--model", args.model]
-        cmd += ["--threads", str(args.threads), "--max-model-len", str(args.max_model_len), "--no-progress"]
+        cmd += ["--threads", str(args.threads), "--max-model-len", str(args.max_model_len)]
         run(cmd + flags + extra + ["--result-json", str(result)])
         return json.loads(result.read_text())["result"]
 
@@ -59,7 +59,7 @@ def tachy_single(args: argparse.Namespace, flags: list[str]) -> float:
 
 def tachy_batch(args: argparse.Namespace, flags: list[str]) -> float:
     extra = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len)]
-    extra += ["--output-len", str(args.output_len)]
+    extra += ["--output-len", str(args.output_len), "--no-progress"]
     return tachy(args, "throughput", flags, extra)["output_throughput"]
 
 
