@@ -165,6 +165,17 @@ class ShardPlan:
             yield name, tensor.contiguous()
 
 
+@dataclass(frozen=True)
+class RankShard(ShardPlan):
+    """A rank's share on its started group, as its model loads: int8's per-channel scales of the
+    row-parallel layers are the maxima of whole rows, which span the ranks."""
+
+    group: TPGroup | None = None
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce_max(x)
+
+
 def _split(name: str) -> str | None:
     return next((kind for pattern, kind in _SPLITS if pattern.search(name.removeprefix("model."))), None)
 
@@ -228,12 +239,13 @@ def build_rank_model(
 ) -> tuple[LlamaForCausalLM, int]:
     """The rank's model, ready to run (its collectives included), and the bytes a decode step streams.
     Quantized layers are quantized (int4, int8) or cut from the file's blocks (gguf) per rank, from
-    the rank's slices: the same groups and blocks as the whole model's (quantization/apply.py)."""
+    the rank's slices: the same groups, scales and blocks as the whole model's (quantization/apply.py)."""
     shard = replace(ckpt, config=plan.config, weights=lambda: plan.weights(ckpt.weights))
+    rank = RankShard(plan.full, plan.rank, plan.size, group)
     model, weight_bytes = build_model(
         shard, config.resolve_dtype(), backend, max_model_len,
         config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
-        batch_invariant=config.deterministic, fuse_layers=False, shard=plan,
+        batch_invariant=config.deterministic, fuse_layers=False, shard=rank,
     )  # fmt: skip
     parallelize(model, plan, group)
     return model, weight_bytes

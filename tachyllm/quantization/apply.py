@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Protocol
 
+import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
@@ -27,7 +28,7 @@ from tachyllm.quantization.gguf_packed import (
     kernel_types,
 )
 from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
-from tachyllm.quantization.int8 import Int8Linear
+from tachyllm.quantization.int8 import Int8Linear, row_amax
 from tachyllm.quantization.policy import select_linears
 from tachyllm.quantization.prequantized import build, read_parts
 
@@ -56,6 +57,8 @@ class TensorShard(Protocol):
     def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None: ...
 
     def full_in_features(self, name: str) -> int: ...
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -152,7 +155,7 @@ def quantize_model(
     if prequantized is not None:
         replacements = _prequantized(model, targets, prequantized, result, kernels, matmul)
     elif method == "int8":
-        replacements = {n: Int8Linear.from_linear(model.get_submodule(n), matmul) for n in targets}
+        replacements = {n: _int8(model.get_submodule(n), n, matmul, shard) for n in targets}
     elif method == "int4":
         replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels, matmul) for n in targets}
     elif method == "awq":
@@ -193,6 +196,17 @@ def _set_activation_bits(model: nn.Module, bits: int) -> None:
             )
         else:
             logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
+
+
+def _int8(linear: nn.Module, name: str, matmul: ModuleType | None, shard: TensorShard | None) -> Int8Linear:
+    """A rank's part of a row-parallel layer (o, down: all rows, some columns) takes the whole rows'
+    scales (their maxima over the ranks; every rank quantizes the same layers in the same order)."""
+    if shard is None:
+        return Int8Linear.from_linear(linear, matmul)
+    start, stop, full = _input_columns(shard, _part_keys(name)[0])
+    if (start, stop) == (0, full):
+        return Int8Linear.from_linear(linear, matmul)
+    return Int8Linear.from_linear(linear, matmul, shard.max_over_ranks(row_amax(linear.weight.detach())))
 
 
 def _awq(
@@ -291,12 +305,18 @@ def _part_keys(name: str) -> list[str]:
     )
 
 
-def shard_columns(shard: TensorShard, key: str, group: int, what: str, instead: str) -> slice:
-    """The rank's input columns of checkpoint matrix `key`, which must start and end on its groups
-    (quantization groups, GGUF blocks): else a rank's groups would not be the whole model's."""
+def _input_columns(shard: TensorShard, key: str) -> tuple[int, int, int]:
+    """The rank's input columns start:stop of checkpoint matrix `key`, and its whole width."""
     full = shard.full_in_features(key)
     index = shard.index(key, ())
     start, stop, _ = (index[1] if index is not None and len(index) > 1 else slice(None)).indices(full)
+    return start, stop, full
+
+
+def shard_columns(shard: TensorShard, key: str, group: int, what: str, instead: str) -> slice:
+    """The rank's input columns of checkpoint matrix `key`, which must start and end on its groups
+    (quantization groups, GGUF blocks): else a rank's groups would not be the whole model's."""
+    start, stop, full = _input_columns(shard, key)
     if start % group or stop % group:
         raise ConfigError(
             f"tensor_parallel_size={shard.size} would split {key} ({what} of {group} inputs) at input columns "
