@@ -110,8 +110,9 @@ def quantize_model(
     `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format).
     `matmul`: the backend's quantized matmul kernels (Backend.quantized_matmul_kernels) that int4 and
     int8 layers run on when it has them (every int4 source: int4, awq, Q4_0 / Q4_1 of gguf, 4-bit
-    pre-quantized checkpoints). `shard`: the tensor-parallel rank `model` is the share of (int4 and
-    gguf, whose groups lie along the inputs; a split that cuts one is refused)."""
+    pre-quantized checkpoints). `shard`: the tensor-parallel rank `model` is the share of (int4,
+    int8, gguf; docs/tensor_parallel.md): its layers get the whole model's groups, scales and blocks,
+    and a split that would cut an int4 group or a GGUF block is refused."""
     targets, skipped = select_linears(model, skip)
     result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
     groups: dict[str, int] = {}
