@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType as T
 
 from tachyllm.backends import create_backend
 from tachyllm.backends.torch_backend import causal_attention
-from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear
+from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available
 from tachyllm.kernels.native import native_ops
 from tachyllm.quantization.int4 import quantize_int4
 
@@ -146,11 +146,15 @@ def _copies(t: torch.Tensor, total: float = 128e6) -> list[torch.Tensor]:
     return [t.clone() for _ in range(max(2, int(total // (t.numel() * t.element_size()))))]
 
 
-def _bf16_linears(out_f: int, in_f: int, total: float = 128e6) -> list[PackedLinear]:
-    """The engine's bf16 linear (PackedLinear), each on its own weight (it may not copy it)."""
+def _bf16_linears(out_f: int, in_f: int, total: float = 128e6) -> list[torch.nn.Module]:
+    """The engine's bf16 linear, each on its own weight (it may not copy it): PackedLinear, or the
+    plain nn.Linear where neither the C++ kernel nor oneDNN's bf16 packing exists (AVX2 CPUs)."""
     count = max(2, int(total // (out_f * in_f * 2)))
     kernels = _engine_bf16_kernels()
-    return [PackedLinear(torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16), kernels) for _ in range(count)]
+    linears = [torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16) for _ in range(count)]
+    if kernels is None and not onednn_packing_available(torch.bfloat16):
+        return linears
+    return [PackedLinear(linear, kernels) for linear in linears]
 
 
 QUANT_ROWS = (1, 4, 16, 64)
@@ -163,7 +167,7 @@ def bench_quant() -> None:
         return
     print(f"\nC++ block kernels: {ops.quant_gemv_isa()}")
     print(
-        "| weight (out x in) | rows | native 16-bit µs | native 8-bit µs | aten int4 µs | bf16 PackedLinear µs | "
+        "| weight (out x in) | rows | native 16-bit µs | native 8-bit µs | aten int4 µs | bf16 linear µs | "
         "native vs aten | native vs bf16 |\n"
         "|---|---|---|---|---|---|---|---|"
     )  # fmt: skip
@@ -212,7 +216,7 @@ def bench_kquant() -> None:
         print("\nkquant: C++ kernels unavailable, skipped")
         return
     print(
-        "\n| weight (out x in) | type | rows | native 16-bit µs | native 8-bit µs | bf16 PackedLinear µs | "
+        "\n| weight (out x in) | type | rows | native 16-bit µs | native 8-bit µs | bf16 linear µs | "
         "native vs bf16 |\n|---|---|---|---|---|---|---|"
     )  # fmt: skip
     rng = np.random.default_rng(0)

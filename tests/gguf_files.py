@@ -47,7 +47,7 @@ def finish(writer: GGUFWriter) -> None:
 
 # Offsets of each block type's fp16 fields (d, and m / dmin where it has one) in its bytes, and a
 # typical |code x sub-block scale| to size d so that weights come out around the requested amplitude.
-_HALF_FIELDS = {
+HALF_FIELDS = {
     GGMLQuantizationType.Q4_0: ((0,), 8),
     GGMLQuantizationType.Q4_1: ((0, 2), 8),
     GGMLQuantizationType.Q5_0: ((0,), 16),
@@ -66,7 +66,7 @@ def random_blocks(
     scales / mins (the gguf package cannot quantize K-quants), finite fp16 scales of either sign."""
     block, size = GGML_QUANT_SIZES[kind]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    offsets, typical = _HALF_FIELDS[kind]
+    offsets, typical = HALF_FIELDS[kind]
     for at in offsets:
         d = rng.uniform(-amplitude, amplitude, (rows, cols // block, 1)) / typical
         raw[..., at : at + 2] = d.astype(np.float16).view(np.uint8)

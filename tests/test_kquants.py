@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
-from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
+from gguf_files import HALF_FIELDS, add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
 from test_quant_gemv import EXACT_RTOL, UNROUNDED_RTOL, round_activations
 
 from tachyllm import LLM, SamplingParams
@@ -26,7 +26,7 @@ from tachyllm.quantization.gguf_packed import GGUFLinear
 
 ops = native.native_ops()
 pytestmark = pytest.mark.skipif(
-    ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI"
+    ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI or AVX2"
 )
 
 T = GGMLQuantizationType
@@ -77,6 +77,51 @@ def test_kernel_matches_the_dequantized_matmul(kind, rows, dtype, bits):
     assert rel < EXACT_RTOL[dtype]
     reference = x.double() @ weight.t()
     assert (y.double() - reference).norm() / reference.norm() < UNROUNDED_RTOL[bits] + EXACT_RTOL[dtype]
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("bits", [16, 8])
+def test_batched_rows_have_the_bits_of_one_row(kind, bits):
+    """The batched path (rows sharing each decoded weight block) gives every row the bits it gets
+    alone, whatever the row count, and the gguf package's dequantized product in fp32."""
+    out_f, in_f = 37, 512  # a partial last tile, 2 super-blocks of 256
+    packed, weight = _packed(kind, out_f, in_f, seed=7)
+    layout = _layout((kind, out_f))
+    x = torch.randn(64, in_f, generator=torch.Generator().manual_seed(bits))
+    alone = torch.cat([ops.quant_gemv(x[r : r + 1], packed, layout, bits) for r in range(64)])
+    for rows in (1, 2, 5, 17, 64):
+        assert torch.equal(ops.quant_gemv(x[:rows], packed, layout, bits), alone[:rows]), rows
+    reference = round_activations(x, bits) @ weight.t()
+    assert (alone.double() - reference).norm() / reference.norm() < EXACT_RTOL[torch.float32]
+
+
+def _extreme_blocks(kind: GGMLQuantizationType, fill: int, rows: int, cols: int) -> np.ndarray:
+    """Random fp16 scales, every other byte (codes, sub-block scales and mins) set to `fill`."""
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(fill))
+    block, size = GGML_QUANT_SIZES[kind]
+    keep = np.zeros(size, dtype=bool)
+    for at in HALF_FIELDS[kind][0]:
+        keep[at : at + 2] = True
+    blocks = raw.reshape(rows, -1, size)
+    blocks[..., ~keep] = fill
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_largest_codes_and_activations_do_not_overflow(kind):
+    """Every code at its largest (or Q8_0's most negative) against activations of the largest
+    magnitude, and ones whose residual rounds to -128: sums in narrow integers would wrap."""
+    out_f, in_f = 16, 256
+    x = torch.tensor([127.0, -127.0, 1.5, -126.5]).repeat_interleave(in_f).view(4, in_f)
+    x[2:, ::32] = 127.0  # each 32-block's scale 1: 1.5 and -126.5 round with the residual -128 / 256
+    for fill in (0xFF, 0x80, 0x7F):
+        raw = _extreme_blocks(kind, fill, out_f, in_f)
+        weight = torch.from_numpy(dequantize(raw, kind).reshape(out_f, in_f)).double()
+        packed = ops.quant_pack_gguf(int(kind), torch.from_numpy(raw), in_f)
+        for bits in (16, 8):
+            y = ops.quant_gemv(x, packed, _layout((kind, out_f)), bits).double()
+            reference = round_activations(x, bits) @ weight.t()
+            torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
 
 
 def test_stacked_parts_of_different_types():

@@ -135,7 +135,7 @@ class CpuBackend(Backend):
         return None
 
     def block_kernels(self) -> ModuleType | None:
-        # Their portable scalar fallback (no AVX-512 VNNI) exists for correctness, and is slower than aten.
+        # Their portable scalar fallback (no AVX-512 VNNI, no AVX2) is for correctness, and slower than aten.
         return self.kernels if self.kernels.quant_gemv_isa() != "scalar" else None
 
     def bf16_linear_kernels(self) -> ModuleType | None:

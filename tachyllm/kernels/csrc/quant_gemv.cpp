@@ -7,8 +7,10 @@
 // its own, in a fixed order (blocks in input order): a row's result does not depend on the other rows
 // of the batch nor on the number of threads.
 //
-// Portable scalar code reads the same layout where AVX-512 VNNI is missing (correct, not fast: the
-// Python side then prefers aten's int4 kernel or the dequantized weights, see quantization/).
+// Without AVX-512 VNNI, an AVX2 path (e.g. AMD Zen 3) multiplies the same tiles as two 8-row halves
+// with the same arithmetic (see tile_avx2). Portable scalar code reads the same layout where neither
+// exists (correct, not fast: the Python side then prefers aten's int4 kernel or the dequantized
+// weights, see quantization/).
 //
 // Packed layout ("tiles"): 16 output rows are interleaved so that int32 lane j of an AVX-512 register
 // accumulates row j. A tile holds, per super-block (one 32-block for the non-K formats), the codes of
@@ -54,6 +56,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define QGEMV_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QGEMV_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -213,6 +218,61 @@ void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, 
     const __m512i lim = _mm512_set1_epi32(127);
     half[0] = 256 * half[0] + _mm512_reduce_add_epi32(_mm512_min_epi32(ra, lim));
     half[1] = 256 * half[1] + _mm512_reduce_add_epi32(_mm512_min_epi32(rb, lim));
+  }
+  *scale = fine ? s / 256.f : s;
+  *sum = *scale * static_cast<float>(half[0] + half[1]);
+}
+#elif defined(QGEMV_AVX2)
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline int32_t sum8(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+// 4 x 8 int32 (already within int8's range) -> 32 int8 in input order.
+inline void store_i8x32(int8_t* q, const __m256i v[4]) {
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  // The packs interleave 128-bit lanes: 32-bit groups come out as 0 2 4 6 1 3 5 7.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+// The same rounding as quantize_block_scalar, 8 lanes at a time (cvtps2dq rounds half to even).
+template <typename T>
+void quantize_block(const T* x, bool fine, int8_t* q, int8_t* q2, float* scale, float* sum, int32_t* half) {
+  __m256 v[4];
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = load8(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+  const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i qi[4], ri[4];
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_mul_ps(v[i], vinv);
+    qi[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(v[i]), lo), hi);
+  }
+  store_i8x32(q, qi);
+  half[0] = sum8(_mm256_add_epi32(qi[0], qi[1]));
+  half[1] = sum8(_mm256_add_epi32(qi[2], qi[3]));
+  if (fine) {
+    const __m256 k256 = _mm256_set1_ps(256.f);
+    const __m256i lo2 = _mm256_set1_epi32(-128);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 r = _mm256_sub_ps(v[i], _mm256_cvtepi32_ps(qi[i]));
+      ri[i] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(r, k256)), lo2), hi);
+    }
+    store_i8x32(q2, ri);
+    half[0] = 256 * half[0] + sum8(_mm256_add_epi32(ri[0], ri[1]));
+    half[1] = 256 * half[1] + sum8(_mm256_add_epi32(ri[2], ri[3]));
   }
   *scale = fine ? s / 256.f : s;
   *sum = *scale * static_cast<float>(half[0] + half[1]);
@@ -391,6 +451,186 @@ void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t 
 }
 #endif
 
+#ifdef QGEMV_AVX2
+// AVX2 without VNNI (e.g. AMD Zen 3): the same tiles, as two 8-row halves (bytes 32h..32h+31 of each
+// 64-byte code vector are rows 8h..8h+7), and VPDPBUSD as VPMADDUBSW (u8 x s8 pairs to int16) then
+// VPMADDWD by ones (int16 pairs to int32). Products of several code vectors are summed in int16 first
+// where they cannot overflow (|x| <= 128: 4 vectors of 4- or 5-bit codes, 2 of 6-bit); Q8_0's 8-bit
+// codes would overflow even one VPMADDUBSW, so they are multiplied as two nibbles (16 hi + lo). The
+// integer dot products are exact and the float steps are the AVX-512 path's, in its order: the same
+// bits on either instruction set.
+inline __m256i bcast4_256(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m128i load8_bytes(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm_cvtsi64_si128(v);
+}
+inline __m256 u8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8_bytes(p))); }
+inline __m256 i8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8_bytes(p))); }
+
+template <int FROM, int TO>
+inline __m256i move_bits8(__m256i v, __m256i mask) {
+  if constexpr (TO > FROM) return _mm256_and_si256(_mm256_slli_epi16(v, TO - FROM), mask);
+  else if constexpr (TO < FROM) return _mm256_and_si256(_mm256_srli_epi16(v, FROM - TO), mask);
+  else return _mm256_and_si256(v, mask);
+}
+
+// Half h of the 8 code vectors of one sub-block; Q8_0: 16 vectors, low nibbles then high nibbles.
+template <Format F>
+constexpr int code_vectors() { return F == Format::Q8_0 ? 16 : 8; }
+
+template <Format F>
+inline void load_codes_half(const uint8_t* c, int h, __m256i codes[code_vectors<F>()]) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  auto at = [&](int64_t offset) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + offset + 32 * h)); };
+  if constexpr (F == Format::Q8_0) {
+    for (int i = 0; i < 8; ++i) {
+      const __m256i v = at(64 * i);
+      codes[i] = _mm256_and_si256(v, low);
+      codes[i + 8] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    return;
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m256i v = at(64 * i);
+    codes[i] = _mm256_and_si256(v, low);
+    codes[i + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+  }
+  if constexpr (has_q5_plane(F)) {
+    const __m256i p = at(256), bit = _mm256_set1_epi8(0x10);
+    codes[0] = _mm256_or_si256(codes[0], move_bits8<0, 4>(p, bit));
+    codes[1] = _mm256_or_si256(codes[1], move_bits8<1, 4>(p, bit));
+    codes[2] = _mm256_or_si256(codes[2], move_bits8<2, 4>(p, bit));
+    codes[3] = _mm256_or_si256(codes[3], move_bits8<3, 4>(p, bit));
+    codes[4] = _mm256_or_si256(codes[4], move_bits8<4, 4>(p, bit));
+    codes[5] = _mm256_or_si256(codes[5], move_bits8<5, 4>(p, bit));
+    codes[6] = _mm256_or_si256(codes[6], move_bits8<6, 4>(p, bit));
+    codes[7] = _mm256_or_si256(codes[7], move_bits8<7, 4>(p, bit));
+  } else if constexpr (F == Format::Q6_K) {
+    const __m256i two = _mm256_set1_epi8(0x30);
+    for (int q = 0; q < 2; ++q) {
+      const __m256i p = at(256 + 64 * q);
+      codes[4 * q] = _mm256_or_si256(codes[4 * q], move_bits8<0, 4>(p, two));
+      codes[4 * q + 1] = _mm256_or_si256(codes[4 * q + 1], move_bits8<2, 4>(p, two));
+      codes[4 * q + 2] = _mm256_or_si256(codes[4 * q + 2], move_bits8<4, 4>(p, two));
+      codes[4 * q + 3] = _mm256_or_si256(codes[4 * q + 3], move_bits8<6, 4>(p, two));
+    }
+  }
+}
+
+// Sum over code vectors w[0..3] (inputs x[0..15]) as int32 lanes, 4 products per vector and lane.
+// GROUP vectors' VPMADDUBSW results are added in int16 before widening (2 * 63 * 128 * 2 < 2^15).
+template <int GROUP>
+inline __m256i dot16(const __m256i* w, const int8_t* x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i total = _mm256_setzero_si256();
+  for (int g = 0; g < 4; g += GROUP) {
+    __m256i s = _mm256_maddubs_epi16(w[g], bcast4_256(x + 4 * g));
+    for (int c = 1; c < GROUP; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g + c], bcast4_256(x + 4 * (g + c))));
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(s, ones));
+  }
+  return total;
+}
+
+// The integer dot products of one 32-block for 8 rows, per 16-half of its inputs (see block_dot).
+template <Format F>
+inline void half_dot(const __m256i* w, const int8_t* x, __m256i& lo, __m256i& hi) {
+  if constexpr (F == Format::Q8_0) {  // u = 16 * high nibble + low nibble
+    lo = _mm256_add_epi32(_mm256_slli_epi32(dot16<4>(w + 8, x), 4), dot16<4>(w, x));
+    hi = _mm256_add_epi32(_mm256_slli_epi32(dot16<4>(w + 12, x + 16), 4), dot16<4>(w + 4, x + 16));
+  } else {
+    constexpr int GROUP = F == Format::Q6_K ? 2 : 4;
+    lo = dot16<GROUP>(w, x), hi = dot16<GROUP>(w + 4, x + 16);
+  }
+}
+
+inline void store8(float* y, int64_t valid, __m256 v) {
+  if (valid >= 8) {
+    _mm256_storeu_ps(y, v);
+  } else if (valid > 0) {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(y, tmp, valid * sizeof(float));
+  }
+}
+inline void store8(c10::BFloat16* y, int64_t valid, __m256 v) {
+  // Nearest even by hand, as the AVX-512 path without AVX512-BF16 (finite values only).
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  if (valid >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), h);
+  } else if (valid > 0) {
+    alignas(16) uint16_t tmp[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
+    std::memcpy(y, tmp, valid * sizeof(uint16_t));
+  }
+}
+
+// One tile (16 output rows, as two halves of 8) against R activation rows starting at r0.
+template <Format F, bool FINE, int R, typename OutT>
+void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, int64_t valid, Output<OutT> out) {
+  constexpr int64_t SUB = sub_blocks(F);
+  const int64_t nb = xq.nb, k = xq.k;
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += SUB, w += chunk_bytes(F)) {
+    const uint8_t* scales = w + scales_at(F);
+    for (int64_t j = 0; j < SUB; ++j) {
+      for (int h = 0; h < 2; ++h) {
+        __m256i codes[code_vectors<F>()];
+        load_codes_half<F>(w + codes_at(F) + j * code_bytes(F), h, codes);
+        const __m256 d = is_k(F) ? _mm256_loadu_ps(reinterpret_cast<const float*>(scales) + 8 * h)
+                                 : half8(scales + 16 * h);
+        __m256 dj = d, mj = _mm256_setzero_ps(), dj2 = d;
+        if constexpr (F == Format::Q4_1) mj = half8(scales + 32 + 16 * h);
+        if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
+          dj = _mm256_mul_ps(d, u8x8(scales + sub_scales_at(F) + 16 * j + 8 * h));
+          mj = _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(scales + 64) + 8 * h),
+                             u8x8(scales + SUB_MINS_AT + 16 * j + 8 * h));
+        } else if constexpr (F == Format::Q6_K) {
+          dj = _mm256_mul_ps(d, i8x8(scales + sub_scales_at(F) + 32 * j + 8 * h));
+          dj2 = _mm256_mul_ps(d, i8x8(scales + sub_scales_at(F) + 16 + 32 * j + 8 * h));
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t b = b0 + j, at = (r0 + r) * k + b * QK, i = (r0 + r) * nb + b;
+          __m256i lo, hi;
+          half_dot<F>(codes, xq.q.data() + at, lo, hi);
+          if constexpr (FINE) {
+            __m256i lo2, hi2;
+            half_dot<F>(codes, xq.q2.data() + at, lo2, hi2);
+            lo = _mm256_add_epi32(_mm256_slli_epi32(lo, 8), lo2);
+            hi = _mm256_add_epi32(_mm256_slli_epi32(hi, 8), hi2);
+          }
+          const __m256 s = _mm256_set1_ps(xq.scale[i]);
+          __m256& a = acc[r][h];
+          if constexpr (F == Format::Q6_K) {  // per half: (d*sc) * s * (dot - 32 * half_sum)
+            const int32_t* half = &xq.half_sum[2 * i];
+            const __m256i u = _mm256_sub_epi32(lo, _mm256_set1_epi32(code_offset(F) * half[0]));
+            const __m256i v = _mm256_sub_epi32(hi, _mm256_set1_epi32(code_offset(F) * half[1]));
+            a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(u), s), dj, a);
+            a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(v), s), dj2, a);
+          } else if constexpr (code_offset(F) != 0) {  // d * (s * dot - o * sum)
+            const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), s,
+                                             _mm256_set1_ps(-static_cast<float>(code_offset(F)) * xq.sum[i]));
+            a = _mm256_fmadd_ps(t, d, a);
+          } else {  // (d*sc) * s * dot + m * sum; K-quants subtract (dmin*mn) * sum
+            const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), s);
+            a = _mm256_fmadd_ps(t, dj, a);
+            if constexpr (F == Format::Q4_1) a = _mm256_fmadd_ps(mj, _mm256_set1_ps(xq.sum[i]), a);
+            else a = _mm256_fnmadd_ps(mj, _mm256_set1_ps(xq.sum[i]), a);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) store8(out.y + (r0 + r) * out.n + col0 + 8 * h, valid - 8 * h, acc[r][h]);
+}
+#endif
+
 inline float half_to_float(const uint8_t* p) {
   c10::Half h;
   std::memcpy(&h, p, 2);
@@ -477,6 +717,13 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
         case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, out); break;
         case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, out); break;
         default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, out); break;
+      }
+#elif defined(QGEMV_AVX2)
+      switch (rows) {
+        case 4: tile_avx2<F, FINE, 4>(w, xq, r0, col0, valid, out); break;
+        case 3: tile_avx2<F, FINE, 3>(w, xq, r0, col0, valid, out); break;
+        case 2: tile_avx2<F, FINE, 2>(w, xq, r0, col0, valid, out); break;
+        default: tile_avx2<F, FINE, 1>(w, xq, r0, col0, valid, out); break;
       }
 #else
       tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
@@ -740,8 +987,10 @@ std::vector<int64_t> gguf_formats() {
 }
 
 const char* isa() {
-#ifdef QGEMV_AVX512
+#if defined(QGEMV_AVX512)
   return "avx512_vnni";
+#elif defined(QGEMV_AVX2)
+  return "avx2";
 #else
   return "scalar";
 #endif
