@@ -357,9 +357,9 @@ def test_gguf_rank_blocks_are_the_whole_files_blocks(tmp_path):
 
 
 def test_tp2_gguf_identical_to_tp1_fp32(tmp_path):
-    """gguf at TP=2: every rank cuts its layers from the file's blocks (GGUFLinear with the AVX-512
-    VNNI block kernels; without them, as here on a machine lacking them, Q4_0/Q4_1 on aten's int4
-    kernel and the other types dequantized): greedy tokens are TP=1's in fp32."""
+    """gguf at TP=2: every rank cuts its layers from the file's blocks (GGUFLinear on the block
+    kernels, AVX-512 VNNI or AVX2; without them Q4_0/Q4_1 on aten's int4 kernel and the other types
+    dequantized): greedy tokens are TP=1's in fp32."""
     path = str(write_mixed_gguf(tmp_path / "split.gguf", Q_SPLITTABLE, head=GGMLQuantizationType.Q6_K))
     quant = dict(dtype="float32", threads=1, quantization="gguf", max_model_len=128)
     single = LLM(path, **quant)
