@@ -148,7 +148,7 @@ def quantize_model(
                 result.kept[name] = f"in_features={in_features} is not a multiple of 32"
             else:
                 if shard is not None:
-                    shard_columns(shard, key, g, f"{method} groups", "a smaller quant_group_size")
+                    _shard_columns(shard, key, g, f"{method} groups", "a smaller quant_group_size")
                 groups[name] = g
         targets = [n for n in targets if n in groups]
 
@@ -314,7 +314,7 @@ def _input_columns(shard: TensorShard, key: str) -> tuple[int, int, int]:
     return start, stop, full
 
 
-def shard_columns(shard: TensorShard, key: str, group: int, what: str, instead: str) -> slice:
+def _shard_columns(shard: TensorShard, key: str, group: int, what: str, instead: str) -> slice:
     """The rank's input columns of checkpoint matrix `key`, which must start and end on its groups
     (quantization groups, GGUF blocks): else a rank's groups would not be the whole model's."""
     start, stop, full = _input_columns(shard, key)
@@ -333,7 +333,7 @@ def rank_blocks(blocks: GGUFBlocks, shard: TensorShard | None) -> GGUFBlocks:
         return blocks
     index = shard.index(blocks.name, ())
     rows = slice(None) if index is None else index[0]
-    cols = shard_columns(
+    cols = _shard_columns(
         shard,
         blocks.name,
         GGML_QUANT_SIZES[blocks.qtype][0],
