@@ -55,9 +55,7 @@ class _Worker:
 
 
 class TensorParallelExecutor:
-    def __init__(
-        self, config: EngineConfig, ckpt: Checkpoint, backend: Backend, dtype: torch.dtype, max_model_len: int
-    ):
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint, backend: Backend, max_model_len: int):
         size = config.tensor_parallel_size
         check_supported(config, ckpt)
         self.plan = ShardPlan(ckpt.config, 0, size)  # refuses a model that does not split before anything starts
@@ -87,7 +85,7 @@ class TensorParallelExecutor:
             self.group = TPGroup.join(store, 0, size, rank_device(config.device, 0))
             self.backend = backend
             self.model, self.weight_bytes = build_rank_model(
-                ckpt, self.plan, self.group, dtype, backend, max_model_len, config.deterministic
+                ckpt, self.plan, self.group, config, backend, max_model_len
             )
             self._expect("loaded")
         except BaseException:
@@ -200,7 +198,16 @@ def check_supported(config: EngineConfig, ckpt: Checkpoint) -> None:
     """What tensor parallelism does not cover yet, refused in one line before anything starts."""
     n = config.tensor_parallel_size
     refusals = [
-        (config.quantization is not None or ckpt.prequantized is not None, "quantized weights"),
+        (
+            ckpt.prequantized is not None,
+            f"pre-quantized checkpoints ({ckpt.prequantized.format.method if ckpt.prequantized else ''}: "
+            "splitting their stored groups is not built); accepted under TP: int4, int8, gguf",
+        ),
+        (
+            config.quantization in ("awq", "fp8"),
+            f"quantization {config.quantization!r} (awq calibrates on the whole model; fp8's per-channel scales "
+            "span the inputs o/down split); accepted under TP: int4, int8, gguf",
+        ),
         (config.kv_cache_dtype != "auto", f"kv_cache_dtype {config.kv_cache_dtype!r} (its calibration runs the model)"),
         (
             config.speculative_config is not None

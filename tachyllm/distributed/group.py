@@ -42,6 +42,13 @@ class TPGroup:
         self.pg.allreduce([x]).wait()
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of every rank's x, in place."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([x], opts).wait()
+        return x
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """On rank 0: every rank's x concatenated along the last dimension, in rank order; on the other
         ranks x itself (they never read it)."""

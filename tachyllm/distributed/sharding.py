@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from tachyllm.config import ModelConfig
+from tachyllm.config import EngineConfig, ModelConfig
 from tachyllm.distributed.group import TPGroup
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint
@@ -126,7 +126,7 @@ class ShardPlan:
     def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
         """The rank's part of a checkpoint tensor ([out, in] linears, [vocab, hidden] embeddings), as
         the index the loaders read (loading/weights.py: only these bytes of a safetensors file)."""
-        split = next((kind for pattern, kind in _SPLITS if pattern.search(name.removeprefix("model."))), None)
+        split = _split(name)
         d, inter = self.full.head_dim, self.full.intermediate_size // self.size
         every = slice(None)
         if split == "q":
@@ -143,6 +143,13 @@ class ShardPlan:
             return (slice(self.first_token, self.first_token + self.vocab_per_rank),)
         return None
 
+    def full_in_features(self, name: str) -> int:
+        """A checkpoint matrix's unsplit input width (quantization picks its groups from it, as at TP=1)."""
+        split = _split(name)
+        if split == "o":
+            return self.full.num_heads * self.full.head_dim
+        return self.full.intermediate_size if split == "down" else self.full.hidden_size
+
     def pad(self, tensor: torch.Tensor) -> torch.Tensor:
         """A vocabulary shard short of vocab_per_rank rows (the last rank's) gets zero rows: never
         looked up, and their logits are cut."""
@@ -156,6 +163,21 @@ class ShardPlan:
             if name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
                 tensor = self.pad(tensor)
             yield name, tensor.contiguous()
+
+
+@dataclass(frozen=True)
+class RankShard(ShardPlan):
+    """A rank's share on its started group, as its model loads: int8's per-channel scales of the
+    row-parallel layers are the maxima of whole rows, which span the ranks."""
+
+    group: TPGroup | None = None
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce_max(x)
+
+
+def _split(name: str) -> str | None:
+    return next((kind for pattern, kind in _SPLITS if pattern.search(name.removeprefix("model."))), None)
 
 
 class RowParallel(nn.Module):
@@ -213,13 +235,17 @@ def parallelize(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
 
 
 def build_rank_model(
-    ckpt: Checkpoint, plan: ShardPlan, group: TPGroup, dtype: torch.dtype, backend, max_model_len: int,
-    batch_invariant: bool,
-) -> tuple[LlamaForCausalLM, int]:  # fmt: skip
-    """The rank's model, ready to run (its collectives included), and the bytes a decode step streams."""
+    ckpt: Checkpoint, plan: ShardPlan, group: TPGroup, config: EngineConfig, backend, max_model_len: int
+) -> tuple[LlamaForCausalLM, int]:
+    """The rank's model, ready to run (its collectives included), and the bytes a decode step streams.
+    Quantized layers are quantized (int4, int8) or cut from the file's blocks (gguf) per rank, from
+    the rank's slices: the same groups, scales and blocks as the whole model's (quantization/apply.py)."""
     shard = replace(ckpt, config=plan.config, weights=lambda: plan.weights(ckpt.weights))
+    rank = RankShard(plan.full, plan.rank, plan.size, group)
     model, weight_bytes = build_model(
-        shard, dtype, backend, max_model_len, batch_invariant=batch_invariant, fuse_layers=False
-    )
+        shard, config.resolve_dtype(), backend, max_model_len,
+        config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
+        batch_invariant=config.deterministic, fuse_layers=False, shard=rank,
+    )  # fmt: skip
     parallelize(model, plan, group)
     return model, weight_bytes

@@ -89,9 +89,7 @@ def _start(spec: WorkerSpec, conn: Connection):
     ckpt = load_checkpoint(config.model)
     backend = create_backend(config.backend, device)
     plan = ShardPlan(ckpt.config, spec.rank, spec.size)
-    model, _ = build_rank_model(
-        ckpt, plan, group, config.resolve_dtype(), backend, spec.max_model_len, config.deterministic
-    )
+    model, _ = build_rank_model(ckpt, plan, group, config, backend, spec.max_model_len)
     conn.send(("loaded",))
     num_blocks = conn.recv()
     caches = backend.allocate_kv_cache(plan.config, num_blocks, config.block_size, config.resolve_dtype())

@@ -89,7 +89,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             from tachyllm.distributed.executor import TensorParallelExecutor  # torch.distributed only when used
 
-            self.executor = TensorParallelExecutor(config, ckpt, self.backend, self.dtype, self.max_model_len)
+            self.executor = TensorParallelExecutor(config, ckpt, self.backend, self.max_model_len)
             self.model, self.weight_bytes = self.executor.model, self.executor.weight_bytes
             rank_config = self.executor.plan.config
         else:

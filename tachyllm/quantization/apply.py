@@ -6,9 +6,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Protocol
 
+import torch
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
+from tachyllm.config import ModelConfig
 from tachyllm.errors import ConfigError
 from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.quantization.awq import awq_linear, collect_inputs
@@ -16,6 +20,7 @@ from tachyllm.quantization.calibration import calibration_windows
 from tachyllm.quantization.fp8 import ALIGN, Fp8Linear, fp8_unavailable_reason
 from tachyllm.quantization.gguf_packed import (
     ATEN_TYPES,
+    GGUFBlocks,
     GGUFLinear,
     gguf_matrices,
     head_weight_name,
@@ -23,7 +28,7 @@ from tachyllm.quantization.gguf_packed import (
     kernel_types,
 )
 from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
-from tachyllm.quantization.int8 import Int8Linear
+from tachyllm.quantization.int8 import Int8Linear, row_amax
 from tachyllm.quantization.policy import select_linears
 from tachyllm.quantization.prequantized import build, read_parts
 
@@ -38,6 +43,22 @@ _FUSED_PARTS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+
+
+class TensorShard(Protocol):
+    """A tensor-parallel rank's share of the checkpoint (distributed.sharding.ShardPlan): the model it
+    loaded is the shard's, and its quantized layers must hold exactly the whole model's groups and
+    blocks for those rows and columns."""
+
+    full: ModelConfig
+    size: int
+    vocab_per_rank: int
+
+    def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None: ...
+
+    def full_in_features(self, name: str) -> int: ...
+
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -82,13 +103,16 @@ def quantize_model(
     kernels: ModuleType | None = None,
     prequantized: PrequantizedWeights | None = None,
     matmul: ModuleType | None = None,
+    shard: TensorShard | None = None,
 ) -> QuantizationResult:
     """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / GGUF block layers pack
     their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere).
     `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format).
     `matmul`: the backend's quantized matmul kernels (Backend.quantized_matmul_kernels) that int4 and
     int8 layers run on when it has them (every int4 source: int4, awq, Q4_0 / Q4_1 of gguf, 4-bit
-    pre-quantized checkpoints)."""
+    pre-quantized checkpoints). `shard`: the tensor-parallel rank `model` is the share of (int4,
+    int8, gguf; docs/tensor_parallel.md): its layers get the whole model's groups, scales and blocks,
+    and a split that would cut an int4 group or a GGUF block is refused."""
     targets, skipped = select_linears(model, skip)
     result = QuantizationResult(kept={n: "skipped by quant_skip" for n in skipped})
     groups: dict[str, int] = {}
@@ -115,10 +139,16 @@ def quantize_model(
         targets = [n for n in targets if n not in result.kept]
     if method in ("int4", "awq"):
         for name in targets:
-            g = group_size_for(name, model.get_submodule(name).in_features, group_size)
+            in_features = model.get_submodule(name).in_features
+            if shard is not None:  # the whole layer's group size, the same on every rank as at TP=1
+                key = _part_keys(name)[0]
+                in_features = shard.full_in_features(key)
+            g = group_size_for(name, in_features, group_size)
             if g is None:
-                result.kept[name] = f"in_features={model.get_submodule(name).in_features} is not a multiple of 32"
+                result.kept[name] = f"in_features={in_features} is not a multiple of 32"
             else:
+                if shard is not None:
+                    _shard_columns(shard, key, g, f"{method} groups", "a smaller quant_group_size")
                 groups[name] = g
         targets = [n for n in targets if n in groups]
 
@@ -126,13 +156,13 @@ def quantize_model(
     if prequantized is not None:
         replacements = _prequantized(model, targets, prequantized, result, kernels, matmul)
     elif method == "int8":
-        replacements = {n: Int8Linear.from_linear(model.get_submodule(n), matmul) for n in targets}
+        replacements = {n: _int8(model.get_submodule(n), n, matmul, shard) for n in targets}
     elif method == "int4":
         replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels, matmul) for n in targets}
     elif method == "awq":
         replacements = _awq(model, targets, groups, tokenizer, kernels, matmul)
     elif method == "gguf":
-        replacements = _gguf(model, targets, gguf_path, result, kernels, matmul)
+        replacements = _gguf(model, targets, gguf_path, result, kernels, matmul, shard)
     elif method == "fp8":
         replacements = {n: Fp8Linear.from_linear(model.get_submodule(n)) for n in targets}
     else:
@@ -169,6 +199,17 @@ def _set_activation_bits(model: nn.Module, bits: int) -> None:
             logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
 
+def _int8(linear: nn.Module, name: str, matmul: ModuleType | None, shard: TensorShard | None) -> Int8Linear:
+    """A rank's part of a row-parallel layer (o, down: all rows, some columns) takes the whole rows'
+    scales (their maxima over the ranks; every rank quantizes the same layers in the same order)."""
+    if shard is None:
+        return Int8Linear.from_linear(linear, matmul)
+    start, stop, full = _input_columns(shard, _part_keys(name)[0])
+    if (start, stop) == (0, full):
+        return Int8Linear.from_linear(linear, matmul)
+    return Int8Linear.from_linear(linear, matmul, shard.max_over_ranks(row_amax(linear.weight.detach())))
+
+
 def _awq(
     model: nn.Module,
     targets: list[str],
@@ -199,6 +240,7 @@ def _gguf(
     result: QuantizationResult,
     kernels: ModuleType | None,
     matmul: ModuleType | None,
+    shard: TensorShard | None,
 ) -> dict[str, nn.Module]:
     """Runs the targeted layers on the file's own blocks: every type the C++ block kernels take
     (GGUFLinear), or, without those kernels, Q4_0/Q4_1 as Int4Linear (on the backend's quantized
@@ -215,29 +257,26 @@ def _gguf(
     """
     if path is None:
         raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
-    matrices = gguf_matrices(path, model.config)
+    matrices = gguf_matrices(path, model.config if shard is None else shard.full)
     packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
     dtype = model.embed_tokens.weight.dtype
     head_source = head_weight_name(model.config)
     head = matrices.get(head_source)
     if kernels is not None and head is not None and head.qtype in packable:
-        model.lm_head = GGUFLinear([head], kernels)
+        model.lm_head = GGUFLinear([rank_blocks(head, shard)], kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
         shared = ", tied: the embedding lookup keeps its dequantized table" if model.config.tie_word_embeddings else ""
         result.head = f"the file's {head.qtype.name} blocks ({head_source}{shared}), C++ kernel"
     out, unpacked = {}, {}
     for name in targets:
-        _, _, suffix = name.partition("layers.")
-        layer, _, kind = suffix.partition(".")
-        keys = [f"model.layers.{layer}.{p}.weight" for p in _FUSED_PARTS.get(kind, (kind,))] if suffix else [name]
-        if name == "lm_head":
-            keys = [head_source]
+        keys = [head_source] if name == "lm_head" else _part_keys(name)
         parts = [matrices.get(k) for k in keys]
         lacking = {p.qtype.name if p else "absent" for p in parts if p is None or p.qtype not in packable}
         if lacking:
             unpacked[name] = "+".join(sorted(lacking))
             continue
+        parts = [rank_blocks(p, shard) for p in parts]
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else linear.bias.detach()
         if kernels is not None:
@@ -256,6 +295,53 @@ def _gguf(
             len(names), dtype, where, _summarise(names),
         )  # fmt: skip
     return out
+
+
+def _part_keys(name: str) -> list[str]:
+    """The checkpoint matrices a targeted module is made of (a fused module stacks its parts)."""
+    _, _, suffix = name.partition("layers.")
+    layer, _, kind = suffix.partition(".")
+    return (
+        [f"model.layers.{layer}.{p}.weight" for p in _FUSED_PARTS.get(kind, (kind,))] if suffix else [f"{name}.weight"]
+    )
+
+
+def _input_columns(shard: TensorShard, key: str) -> tuple[int, int, int]:
+    """The rank's input columns start:stop of checkpoint matrix `key`, and its whole width."""
+    full = shard.full_in_features(key)
+    index = shard.index(key, ())
+    start, stop, _ = (index[1] if index is not None and len(index) > 1 else slice(None)).indices(full)
+    return start, stop, full
+
+
+def _shard_columns(shard: TensorShard, key: str, group: int, what: str, instead: str) -> slice:
+    """The rank's input columns of checkpoint matrix `key`, which must start and end on its groups
+    (quantization groups, GGUF blocks): else a rank's groups would not be the whole model's."""
+    start, stop, full = _input_columns(shard, key)
+    if start % group or stop % group:
+        raise ConfigError(
+            f"tensor_parallel_size={shard.size} would split {key} ({what} of {group} inputs) at input columns "
+            f"{start}:{stop} of {full}, cutting a group; accepted: a tensor_parallel_size whose splits fall on "
+            f"multiples of {group}, or {instead}"
+        )
+    return slice(start, stop)
+
+
+def rank_blocks(blocks: GGUFBlocks, shard: TensorShard | None) -> GGUFBlocks:
+    """The rank's part of a GGUF matrix, its blocks kept as the file stores them."""
+    if shard is None:
+        return blocks
+    index = shard.index(blocks.name, ())
+    rows = slice(None) if index is None else index[0]
+    cols = _shard_columns(
+        shard,
+        blocks.name,
+        GGML_QUANT_SIZES[blocks.qtype][0],
+        f"{blocks.qtype.name} blocks",
+        "a file of 32-wide blocks there (Q8_0, Q5_0, Q4_0, Q4_1)",
+    )
+    vocab = blocks.name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight")
+    return blocks.part(rows, cols, shard.vocab_per_rank if vocab else None)
 
 
 def _prequantized(

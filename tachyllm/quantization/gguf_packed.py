@@ -21,7 +21,7 @@ from types import ModuleType
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from tachyllm.config import ModelConfig
@@ -50,6 +50,17 @@ class GGUFBlocks:
         have llama.cpp's rotary permutation undone: whole rows move, so any block type can)."""
         rows = torch.from_numpy(self.raw.copy())
         return rows if self.config is None else fix_rotary_rows(rows, self.name, self.config)
+
+    def part(self, rows: slice, cols: slice, total_rows: int | None = None) -> GGUFBlocks:
+        """A tensor-parallel rank's rows (in the model's order) and columns (whole blocks: the caller
+        checked) of the matrix, with zero blocks (weights 0) appended up to `total_rows`, the padding
+        of the last vocabulary shard."""
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        start, stop, _ = cols.indices(self.in_features)
+        data = self.rows()[rows, start // block * size : stop // block * size]
+        if total_rows is not None and data.shape[0] < total_rows:
+            data = torch.cat([data, data.new_zeros(total_rows - data.shape[0], data.shape[1])])
+        return GGUFBlocks(self.name, self.qtype, data.contiguous().numpy(), stop - start, None)
 
 
 def q8_0_matrix(codes: torch.Tensor, scales: torch.Tensor) -> GGUFBlocks:
@@ -85,6 +96,8 @@ def int4_weight(blocks: GGUFBlocks) -> Int4Weight:
     """A Q4_0 / Q4_1 matrix as Int4Weight (aten's int4 kernel), rows in the model's order."""
     decode = decode_q4_1 if blocks.qtype == GGMLQuantizationType.Q4_1 else decode_q4_0
     w = decode(np.asarray(blocks.raw), blocks.raw.shape[0])
+    if blocks.config is None:
+        return w
     fix = [fix_rotary_rows(t, blocks.name, blocks.config) for t in (w.codes, w.scales, w.mins)]
     return Int4Weight(*fix, GGUF_GROUP_SIZE)
 

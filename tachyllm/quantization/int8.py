@@ -13,10 +13,17 @@ INT8_MAX = 127
 PACKED_MAX_ROWS = 16
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (codes int8 [out, in], scales fp32 [out]) with weight ≈ codes * scales[:, None]."""
+def row_amax(weight: torch.Tensor) -> torch.Tensor:
+    """Each output channel's largest |w| (fp32 [out]), which sets its scale."""
+    return weight.float().abs().amax(dim=1)
+
+
+def quantize_int8(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (codes int8 [out, in], scales fp32 [out]) with weight ≈ codes * scales[:, None].
+    `amax`: the rows' largest |w| when `weight` holds only some of their columns (a tensor-parallel
+    rank's part of a row-parallel layer), so that its codes are the whole row's."""
     w = weight.float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
+    scales = (row_amax(w) if amax is None else amax).clamp(min=1e-12) / INT8_MAX
     codes = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scales
 
@@ -48,8 +55,10 @@ class Int8Linear(nn.Module):
             self.register_buffer("scales", scales.to(torch.bfloat16).float())  # the kernel reads fp32
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, matmul: ModuleType | None = None) -> Int8Linear:
-        codes, scales = quantize_int8(linear.weight.detach())
+    def from_linear(
+        cls, linear: nn.Linear, matmul: ModuleType | None = None, amax: torch.Tensor | None = None
+    ) -> Int8Linear:
+        codes, scales = quantize_int8(linear.weight.detach(), amax)
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(codes, scales, bias, matmul)
 

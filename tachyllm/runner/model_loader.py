@@ -13,6 +13,7 @@ from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.quantization import quantize_model, quantized_weight_bytes
+from tachyllm.quantization.apply import TensorShard
 from tachyllm.quantization.policy import parse_skip
 
 
@@ -27,10 +28,12 @@ def build_model(
     quant_activation_bits: int = 16,
     batch_invariant: bool = False,
     fuse_layers: bool = True,
+    shard: TensorShard | None = None,
 ) -> tuple[LlamaForCausalLM, int]:
     """`batch_invariant`: every token's result independent of what else the step computes
     (docs/determinism.md). `fuse_layers`: give the layers the backend's fused form (not for a
-    tensor-parallel shard, whose layers join collectives the fused call has no place for)."""
+    tensor-parallel shard, whose layers join collectives the fused call has no place for).
+    `shard`: the tensor-parallel rank `ckpt` is the share of, whose layers quantize as the whole model's."""
     device = backend.device
     with torch.device("meta"):
         model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
@@ -53,7 +56,7 @@ def build_model(
         kernels = backend.block_kernels()
         quantize_model(
             model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels,
-            ckpt.prequantized, backend.quantized_matmul_kernels(),
+            ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model)
     if device.type == "cpu" and onednn_packing_available(dtype):
