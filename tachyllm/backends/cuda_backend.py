@@ -14,7 +14,6 @@ the kernels run in Triton's interpreter: that exists for the tests, and is far t
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -23,6 +22,7 @@ import torch
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV, MetadataBuilder
 from tachyllm.backends.cpu_backend import kernel_caches
 from tachyllm.backends.registry import register_backend
+from tachyllm.kernels.triton import interpreting
 from tachyllm.step import StepBatch
 
 
@@ -182,7 +182,7 @@ class CudaBackend(Backend):
     def unavailable_reason(cls, device: torch.device) -> str | None:
         if importlib.util.find_spec("triton") is None:
             return "needs a CUDA device (and triton), and triton is not installed"
-        if device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+        if device.type == "cuda" or (device.type == "cpu" and interpreting()):
             return None  # the CPU: Triton's interpreter, for the tests
         return f"needs a CUDA device (and triton), and the device is {device}"
 
