@@ -643,23 +643,32 @@ def server_process(model: str, *flags: str) -> Iterator[tuple[subprocess.Popen, 
             proc.wait()
 
 
-def test_sigterm_drains_then_exits_zero(model_path):
-    flags = ["--max-num-seqs", "1", "--shutdown-timeout", "1", *ENGINE_FLAGS, "--log-stats-interval", "0.2"]
-    with server_process(model_path, *flags) as (proc, base):
-        started = threading.Semaphore(0)
+def test_sigterm_drains_then_exits_zero(tiny_model_factory):
+    # A request that is running at SIGTERM finishes within the shutdown timeout; queued ones that cannot are aborted.
+    # Sized so that neither depends on the machine's speed: the running request is short (300 tokens in 8 s), the
+    # queued ones could not finish in time on any CPU (30,000 tokens each, one sequence slot).
+    model = str(tiny_model_factory("llama", max_position_embeddings=32768))
+    flags = ["--max-num-seqs", "1", "--shutdown-timeout", "8", "--dtype", "float32", "--kv-cache-memory", "64M"]
+    with server_process(model, *flags, "--log-stats-interval", "0.2") as (proc, base):
+        first_token, queued = threading.Event(), threading.Semaphore(0)
 
-        def stream() -> list:
-            body = {"prompt": "The quick brown fox", "max_tokens": 450, "stream": True, **GREEDY}
-            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as r:
+        def stream(max_tokens: int) -> list:
+            body = {"prompt": "The quick brown fox", "max_tokens": max_tokens, "stream": True, **GREEDY}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
                 assert r.status_code == 200
-                started.release()
-                return list(sse_events(r))
+                queued.release()
+                events = []
+                for event in sse_events(r):
+                    events.append(event)
+                    first_token.set()
+                return events
 
-        # One request runs (a single sequence slot); the others wait in the engine's queue.
         with ThreadPoolExecutor(10) as pool:
-            futures = [pool.submit(stream) for _ in range(10)]
-            for _ in futures:
-                assert started.acquire(timeout=30)
+            running = pool.submit(stream, 300)
+            assert first_token.wait(timeout=30) and queued.acquire(timeout=30)
+            waiting = [pool.submit(stream, 30_000) for _ in range(9)]
+            for _ in waiting:
+                assert queued.acquire(timeout=30)
             proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 5
             while httpx.get(f"{base}/health", timeout=5).status_code != 503:
@@ -667,16 +676,16 @@ def test_sigterm_drains_then_exits_zero(model_path):
                 time.sleep(0.01)
             refused = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, timeout=5)
             assert error_of(refused, 503)["code"] == "shutting_down" and "Retry-After" in refused.headers
-            results = [f.result(timeout=30) for f in futures]
+            results = [f.result(timeout=60) for f in [running, *waiting]]
         assert proc.wait(timeout=30) == 0
         log = proc.stderr.read()  # a few dozen lines: well under a pipe's buffer
 
     finished = [r for r in results if "choices" in r[-2] and r[-2]["choices"][0]["finish_reason"] == "length"]
     aborted = [r for r in results if "error" in r[-2]]
     assert len(finished) + len(aborted) == 10 and all(r[-1] == "[DONE]" for r in results)
-    assert finished, "the running request should have finished within the shutdown timeout"
-    assert aborted and all(r[-2]["error"]["code"] == "aborted" for r in aborted)
-    assert "shutting down: waiting up to 1.0 s for 10 requests" in log
+    assert results[0] in finished, "the running request should have finished within the shutdown timeout"
+    assert len(aborted) == 9 and all(r[-2]["error"]["code"] == "aborted" for r in aborted)
+    assert "shutting down: waiting up to 8.0 s for 10 requests" in log
     assert f"shutdown timeout reached: aborting {len(aborted)} unfinished requests" in log
     assert "running 1, waiting" in log and "prefix cache hit rate" in log
     assert log.count("finished: length, prompt") == len(finished) and log.count("finished: abort") == len(aborted)
