@@ -72,10 +72,10 @@ def test_cli_rejects_unknown_options(capsys):
 
 @pytest.mark.slow
 def test_awq_beats_plain_int4_on_the_default_model():
-    ref = eval_engine(EngineConfig(dtype="float32", threads=2), 128)
+    ref = eval_engine(EngineConfig(dtype="float32", threads=1), 128)
     windows = heldout_windows(ref, 128, 8)
-    int4 = compare(eval_engine(EngineConfig(quantization="int4", threads=2), 128), ref, windows, ("int4", "fp32"))
-    awq = compare(eval_engine(EngineConfig(quantization="awq", threads=2), 128), ref, windows, ("awq", "fp32"))
+    int4 = compare(eval_engine(EngineConfig(quantization="int4", threads=1), 128), ref, windows, ("int4", "fp32"))
+    awq = compare(eval_engine(EngineConfig(quantization="awq", threads=1), 128), ref, windows, ("awq", "fp32"))
     assert awq.kl_mean < int4.kl_mean
     assert awq.ppl_config < int4.ppl_config
 
