@@ -31,6 +31,8 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "fp8", "gptq", "compresse
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# How CPU tensor-parallel ranks sum their partial results (docs/tensor_parallel.md).
+TP_ALL_REDUCES = ("shm", "gloo")
 # Execution backends (tachyllm/backends): auto = cuda on a GPU, cpu where the C++ kernels run, else torch.
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 
@@ -210,6 +212,13 @@ class EngineConfig:
         "tensor parallelism on the CPU: pin each rank's threads to its own share of the usable cores (its NUMA node"
         " when there is one node per rank) (default: off)",
     )
+    # None: shm where it can be had (the C++ kernels built, room in /dev/shm), else gloo.
+    tp_all_reduce: str | None = option(
+        None,
+        "tensor parallelism on the CPU: the ranks' per-layer sums over shared memory (shm) or gloo's all-reduce"
+        " (gloo) (default: shm where the C++ kernels built; CUDA ranks use NCCL)",
+        choices=TP_ALL_REDUCES,
+    )
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -256,6 +265,10 @@ class EngineConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_all_reduce is not None and self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise ConfigError(f"tp_all_reduce must be shm or gloo (or unset), got {self.tp_all_reduce!r}")
+        if self.tp_all_reduce is not None and self.device.startswith("cuda"):
+            raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

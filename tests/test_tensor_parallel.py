@@ -30,6 +30,7 @@ from tachyllm.distributed.sharding import ShardPlan
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.errors import ConfigError, EngineCorruptedError, WorkerError
+from tachyllm.kernels.native import native_ops
 from tachyllm.loading import load_checkpoint
 from tachyllm.loading.weights import select_part
 from tachyllm.quantization.apply import rank_blocks
@@ -39,6 +40,8 @@ from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# The ranks' sums go through shared memory by default where the C++ kernels built (else gloo's).
+SHM = native_ops() is not None
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -95,12 +98,26 @@ def tiny_pair(request, tiny_model_factory):
 def test_tp2_greedy_identical_to_tp1_fp32(tiny_pair):
     path, batch, expected, tp = tiny_pair
     assert tp.engine.executor.size == 2
+    assert (tp.engine.executor.group.shm is not None) == SHM
     assert greedy(tp, batch) == expected
     # Per request too (a batch of one), and again once the prompts are in the prefix cache.
     assert greedy(tp, batch[3:4]) == expected[3:4]
     hits = tp.engine.stats.prefix_cache_hits
     assert greedy(tp, batch) == expected
     assert tp.engine.stats.prefix_cache_hits > hits
+
+
+def test_tp2_gloo_all_reduce_identical_to_tp1_fp32(tiny_model_factory):
+    """--tp-all-reduce gloo: the sums over gloo, not shared memory; the same tokens."""
+    path = tiny_model_factory("llama")
+    single = LLM(str(path), dtype="float32", threads=1)
+    batch = prompts(single.engine.model_config.vocab_size)
+    tp = LLM(str(path), dtype="float32", tensor_parallel_size=2, threads=2, tp_all_reduce="gloo")
+    try:
+        assert tp.engine.executor.group.shm is None
+        assert greedy(tp, batch) == greedy(single, batch)
+    finally:
+        tp.engine.shutdown()
 
 
 def test_tp2_features_chunked_prefill_preemption_ngram_prefix_cache(tiny_model_factory):
@@ -184,11 +201,14 @@ def test_killed_worker_fails_requests_and_shuts_down(tiny_model_factory):
         for _ in range(3):
             assert not any(out.finished for out in engine.step())
         worker = engine.executor.workers[0].process
+        shm_path = engine.executor.shm_path
+        assert (shm_path is not None) == SHM and not (shm_path and os.path.exists(shm_path))  # removed at start
         os.kill(worker.pid, signal.SIGKILL)
         outputs, t0 = [], time.monotonic()
         while engine.has_unfinished_requests():
             outputs += engine.step()
-        assert time.monotonic() - t0 < 60  # gloo sees the peer gone: no collective timeout (120 s)
+        # The shared-memory wait (or gloo) sees the peer gone: no collective timeout (120 s).
+        assert time.monotonic() - t0 < 60
         assert sorted(o.request_id for o in outputs) == ["0", "1", "2"]
         for out in outputs:
             assert out.finished and out.outputs[0].finish_reason == "error"
@@ -210,15 +230,17 @@ def test_no_orphans_after_shutdown_or_driver_death(tiny_model_factory, tmp_path)
         "from tachyllm.entrypoints.llm import LLM\n"
         "if __name__ == '__main__':\n"
         f"    llm = LLM({str(path)!r}, dtype='float32', tensor_parallel_size=2)\n"
-        "    print(llm.engine.executor.workers[0].process.pid, flush=True)\n"
+        "    print(llm.engine.executor.workers[0].process.pid, llm.engine.executor.shm_path, flush=True)\n"
         "    time.sleep(600)\n"
     )
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=os.environ)
     try:
-        worker = psutil.Process(int(driver.stdout.readline()))
+        pid, shm_path = driver.stdout.readline().split()
+        worker = psutil.Process(int(pid))
         driver.kill()
         driver.wait()
         worker.wait(timeout=10)  # psutil.TimeoutExpired: an orphan
+        assert not os.path.exists(shm_path)  # removed once the group formed: never left behind
     finally:
         driver.kill()
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, replace
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -26,6 +27,7 @@ import torch.multiprocessing as mp
 
 from tachyllm.backends.base import Backend, LayerKV
 from tachyllm.config import EngineConfig, default_threads
+from tachyllm.distributed import shm_allreduce
 from tachyllm.distributed.group import TPGroup
 from tachyllm.distributed.sharding import ShardPlan, build_rank_model
 from tachyllm.distributed.worker import WorkerSpec, one_line, rank_device, worker_main
@@ -63,16 +65,20 @@ class TensorParallelExecutor:
         threads = max(1, (config.threads or default_threads()) // size)
         cpus = rank_cpus(size) if config.tp_cpu_binding else [None] * size
         self._dir = tempfile.mkdtemp(prefix="tachy-tp-")
+        # The shared-memory all-reduce's file while the group forms (then removed), or None: gloo sums.
+        self.shm_path: str | None = os.path.join(shm_allreduce.SHM_DIR, os.path.basename(self._dir))
         self.workers: list[_Worker] = []
         # Stops the workers when shutdown() is not called: on garbage collection or at exit.
-        self._stop = weakref.finalize(self, _stop_workers, self.workers, self._dir)
+        self._stop = weakref.finalize(self, _stop_workers, self.workers, self._dir, self.shm_path)
         self.runner: ModelRunner | None = None
         self.failure: str | None = None
         try:
+            if not _create_shm(config, ckpt, self.shm_path):
+                self.shm_path = None
             ctx = mp.get_context("spawn")
             store = os.path.join(self._dir, "store")
             for rank in range(1, size):
-                spec = WorkerSpec(config, rank, size, store, threads, cpus[rank], max_model_len)
+                spec = WorkerSpec(config, rank, size, store, self.shm_path, threads, cpus[rank], max_model_len)
                 parent, child = ctx.Pipe()
                 process = ctx.Process(target=worker_main, args=(spec, child), name=f"tachy-tp-rank{rank}", daemon=True)
                 process.start()
@@ -82,7 +88,8 @@ class TensorParallelExecutor:
             if cpus[0] is not None:
                 os.sched_setaffinity(0, cpus[0])
             torch.set_num_threads(threads)
-            self.group = TPGroup.join(store, 0, size, rank_device(config.device, 0))
+            device = rank_device(config.device, 0)
+            self.group = TPGroup.join(store, 0, size, device, self.shm_path, partial(_worker_gone, self.workers))
             self.backend = backend
             self.model, self.weight_bytes = build_rank_model(
                 ckpt, self.plan, self.group, config, backend, max_model_len
@@ -91,9 +98,12 @@ class TensorParallelExecutor:
         except BaseException:
             self.shutdown()
             raise
+        collectives = "NCCL" if config.device.startswith("cuda") else "gloo"
+        if self.shm_path is not None:
+            collectives = "shared-memory all-reduce, gloo"
         logger.info(
             "tensor parallel: %d ranks (%d thread(s) each%s), %s; the CPU backend's fused decoder layers are off",
-            size, threads, ", pinned" if config.tp_cpu_binding else "", "NCCL" if config.device != "cpu" else "gloo",
+            size, threads, ", pinned" if config.tp_cpu_binding else "", collectives,
         )  # fmt: skip
 
     def start(self, caches: list[LayerKV], num_blocks: int, block_size: int, sampler: Sampler) -> None:
@@ -178,7 +188,31 @@ def _error_message(w: _Worker) -> str | None:
     return None
 
 
-def _stop_workers(workers: list[_Worker], directory: str) -> None:
+def _worker_gone(workers: list[_Worker]) -> str | None:
+    """Which worker has exited, or None while all live (the shared-memory all-reduce asks between waits)."""
+    for w in workers:
+        if not w.process.is_alive():
+            return f"tensor-parallel rank {w.rank} (pid {w.process.pid}) exited"
+    return None
+
+
+def _create_shm(config: EngineConfig, ckpt: Checkpoint, path: str) -> bool:
+    """Whether the ranks sum over shared memory (its file then created at `path`): on the CPU unless
+    tp_all_reduce is gloo. Where it cannot be had, asked for it fails the start, else gloo sums."""
+    if config.device.startswith("cuda") or config.tp_all_reduce == "gloo":
+        return False
+    largest = config.max_num_batched_tokens * ckpt.config.hidden_size * config.resolve_dtype().itemsize
+    try:
+        shm_allreduce.create(path, config.tensor_parallel_size, largest)
+    except OSError as exc:
+        if config.tp_all_reduce == "shm":
+            raise ConfigError(f"tp_all_reduce='shm': no shared memory for it ({one_line(exc)})") from exc
+        logger.warning("tensor parallel: gloo's all-reduce, no shared memory for another (%s)", one_line(exc))
+        return False
+    return True
+
+
+def _stop_workers(workers: list[_Worker], directory: str, shm_path: str) -> None:
     for w in workers:
         try:
             w.conn.send(None)
@@ -192,6 +226,7 @@ def _stop_workers(workers: list[_Worker], directory: str) -> None:
             w.process.join()
         w.conn.close()
     shutil.rmtree(directory, ignore_errors=True)
+    shm_allreduce.remove(shm_path)  # where the group never formed (once it has, rank 0 removed it)
 
 
 def check_supported(config: EngineConfig, ckpt: Checkpoint) -> None:

@@ -1,5 +1,7 @@
 """The process group of one tensor-parallel engine: its rank and size, and the two collectives the
 sharded model joins (a sum over ranks, and the vocabulary shards of the logits gathered on rank 0).
+On the CPU the sums go through shared memory when the engine has a file for it (shm_allreduce.py),
+gloo taking what does not fit; the rest is gloo's (NCCL's on CUDA).
 
 A group object of its own (ProcessGroupGloo / ProcessGroupNCCL over a FileStore) rather than
 torch.distributed's global default group: several engines may then live in one process (the tests
@@ -8,10 +10,14 @@ keep a few), and starting one never touches state another owns."""
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from tachyllm.distributed import shm_allreduce
+from tachyllm.distributed.shm_allreduce import ShmAllReduce
 
 # Bounded waits: a collective whose peer never arrives fails after this long instead of hanging. The
 # ranks of a step arrive at its collectives together; idle time between steps is spent outside them.
@@ -23,10 +29,25 @@ class TPGroup:
     rank: int
     size: int
     pg: dist.ProcessGroup
+    shm: ShmAllReduce | None = None
 
     @classmethod
-    def join(cls, store_path: str, rank: int, size: int, device: torch.device) -> TPGroup:
-        """Blocks until every rank has joined (the store is a file all ranks of one engine name)."""
+    def join(
+        cls,
+        store_path: str,
+        rank: int,
+        size: int,
+        device: torch.device,
+        shm_path: str | None = None,
+        peers_gone: Callable[[], str | None] | None = None,
+    ) -> TPGroup:
+        """Blocks until every rank has joined (the store is a file all ranks of one engine name).
+        shm_path: the shared-memory all-reduce's file (rank 0 created it), whose name rank 0 removes
+        once the group has formed; peers_gone: why a peer is gone, or None (see ShmAllReduce)."""
+        shm = None
+        if shm_path is not None:
+            # Mapped before the rendezvous: once it is over, every rank holds the mapping.
+            shm = ShmAllReduce.attach(shm_path, rank, size, COLLECTIVE_TIMEOUT_S, peers_gone or (lambda: None))
         store = dist.FileStore(store_path, size)
         timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         if device.type == "cuda":
@@ -35,10 +56,14 @@ class TPGroup:
             pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
-        return cls(rank, size, pg)
+        if shm_path is not None and rank == 0:
+            shm_allreduce.remove(shm_path)
+        return cls(rank, size, pg, shm)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x, in place."""
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         self.pg.allreduce([x]).wait()
         return x
 

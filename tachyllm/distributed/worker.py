@@ -5,7 +5,8 @@ the driver sends, until the driver says stop or goes away.
 The driver talks to it over a pipe: start-up messages up, the step's plain-data batch down (a
 StepBatch without its sampling inputs, which only rank 0 reads). The pipe is also how a worker
 outlives nothing: its end closes when the driver exits, however it exits, and a blocked recv() then
-ends the loop; a worker inside a collective whose driver died gets gloo's connection error instead.
+ends the loop; a worker inside a collective whose driver died gets gloo's connection error instead,
+or, waiting in the shared-memory all-reduce, finds that its parent is no longer the driver.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -29,6 +31,7 @@ class WorkerSpec:
     rank: int
     size: int
     store_path: str  # the group's rendezvous file
+    shm_path: str | None  # the shared-memory all-reduce's file, or None: gloo's
     threads: int
     cpus: list[int] | None  # pinned to these, or None
     max_model_len: int
@@ -85,7 +88,7 @@ def _start(spec: WorkerSpec, conn: Connection):
     torch.set_num_threads(spec.threads)
     device = rank_device(config.device, spec.rank)
     conn.send(("hello",))  # up: the driver may now wait in the rendezvous
-    group = TPGroup.join(spec.store_path, spec.rank, spec.size, device)
+    group = TPGroup.join(spec.store_path, spec.rank, spec.size, device, spec.shm_path, _driver_gone(os.getppid()))
     ckpt = load_checkpoint(config.model)
     backend = create_backend(config.backend, device)
     plan = ShardPlan(ckpt.config, spec.rank, spec.size)
@@ -95,6 +98,11 @@ def _start(spec: WorkerSpec, conn: Connection):
     caches = backend.allocate_kv_cache(plan.config, num_blocks, config.block_size, config.resolve_dtype())
     conn.send(("ready",))
     return ModelRunner(model, caches, config.block_size, None, backend)
+
+
+def _driver_gone(driver: int) -> Callable[[], str | None]:
+    """Whether the driver (this process's parent) has exited: the orphan is then adopted by another."""
+    return lambda: None if os.getppid() == driver else f"the driver (rank 0, pid {driver}) exited"
 
 
 def rank_device(device: str, rank: int) -> torch.device:
