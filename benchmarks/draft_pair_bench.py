@@ -199,6 +199,9 @@ def main() -> None:
     ap.add_argument("--fp32-check", type=int, default=0, help="prompts for the float32 identity check (0: none)")
     ap.add_argument("--fp32-tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument(
+        "--quant-activation-bits", type=int, default=16, choices=[8, 16], help="the target's (and drafts') activation rounding"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     draft, target = qwen_coder_pair(args.cache_dir)
@@ -212,7 +215,10 @@ def main() -> None:
     # One engine holds the target; each configuration is a speculator attached to it in turn (the
     # target's 3 GiB of dequantized weights once, not once per configuration, on a shared machine).
     t0 = time.perf_counter()
-    llm = LLM(str(target), quantization="gguf", threads=args.threads, max_model_len=2048, kv_cache_memory=512 << 20)
+    llm = LLM(
+        str(target), quantization="gguf", quant_activation_bits=args.quant_activation_bits, threads=args.threads,
+        max_model_len=2048, kv_cache_memory=512 << 20,
+    )  # fmt: skip
     print(f"loaded the target in {time.perf_counter() - t0:.0f} s", flush=True)
     specs = configs(draft)
     speculators = {name: attach(llm, target, specs[name]) for name in args.configs.split(",")}
