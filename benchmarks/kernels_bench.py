@@ -39,7 +39,7 @@ from gguf import GGMLQuantizationType as T
 
 from tachyllm.backends import create_backend
 from tachyllm.backends.torch_backend import causal_attention
-from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available
+from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available, packing_available
 from tachyllm.kernels.native import native_ops
 from tachyllm.quantization.int4 import quantize_int4
 
@@ -148,11 +148,11 @@ def _copies(t: torch.Tensor, total: float = 128e6) -> list[torch.Tensor]:
 
 def _bf16_linears(out_f: int, in_f: int, total: float = 128e6) -> list[torch.nn.Module]:
     """The engine's bf16 linear, each on its own weight (it may not copy it): PackedLinear, or the
-    plain nn.Linear where neither the C++ kernel nor oneDNN's bf16 packing exists (AVX2 CPUs)."""
+    plain nn.Linear where neither the vectorized C++ kernel nor oneDNN's bf16 packing exists."""
     count = max(2, int(total // (out_f * in_f * 2)))
     kernels = _engine_bf16_kernels()
     linears = [torch.nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16) for _ in range(count)]
-    if kernels is None and not onednn_packing_available(torch.bfloat16):
+    if not packing_available(torch.bfloat16, kernels):
         return linears
     return [PackedLinear(linear, kernels) for linear in linears]
 
@@ -248,7 +248,10 @@ def bench_bf16() -> None:
     if ops is None:
         print("\nbf16: C++ kernels unavailable, skipped")
         return
-    print(f"\nbf16 kernel: AVX512-BF16 {ops.bf16_linear_vectorized}; PackedLinear uses it up to {NATIVE_MAX_ROWS} rows")
+    if not onednn_packing_available(torch.bfloat16):
+        print("\nbf16: oneDNN packs no bf16 here, skipped (benchmarks/bf16_linear_bench.py compares F.linear)")
+        return
+    print(f"\nbf16 kernel: {ops.bf16_linear_isa}; PackedLinear uses it up to {NATIVE_MAX_ROWS} rows")
     print(
         "| weight (out x in) | rows | native µs | oneDNN packed µs | F.linear µs | "
         "packed / native | F.linear / native |\n"

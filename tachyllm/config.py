@@ -165,7 +165,8 @@ class EngineConfig:
         parse=str,
     )
     # Batch invariance (docs/determinism.md): bf16 linears run the C++ kernel at every row count; off,
-    # steps above NATIVE_MAX_ROWS tokens use oneDNN, faster for long prefills. float32 is invariant either way.
+    # steps above NATIVE_MAX_ROWS tokens use oneDNN where it packs bf16 (AVX-512), faster for long
+    # prefills. float32 is invariant either way.
     deterministic: bool = option(
         True,
         "batch-invariant outputs: the same tokens whether a prefix was cached, how the prompt was chunked, what"
@@ -279,8 +280,9 @@ class EngineConfig:
             resolve_backend_name(self.backend, torch.device(self.device))
 
     def resolve_dtype(self) -> torch.dtype:
-        """'auto' is bfloat16: half the bytes of fp32 per weight, and this CPU has native bf16 dot
-        products (AVX512_BF16). Pass dtype='float32' for bit-faithful comparison with transformers."""
+        """'auto' is bfloat16: half the bytes of fp32 per weight, multiplied by the C++ kernel with
+        AVX512_BF16 dot products (or widened to fp32 in registers on AVX2 CPUs). Pass dtype='float32'
+        for bit-faithful comparison with transformers."""
         if self.dtype == "auto":
             return torch.bfloat16
         return DTYPES[self.dtype]

@@ -84,7 +84,7 @@ def test_both_backends_give_the_same_greedy_tokens(tiny_model_factory, kv_cache_
 
 @needs_kernels
 def test_fused_layers_run_where_every_part_has_a_kernel(tiny_model_factory):
-    """With bf16 linears on the C++ kernel (forced here: without AVX512-BF16 the engine keeps oneDNN),
+    """With bf16 linears on the C++ kernel (forced here: the engine does not use its scalar loop),
     each layer becomes one DecodeLayer call; tokens and logprobs equal the module path's."""
     engine = _engine(tiny_model_factory("llama"), "cpu", dtype="bfloat16")
     backend, model = engine.backend, engine.model

@@ -283,12 +283,11 @@ def test_fused_decode_layer_matches_the_module_path(
     modules call: in bf16 (and int4, with either activation rounding; and an fp8 cache) the tokens
     and their logprobs are identical."""
     from tachyllm import LLM, SamplingParams
-    from tachyllm.kernels.linear import onednn_packing_available
 
     # The fused layer chains the kernels the linears run; without them here it is never built.
     backend = CpuBackend(torch.device("cpu"))
-    if quantization is None and not (onednn_packing_available(torch.bfloat16) and backend.bf16_linear_kernels()):
-        pytest.skip("the bf16 linears run the C++ kernel only with AVX512-BF16")
+    if quantization is None and backend.bf16_linear_kernels() is None:
+        pytest.skip("the bf16 linears run the C++ kernel only with AVX512-BF16 or AVX2 + FMA")
     if quantization == "int4" and backend.block_kernels() is None:
         pytest.skip("needs the C++ block kernels (AVX-512 VNNI)")
     path = str(tiny_model_factory("llama"))

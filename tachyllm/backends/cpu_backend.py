@@ -139,8 +139,8 @@ class CpuBackend(Backend):
         return self.kernels if self.kernels.quant_gemv_isa() != "scalar" else None
 
     def bf16_linear_kernels(self) -> ModuleType | None:
-        # Without AVX512-BF16 the kernel is a scalar loop, far slower than oneDNN: not worth it
-        # (measurements: docs/design_measurements.md#bf16-linears).
+        # Built for AVX512-BF16 or AVX2 + FMA it beats PyTorch's bf16 linears; otherwise it is a
+        # scalar loop, far slower than oneDNN (measurements: docs/design_measurements.md#bf16-linears).
         return self.kernels if self.kernels.bf16_linear_vectorized else None
 
     def fused_decoder_layer(self, layer, rotary) -> FusedLayer | None:

@@ -8,8 +8,12 @@ kernel needs no packed copy, so each weight is kept once, as it is (a tied LM he
 the embedding table). Above NATIVE_MAX_ROWS rows F.linear on that plain weight takes over; a
 oneDNN-prepacked copy would be somewhat faster there: the price of keeping one copy
 (measurements: docs/design_measurements.md#bf16-linears; `benchmarks/kernels_bench.py bf16`).
-Without the C++ kernels, or without AVX512-BF16 (where the kernel is a scalar loop), the weight is
-prepacked for oneDNN instead; so is every float32 weight.
+The kernel is built for AVX512-BF16 or for AVX2 + FMA. Where oneDNN packs no bf16 (no AVX-512:
+AMD Zen 2/3, Intel client cores) PyTorch's bf16 F.linear is slow at every row count (~2.4 GMAC/s
+on an AVX2 EPYC; the kernel's AVX2 path ~47 per thread at 128-512 rows, measured on an AVX-512
+machine: docs/benchmarks.md#bf16-linear-kernel-avx2-path), so there the kernel takes every row
+count. Without the C++ kernels, or where the kernel is a scalar loop (neither instruction set),
+the weight is prepacked for oneDNN instead, where oneDNN packs bf16; so is every float32 weight.
 
 Batch invariance (docs/determinism.md): a token's output must not depend on how many rows share the
 call. The C++ kernel and oneDNN's GEMM each keep that (one fixed summation order per output), except
@@ -39,9 +43,15 @@ def onednn_packing_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def packing_available(dtype: torch.dtype, kernels: ModuleType | None) -> bool:
+    """Whether PackedLinear takes linears of this dtype: on the bf16 kernel, or packed for oneDNN."""
+    return (dtype == torch.bfloat16 and kernels is not None) or onednn_packing_available(dtype)
+
+
 class PackedLinear(nn.Module):
     """`kernels`: the backend's bf16 matrix-vector kernel (Backend.bf16_linear_kernels), or None.
-    `batch_invariant`: the kernel computes every row count, never F.linear."""
+    `batch_invariant`: the kernel computes every row count, never F.linear (so it does wherever
+    oneDNN cannot pack bf16: F.linear is no faster there)."""
 
     def __init__(self, linear: nn.Linear, kernels: ModuleType | None = None, batch_invariant: bool = False):
         super().__init__()
@@ -49,7 +59,8 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.ops = kernels if weight.dtype == torch.bfloat16 else None
-        self.max_kernel_rows = None if batch_invariant else NATIVE_MAX_ROWS
+        every_row = batch_invariant or not onednn_packing_available(torch.bfloat16)
+        self.max_kernel_rows = None if every_row else NATIVE_MAX_ROWS
         if self.ops is not None:
             self.weight, self.packed_weight = weight, None
         else:

@@ -8,7 +8,9 @@ blocks at memory speed. The cpu backend (backends/cpu_backend.py) runs them; whe
 (no compiler), off the CPU, or with TACHY_NATIVE=0, the engine runs the portable torch backend.
 
 Build directory: $TACHY_NATIVE_DIR, else <XDG cache>/tachyllm/native/<key>, where the key covers
-the sources, the torch version and the CPU, so a stale or foreign build is never loaded.
+the sources, the torch version, the flags and the CPU, so a stale or foreign build is never loaded.
+$TACHY_NATIVE_MARCH replaces the compiler's `-march=native`: `haswell` (AVX2 + FMA, no AVX-512)
+builds and tests on an AVX-512 machine the kernels' paths for CPUs without it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ logger = logging.getLogger("tachyllm")
 MODULE_NAME = "tachyllm_native"
 SOURCE_DIR = Path(__file__).parent / "csrc"
 _OFF = {"off", "0", "false", "no", "none", "disable", "disabled"}
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+
+
+def cflags() -> list[str]:
+    march = os.environ.get("TACHY_NATIVE_MARCH", "").strip() or "native"
+    return ["-O3", f"-march={march}", "-fopenmp", "-fno-math-errno", "-std=c++17"]
 
 
 def _sources() -> list[Path]:
@@ -54,7 +60,7 @@ def build_key() -> str:
     for path in _sources():
         h.update(path.name.encode())
         h.update(path.read_bytes())
-    for part in (torch.__version__, sys.version, " ".join(CFLAGS), _cpu_signature()):
+    for part in (torch.__version__, sys.version, " ".join(cflags()), _cpu_signature()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
@@ -96,7 +102,7 @@ def build(verbose: bool = False) -> ModuleType:
         return cpp_extension.load(
             name=MODULE_NAME,
             sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             verbose=verbose,

@@ -8,7 +8,7 @@ import torch
 
 from tachyllm.backends.base import Backend
 from tachyllm.errors import ConfigError
-from tachyllm.kernels.linear import onednn_packing_available, pack_linears
+from tachyllm.kernels.linear import pack_linears, packing_available
 from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
 from tachyllm.models.llama import LlamaForCausalLM
@@ -59,8 +59,9 @@ def build_model(
             ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model)
-    if device.type == "cpu" and onednn_packing_available(dtype):
-        pack_linears(model, backend.bf16_linear_kernels(), batch_invariant)
+    bf16_kernels = backend.bf16_linear_kernels()
+    if device.type == "cpu" and packing_available(dtype, bf16_kernels):
+        pack_linears(model, bf16_kernels, batch_invariant)
     if fuse_layers:
         model.fuse_layers(backend)
     return model.eval(), weight_bytes

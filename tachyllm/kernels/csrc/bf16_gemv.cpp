@@ -6,14 +6,22 @@
 // For one token a linear layer is a single pass over its weight, so its speed is memory bandwidth.
 // The weight stays in PyTorch's own row-major [out, in] layout: each row is contiguous, so no
 // packed copy is needed (a tied LM head reads the embedding table itself). kRows output rows are
-// computed together: every step loads 32 bf16 of each of those rows (one register each) and
-// multiplies them with the same 32 inputs of up to kTokens token rows via VDPBF16PS (pairs of bf16
-// products summed into 16 fp32 lanes), so each weight load serves every token of the pass. The
-// lanes are summed once per output at the end (4 x 4 outputs at a time: store_4x4). A thread's rows form one contiguous range of memory,
-// requested ahead by software prefetches (see dot_block). Inputs whose length is not a multiple of
-// 32 end with a masked (zero-filled) load.
-// Without AVX512-BF16 a scalar loop of the same structure computes the same sums (correct but
-// ~8x slower than oneDNN: bf16_linear_vectorized tells callers which one was built).
+// computed together, each step loading a run of each of those rows once for up to kTokens token
+// rows, so that each weight load serves every token of the pass; every (row, token) has its own
+// vector accumulator, whose lanes are summed once at the end. A thread's rows form one contiguous
+// range of memory, requested ahead by software prefetches (see dot_block).
+//
+// Two instruction sets, each with its own summation order (the same on every call of one build):
+// - AVX512-BF16: 32 bf16 per step and register, multiplied and summed in pairs by VDPBF16PS into
+//   16 fp32 lanes; 4 x 4 outputs reduced at once (store_4x4). A ragged end is a masked load.
+// - AVX2 + FMA (AMD Zen 2/3, Intel client cores, Xeons before Sapphire Rapids): bf16 is the
+//   upper half of an fp32, so 16 bf16 become two fp32 vectors by interleaving them with zeros
+//   (VPUNPCKLWD / VPUNPCKHWD), and FMAs sum them. Weights are widened as they stream; each chunk's
+//   inputs once, into a buffer in the same interleaved order. 4 rows x 2 tokens: 8 accumulators,
+//   2 input vectors, a widened weight and zeros in the 16 ymm registers (3 tokens spilled: 0.65x
+//   the speed at 128 rows).
+// Elsewhere a scalar loop of the same structure computes the same products (correct but ~8x
+// slower than oneDNN: bf16_linear_vectorized tells callers which one was built).
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
@@ -26,6 +34,11 @@
 #include "ops.h"
 
 #if defined(__AVX512BF16__)
+#define BF16_GEMV_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BF16_GEMV_AVX2
+#endif
+#if defined(BF16_GEMV_AVX512) || defined(BF16_GEMV_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -33,8 +46,16 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-constexpr int kRows = 4;    // weight rows streamed together (store_4x4 takes a block of 4 x 4 outputs)
-constexpr int kTokens = 4;  // token rows per pass over a block of weight rows (kRows * kTokens accumulators)
+constexpr int kRows = 4;  // weight rows streamed together (a block's outputs are stored 4 at a time)
+// Token rows per pass over a block of weight rows: kRows * kTokens accumulators, as many as the
+// registers hold beside a weight vector or two (32 zmm; 16 ymm).
+#if defined(BF16_GEMV_AVX2)
+constexpr int kTokens = 2;
+constexpr int64_t kInputBytes = 4;  // the kernel reads inputs widened to fp32
+#else
+constexpr int kTokens = 4;
+constexpr int64_t kInputBytes = 2;
+#endif
 // Smallest share of the weight worth a thread: below it the pool's wake-up costs more than it saves.
 constexpr int64_t kMinBytesPerTask = 64 * 1024;
 // Input bytes of the tokens one pass over the weight serves (a share of L2).
@@ -52,6 +73,8 @@ struct Problem {
   const float* bias_f32;  // at most one of the two biases is set
   const bf16* bias_bf16;
   int64_t in;
+  const float* x32;  // AVX2: the chunk's inputs widened by widen_inputs, x32_stride floats apart
+  int64_t x32_stride;
 
   float bias(int64_t row) const {
     return bias_f32 ? bias_f32[row] : bias_bf16 ? static_cast<float>(bias_bf16[row]) : 0.0f;
@@ -61,7 +84,7 @@ struct Problem {
   }
 };
 
-#if defined(__AVX512BF16__)
+#if defined(BF16_GEMV_AVX512)
 
 inline __m512bh load_bf16x32(const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); }
 inline __m512bh load_bf16x32(const bf16* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
@@ -151,6 +174,126 @@ void dot_block(const Problem& p, int64_t row, int64_t token, int64_t pass, int64
   }
 }
 
+#elif defined(BF16_GEMV_AVX2)
+
+constexpr int64_t kStep = 16;  // bf16 per weight load: one ymm, widened to two
+
+// Lanes (0-3, 8-11) and (4-7, 12-15) of 16 bf16 as fp32: interleaving zeros below each value
+// (within 128-bit halves, as VPUNPCK*WD works) makes it the upper half of its 32-bit lane. Weights
+// and inputs pass through the same shuffle, so their lanes still pair up.
+inline __m256 widen_lo(__m256i v) { return _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v)); }
+inline __m256 widen_hi(__m256i v) { return _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v)); }
+inline __m256i load_bf16x16(const bf16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// The ragged end of a row (count < 16 values), zero-filled into `out`: AVX2 has no 16-bit masked load.
+inline const bf16* padded_tail(const bf16* p, int64_t count, uint16_t (&out)[kStep]) {
+  std::memset(out, 0, sizeof(out));
+  std::memcpy(out, p, count * sizeof(bf16));
+  return reinterpret_cast<const bf16*>(out);
+}
+
+// Token rows [begin, end) of p.x widened into `out` (x32_stride floats per row; zeros past p.in).
+void widen_inputs(const Problem& p, int64_t begin, int64_t end, float* out) {
+  for (int64_t t = begin; t < end; ++t) {
+    const bf16* x = p.x + t * p.x_stride;
+    float* o = out + t * p.x32_stride;
+    for (int64_t k = 0; k < p.in; k += kStep) {
+      alignas(32) uint16_t tail[kStep];
+      const __m256i v = load_bf16x16(k + kStep <= p.in ? x + k : padded_tail(x + k, p.in - k, tail));
+      _mm256_storeu_ps(o + k, widen_lo(v));
+      _mm256_storeu_ps(o + k + 8, widen_hi(v));
+    }
+  }
+}
+
+// One step of 16 inputs: w[r] points at row r's 16 weights, x[t] + k at token t's widened inputs.
+// Each half of the inputs is held in registers while every row's weights (widened straight from
+// memory) multiply it; each accumulator takes the low half, then the high: one order for all R, T.
+template <int R, int T>
+__attribute__((always_inline)) inline void fma_step(__m256 (&acc)[R][T], const bf16* const (&w)[R],
+                                                    const float* const (&x)[T], int64_t k) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 xv[T];
+    for (int t = 0; t < T; ++t) xv[t] = _mm256_loadu_ps(x[t] + k + 8 * half);
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv = load_bf16x16(w[r]);
+      const __m256 wf = half == 0 ? widen_lo(wv) : widen_hi(wv);
+      for (int t = 0; t < T; ++t) acc[r][t] = _mm256_fmadd_ps(wf, xv[t], acc[r][t]);
+    }
+  }
+}
+
+// Lane i of the result: the sum of v[i]'s lanes, ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), the
+// order sum8 gives a single vector.
+inline __m128 sums4(const __m256* v) {
+  const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1));
+}
+inline float sum8(__m256 v) {
+  const __m256 h = _mm256_hadd_ps(v, v);
+  const __m256 q = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
+// One token's outputs of rows row .. row + 3: the bias added and the sums rounded to bf16 as
+// Problem::store does (nearest even, NaN kept).
+inline void store_4(const Problem& p, int64_t row, int64_t token, __m128 sums, __m128 bias) {
+  sums = _mm_add_ps(sums, bias);
+  const __m128i bits = _mm_castps_si128(sums);
+  const __m128i lowest_kept = _mm_and_si128(_mm_srli_epi32(bits, 16), _mm_set1_epi32(1));
+  __m128i rounded = _mm_srli_epi32(_mm_add_epi32(bits, _mm_add_epi32(lowest_kept, _mm_set1_epi32(0x7FFF))), 16);
+  const __m128i nan = _mm_castps_si128(_mm_cmpunord_ps(sums, sums));
+  rounded = _mm_blendv_epi8(rounded, _mm_set1_epi32(0x7FC0), nan);
+  const int64_t halves = _mm_cvtsi128_si64(_mm_packus_epi32(rounded, rounded));  // values <= 0xFFFF
+  std::memcpy(p.y + token * p.y_stride + row, &halves, sizeof(halves));
+}
+
+// Rows [row, row + R) of y for tokens [token, token + T).
+template <int R, int T>
+void dot_block(const Problem& p, int64_t row, int64_t token, int64_t pass, int64_t passes) {
+  __m256 acc[R][T];
+  bool prefetch[R];
+  for (int r = 0; r < R; ++r) prefetch[r] = r % passes == pass;
+  const bf16* w[R];
+  const float* x[T];
+  for (int r = 0; r < R; ++r) w[r] = p.w + (row + r) * p.w_stride;
+  for (int t = 0; t < T; ++t) x[t] = p.x32 + (token + t) * p.x32_stride;
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_ps();
+
+  const bf16* wk[R];
+  auto step = [&](int64_t k) {
+    for (int r = 0; r < R; ++r) wk[r] = w[r] + k;
+    fma_step(acc, wk, x, k);
+  };
+  const int64_t full = p.in / kStep * kStep;
+  int64_t k = 0;
+  for (; k + 2 * kStep <= full; k += 2 * kStep) {  // 64 bytes of each row: one prefetch per line
+    // As in the AVX-512 path: the same line kPrefetchRows rows ahead, into L2.
+    for (int r = 0; r < R; ++r)
+      if (prefetch[r])
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * p.w_stride + k), _MM_HINT_T1);
+    step(k);
+    step(k + kStep);
+  }
+  if (k < full) step(k);
+  if (full < p.in) {
+    alignas(32) uint16_t tails[R][kStep];
+    for (int r = 0; r < R; ++r) wk[r] = padded_tail(w[r] + full, p.in - full, tails[r]);
+    fma_step(acc, wk, x, full);
+  }
+  if constexpr (R == 4) {
+    const __m128 bias = _mm_setr_ps(p.bias(row), p.bias(row + 1), p.bias(row + 2), p.bias(row + 3));
+    for (int t = 0; t < T; ++t) {
+      const __m256 column[4] = {acc[0][t], acc[1][t], acc[2][t], acc[3][t]};
+      store_4(p, row, token + t, sums4(column), bias);
+    }
+  } else {
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < R; ++r) p.store(token + t, row + r, sum8(acc[r][t]));
+  }
+}
+
 #else
 
 // Portable fallback: the same blocking, one fp32 accumulator per (row, token).
@@ -171,21 +314,20 @@ void dot_block(const Problem& p, int64_t row, int64_t token, int64_t /*pass*/, i
 
 #endif
 
-template <int R>
+// count (1 .. kTokens) tokens from `token` on.
+template <int R, int T = kTokens>
 void dot_pass(const Problem& p, int64_t row, int64_t token, int64_t count, int64_t pass, int64_t passes) {
-  switch (count) {
-    case 1: dot_block<R, 1>(p, row, token, pass, passes); break;
-    case 2: dot_block<R, 2>(p, row, token, pass, passes); break;
-    case 3: dot_block<R, 3>(p, row, token, pass, passes); break;
-    case 4: dot_block<R, 4>(p, row, token, pass, passes); break;
-    default: TORCH_CHECK(false, "bf16_linear: bad pass size ", count);
+  if constexpr (T > 1) {
+    if (count < T) return dot_pass<R, T - 1>(p, row, token, count, pass, passes);
   }
+  dot_block<R, T>(p, row, token, pass, passes);
 }
 
-// All tokens for rows [row, row + R): ceil(tokens / kTokens) passes, full ones first (9 tokens run
-// as 4 + 4 + 1: a full pass stores its outputs through store_4x4). After the first pass the block's
-// rows come from L1; the passes share the prefetching of the rows ahead (pass i requests rows r with
-// r % passes == i), so that memory stays busy during every pass, not only the first.
+// All tokens for rows [row, row + R): ceil(tokens / kTokens) passes, full ones first (with AVX-512
+// 9 tokens run as 4 + 4 + 1: a full pass stores its outputs through store_4x4). After the first
+// pass the block's rows come from L1; the passes share the prefetching of the rows ahead (pass i
+// requests rows r with r % passes == i), so that memory stays busy during every pass, not only the
+// first.
 template <int R>
 void dot_rows(const Problem& p, int64_t row, int64_t tokens) {
   const int64_t passes = (tokens + kTokens - 1) / kTokens;
@@ -237,15 +379,30 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
   const int64_t blocks = (out + kRows - 1) / kRows;
   const int64_t block_bytes = kRows * std::max<int64_t>(in, 1) * 2;
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / block_bytes);
-  // Many tokens (a prefill chunk) go kChunkTokens at a time, so that their inputs stay in L2 while
+  // Many tokens (a prefill chunk) go `chunk` at a time, so that their inputs stay in L2 while
   // every block of weight rows passes over them. Each output is summed the same way whatever the
   // chunking: a token's result never depends on the other tokens (batch invariance).
-  const int64_t chunk = std::max<int64_t>(kTokens, kChunkBytes / (2 * std::max<int64_t>(in, 1)));
+  const int64_t chunk = std::max<int64_t>(kTokens, kChunkBytes / (kInputBytes * std::max<int64_t>(in, 1)));
+#if defined(BF16_GEMV_AVX2)
+  p.x32_stride = (in + kStep - 1) / kStep * kStep;
+  // One chunk's widened inputs, reused across calls (resized only to grow). The pool's threads
+  // reach it through `widened`: a thread_local named inside them would be their own.
+  thread_local std::vector<float> buffer;
+  buffer.resize(std::max<size_t>(buffer.size(), std::min(chunk, tokens) * p.x32_stride));
+  float* const widened = buffer.data();
+  p.x32 = widened;
+#endif
   for (int64_t first = 0; first < tokens; first += chunk) {
     Problem part = p;
     part.x = p.x + first * p.x_stride;
     part.y = p.y + first * p.y_stride;
     const int64_t count = std::min(chunk, tokens - first);
+#if defined(BF16_GEMV_AVX2)
+    const int64_t widen_grain = std::max<int64_t>(1, kMinBytesPerTask / (kInputBytes * p.x32_stride));
+    at::parallel_for(0, count, widen_grain, [&](int64_t begin, int64_t end) {
+      widen_inputs(part, begin, end, widened);
+    });
+#endif
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         const int64_t row = b * kRows;
@@ -263,7 +420,15 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
 void register_bf16_gemv(pybind11::module_& m) {
   m.def("bf16_linear", &bf16_linear, "y[..., out] = x[..., in] @ weight[out, in]^T (+ bias) in bf16 with fp32 sums, for few-token inputs",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), ReleaseGil());
-#if defined(__AVX512BF16__)
+#if defined(BF16_GEMV_AVX512)
+  m.attr("bf16_linear_isa") = "avx512_bf16";
+#elif defined(BF16_GEMV_AVX2)
+  m.attr("bf16_linear_isa") = "avx2";
+#else
+  m.attr("bf16_linear_isa") = "scalar";
+#endif
+  // Whether the kernel beats the linears PyTorch has here (the scalar loop does not).
+#if defined(BF16_GEMV_AVX512) || defined(BF16_GEMV_AVX2)
   m.attr("bf16_linear_vectorized") = true;
 #else
   m.attr("bf16_linear_vectorized") = false;
