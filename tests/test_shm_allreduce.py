@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
 import threading
 import time
@@ -96,6 +97,7 @@ def pair():
         process.join()
         conn.close()
         shm_allreduce.remove(path)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_every_rank_gets_the_rank_order_sum_bitwise_and_large_tensors_go_to_gloo():
