@@ -533,16 +533,26 @@ def test_admission_is_exact_in_a_burst(model_path):
             async with httpx.AsyncClient(base_url=base, timeout=90, limits=limits) as c:
                 done = asyncio.Event()
 
-                async def one() -> int:
+                async def one(running: asyncio.Event | None = None) -> int:
                     body = {"prompt": "The quick brown fox", "max_tokens": 480, "stream": True, **GREEDY}
                     async with c.stream("POST", CMPL, json=body) as r:
                         if r.status_code == 200:
+                            if running is not None:  # a first token: the request holds one of the `seqs`
+                                async for line in r.aiter_lines():
+                                    if line.startswith("data:"):
+                                        running.set()
+                                        break
                             await done.wait()  # hold the slot until every refusal is in
                         else:
                             assert (await r.aread()) and r.json()["error"]["code"] == "queue_full"
                         return r.status_code
 
-                tasks = [asyncio.create_task(one()) for _ in range(burst_size)]
+                # The batch is filled first: a burst arriving before the engine's first step would
+                # otherwise fill the queue with requests that all could have run.
+                started = [asyncio.Event() for _ in range(seqs)]
+                tasks = [asyncio.create_task(one(event)) for event in started]
+                await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+                tasks += [asyncio.create_task(one()) for _ in range(burst_size - seqs)]
                 deadline = time.monotonic() + 60
                 while sum(t.done() for t in tasks) < burst_size - seqs - queue and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
