@@ -1,5 +1,5 @@
 """Quantized KV cache: storage round trips, attention on quantized K/V, block counts at a fixed
-memory budget, prefix-cache keys, and end-to-end greedy agreement."""
+memory budget, prefix-cache keys, and agreement with the unquantized cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 from test_quantization import engine_for, teacher_forced_top1
 
 from tachyllm.backends.torch_backend import PrefillSpan, TorchBackend, TorchMetadata, paged_attention
-from tachyllm.eval.greedy import agreement
 from tachyllm.eval.greedy import greedy_tokens as greedy
 from tachyllm.kernels.kv_quant import KV_STORAGE, QuantizedKV, qmax
 
@@ -108,10 +107,15 @@ def test_tiny_model_quantized_kv_agrees(tiny_model_factory, kv):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
-def test_default_model_quantized_kv_greedy_agrees(kv):
+def test_default_model_quantized_kv_agrees(kv):
+    """Judged teacher-forced (0.94-0.97 measured on AVX-512 and AVX2 builds): greedy text is not a
+    fair measure, since one flipped token early in a continuation (where depends on the host's
+    kernels) counts every later position as a disagreement."""
+    assert teacher_forced_top1(None, kv_cache_dtype=kv) >= 0.9
     prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
     ref = greedy(engine_for(None), prompts, 24)
-    assert agreement(greedy(engine_for(None, kv_cache_dtype=kv), prompts, 24), ref) >= 0.6
+    out = greedy(engine_for(None, kv_cache_dtype=kv), prompts, 24)
+    assert [len(t) for t in out] == [24] * 4 and sum(o[0] == r[0] for o, r in zip(out, ref)) >= 3
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
