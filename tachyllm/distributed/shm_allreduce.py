@@ -1,6 +1,7 @@
 """The sum over the tensor-parallel ranks of one CPU host through shared memory, instead of gloo's
-all-reduce: gloo sends every call through loopback sockets (tens of microseconds each), and a decode
-step makes two per layer. vLLM's and SGLang's CPU backends have one for the same reason.
+all-reduce: gloo sends every call through loopback sockets (about 1 ms each, measured on a quiet host:
+docs/benchmarks.md), and a decode step makes two per layer. vLLM's and SGLang's CPU backends have one
+for the same reason.
 
 Rank 0 creates the file (under /dev/shm) before its workers start; every rank maps it before joining
 the process group, and rank 0 removes its name once the group has formed (`TPGroup.join`), so that

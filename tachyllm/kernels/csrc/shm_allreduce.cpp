@@ -1,6 +1,6 @@
 // The sum over the tensor-parallel ranks of one CPU host through a shared mapping
-// (tachyllm/distributed/shm_allreduce.py maps it and calls this): gloo's all-reduce costs tens of
-// microseconds per call over loopback sockets, and a decode step makes two per layer.
+// (tachyllm/distributed/shm_allreduce.py maps it and calls this): gloo's all-reduce costs about a
+// millisecond per call over loopback sockets, and a decode step makes two per layer.
 //
 // Mapping layout, for `size` ranks and slots of `slot_bytes` (a multiple of the cache line):
 //   [0, size * kLine)  one uint64 per rank, each on its own cache line: the last sequence number
