@@ -59,9 +59,10 @@ def build_model(
             ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model)
-    bf16_kernels = backend.bf16_linear_kernels()
-    if device.type == "cpu" and packing_available(dtype, bf16_kernels):
-        pack_linears(model, bf16_kernels, batch_invariant)
+    if device.type == "cpu":
+        bf16_kernels = backend.bf16_linear_kernels()
+        if packing_available(dtype, bf16_kernels):
+            pack_linears(model, bf16_kernels, batch_invariant)
     if fuse_layers:
         model.fuse_layers(backend)
     return model.eval(), weight_bytes
