@@ -88,7 +88,7 @@ def test_fake_server_known_timing(tmp_path, model_path, capsys):
         result = run_bench(
             tmp_path, "--base-url", f"{url}/v1", "--tokenizer", model_path, "--api-key", "sk-test",
             "--dataset", "file", "--dataset-path", prompts, "--num-prompts", "5", "--goodput", "ttft:5000",
-            "--request-rate", "200,inf", "--plot", str(tmp_path / "sweep.png"),
+            "--request-rate", "200,inf", "--plot", str(tmp_path / "sweep.png"), "--save-detailed",
         )  # fmt: skip
     assert seen_auth and set(seen_auth) == {"Bearer sk-test"}
     assert result["settings"]["served_model"] == "fake-model" and "api_key" not in result["settings"]
@@ -106,6 +106,17 @@ def test_fake_server_known_timing(tmp_path, model_path, capsys):
     assert CHUNK_GAP_S * 0.9 <= m["itl_ms"]["median"] / 1000 < CHUNK_GAP_S + 0.1
     assert CHUNK_GAP_S * 0.9 <= m["tpot_ms"]["mean"] / 1000 < CHUNK_GAP_S + 0.1
     assert m["good_requests"] == 2
+    # --save-detailed: one entry per request, in seconds, None where a request failed.
+    detailed = result["runs"][1]["detailed"]
+    assert sorted(detailed) == ["errors", "input_lens", "itls", "latencies", "output_lens", "ttfts"]
+    assert all(len(values) == 5 for values in detailed.values())
+    ok = [i for i, error in enumerate(detailed["errors"]) if error is None]
+    assert len(ok) == 2 and all(detailed["ttfts"][i] is None for i in set(range(5)) - set(ok))
+    for i in ok:
+        assert FIRST_CHUNK_S <= detailed["ttfts"][i] < FIRST_CHUNK_S + 0.3
+        assert len(detailed["itls"][i]) == CHUNKS - 1 and detailed["latencies"][i] > detailed["ttfts"][i]
+        assert detailed["output_lens"][i] == CHUNKS
+    assert sorted(e for e in detailed["errors"] if e) == sorted(m["errors"])
     assert result["runs"][1]["server"] is None  # no /metrics on this server
     assert (tmp_path / "sweep.png").stat().st_size > 0
 

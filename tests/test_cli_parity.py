@@ -313,3 +313,9 @@ def test_generation_config_folder_is_checked_before_loading(tmp_path):
     done = tachy("serve", "--generation-config", str(tmp_path), "--port", "0")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "holds no generation_config.json" in done.stderr
+
+
+def test_bench_serve_save_detailed_needs_a_result_file():
+    done = tachy("bench", "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--save-detailed")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert "--save-detailed writes into the --result-json file" in done.stderr

@@ -133,6 +133,11 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--result-json", default=None, metavar="FILE", help="write every figure and the settings here")
     g.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="--result-json also holds every request's TTFT, ITLs, latency, lengths and error",
+    )
+    g.add_argument(
         "--plot", default=None, metavar="FILE.png", help="throughput vs TTFT/TPOT p99 over the sweep's points"
     )
     g.add_argument("--label", default=None, help="this run's name in plots (default: MODEL @ URL)")

@@ -54,11 +54,26 @@ class PointResult:
     seed: int
     metrics: BenchMetrics
     server: ServerStats | None
+    # --save-detailed: every request's figures, in seconds and in completion order (vLLM's field names).
+    detailed: dict[str, list] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["request_rate"] = json_rate(self.request_rate)
         return out
+
+
+def detailed_results(results: list[RequestResult]) -> dict[str, list]:
+    """Per-request figures for analysis beyond the summary (pooling percentiles over runs, say); a failed
+    request has no TTFT, ITLs or latency (None) and its error."""
+    return {
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_len for r in results],
+        "ttfts": [r.ttft if r.success else None for r in results],
+        "itls": [r.itls if r.success else None for r in results],
+        "latencies": [r.latency if r.success else None for r in results],
+        "errors": [r.error for r in results],
+    }
 
 
 def json_rate(rate: float) -> float | str:
@@ -204,7 +219,8 @@ async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str
             results = count_tokens(sent, tokenizer)
             metrics = compute_metrics(results, start, end, args.percentiles, slos or None, args.cost_per_hour)
             stats = server_stats(before, after) if before is not None and after is not None else None
-            point = PointResult(rate, concurrency, args.seed, metrics, stats)
+            detailed = detailed_results(results) if args.save_detailed else None
+            point = PointResult(rate, concurrency, args.seed, metrics, stats, detailed)
             print(
                 format_summary(point, f"{root_url(args.base_url)}{ENDPOINTS[args.endpoint]}", model, args.percentiles)
             )
@@ -295,6 +311,8 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    if args.save_detailed and not args.result_json:
+        raise ValueError("--save-detailed writes into the --result-json file: give one")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
     asyncio.run(check_server(args))
     tokenizer = load_tokenizer(args.tokenizer, args.model)
