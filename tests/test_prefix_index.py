@@ -51,69 +51,88 @@ def test_evictions_and_forgetting_remove_blocks() -> None:
     assert len(index) == 1
 
 
-def test_the_longest_prefix_wins_over_a_short_queue() -> None:
-    # r2 lacks 7 of the 10 blocks and has 4 requests of a quarter block each ahead: 8 blocks of work, r1 9.
-    decision = choose_replica({"r1": 1, "r2": 3}, {"r1": 0, "r2": 4}, 4, 10, blocks_per_queued_request=1 / 4)
+def idle(*replicas: str) -> dict[str, int]:
+    return dict.fromkeys(replicas, 0)
+
+
+def test_the_least_work_ahead_wins() -> None:
+    # r2 lacks 7 of the 10 blocks and has 1 block of another prompt to compute first: 8 blocks, r1 9.
+    decision = choose_replica({"r1": 1, "r2": 3}, {"r1": 0, "r2": 4}, 4, 10, {"r1": 0, "r2": 1})
     assert (decision.replica, decision.reason, decision.matched_blocks) == ("r2", PREFIX_HIT, 3)
+    # 3 more blocks pending on r2: r1 is now cheaper, though it holds less.
+    decision = choose_replica({"r1": 1, "r2": 3}, {"r1": 0, "r2": 4}, 4, 10, {"r1": 0, "r2": 4})
+    assert (decision.replica, decision.reason, decision.matched_blocks) == ("r1", PREFIX_HIT, 1)
 
 
 def test_a_conversation_stays_with_its_history_while_its_replica_is_busy() -> None:
-    # 60 of 73 blocks held by r1, which has 3 requests of ~13 blocks each queued: 52 blocks of work vs 73.
-    decision = choose_replica({"r1": 60, "r2": 0}, {"r1": 3, "r2": 0}, 8, 73, blocks_per_queued_request=13)
+    # 60 of 73 blocks held by r1, which is computing another turn of 13 blocks: 26 blocks of work vs 73.
+    decision = choose_replica({"r1": 60, "r2": 0}, {"r1": 3, "r2": 0}, 8, 73, {"r1": 13, "r2": 0})
+    assert (decision.replica, decision.reason) == ("r1", PREFIX_HIT)
+    # Queued requests that already stream their tokens cost nothing ahead of the first token.
+    decision = choose_replica({"r1": 60, "r2": 0}, {"r1": 6, "r2": 0}, 8, 73, idle("r1", "r2"))
     assert (decision.replica, decision.reason) == ("r1", PREFIX_HIT)
 
 
 def test_one_shared_template_block_does_not_pull_new_chats_onto_a_busy_replica() -> None:
-    """Every chat starts with the same system-prompt block; its holder is busy, so a new chat goes to
-    the idle replica (the longest-prefix rule alone sent every chat to the first replica)."""
-    decision = choose_replica({"r1": 1, "r2": 0}, {"r1": 3, "r2": 0}, 8, prompt_blocks=14, blocks_per_queued_request=12)
+    """Every chat starts with the same system-prompt block; its holder is computing another prompt, so
+    a new chat goes to the idle replica (the longest-prefix rule alone sent every chat to the first)."""
+    decision = choose_replica({"r1": 1, "r2": 0}, {"r1": 1, "r2": 0}, 8, 14, {"r1": 12, "r2": 0})
     assert (decision.replica, decision.reason, decision.matched_blocks) == ("r2", LOAD_FALLBACK, 0)
     # Idle holder: it saves a block of work.
-    decision = choose_replica({"r1": 1, "r2": 0}, {"r1": 0, "r2": 0}, 8, prompt_blocks=14, blocks_per_queued_request=12)
+    decision = choose_replica({"r1": 1, "r2": 0}, {"r1": 1, "r2": 0}, 8, 14, idle("r1", "r2"))
     assert (decision.replica, decision.reason) == ("r1", PREFIX_HIT)
 
 
-def test_new_chats_spread_evenly_though_all_share_a_first_block() -> None:
-    queues = {"r1": 0, "r2": 0, "r3": 0}
+def test_new_chats_arriving_together_spread_evenly_though_all_share_a_first_block() -> None:
+    queues = idle("r1", "r2", "r3")
+    pending = idle("r1", "r2", "r3")
     held: dict[str, int] = {}
     rng = random.Random(2)
     for _ in range(30):
         matched = {r: held.get(r, 0) for r in queues}
-        decision = choose_replica(matched, queues, 8, prompt_blocks=14, blocks_per_queued_request=14, rng=rng)
+        decision = choose_replica(matched, queues, 8, 14, pending, rng=rng)
         held[decision.replica] = 1
         queues[decision.replica] += 1
+        pending[decision.replica] += 14 - decision.matched_blocks  # none has its first token yet
         assert max(queues.values()) - min(queues.values()) <= 1
 
 
-def test_equal_work_is_shared_out() -> None:
+def test_equal_work_goes_to_the_shorter_queue_then_to_either() -> None:
+    decision = choose_replica({"r1": 2, "r2": 2}, {"r1": 3, "r2": 1}, 8, 5, {"r1": 1, "r2": 1})
+    assert decision.replica == "r2"
     chosen = {
-        choose_replica({"r1": 2, "r2": 2}, {"r1": 1, "r2": 1}, 8, 5, 3, rng=random.Random(seed)).replica
+        choose_replica({"r1": 2, "r2": 2}, {"r1": 1, "r2": 1}, 8, 5, {"r1": 1, "r2": 1}, random.Random(seed)).replica
         for seed in range(20)
     }
     assert chosen == {"r1", "r2"}
 
 
 def test_a_busy_replica_is_passed_over_for_the_less_loaded() -> None:
-    # r2 holds the prefix and is cheapest (queued requests counted free), but has 5 more requests
-    # queued than the idlest replica: load margin 4 exceeded.
-    decision = choose_replica({"r1": 0, "r2": 3}, {"r1": 0, "r2": 5}, 4, 100, 0, rng=random.Random(0))
+    # r2 holds the prefix and is cheapest, but has 5 more requests queued than the idlest replica:
+    # load margin 4 exceeded.
+    decision = choose_replica({"r1": 0, "r2": 3}, {"r1": 0, "r2": 5}, 4, 100, idle("r1", "r2"), random.Random(0))
     assert (decision.replica, decision.reason) == ("r1", LOAD_FALLBACK)
 
 
 def test_a_hot_prefix_spreads_once_its_replica_fills_up() -> None:
     """Every request shares one prefix: requests go to its holder until its queue leads by the
     margin, then spread; the holder never gets more than margin + 1 requests ahead."""
-    queues = {"r1": 0, "r2": 0, "r3": 0}
+    queues = idle("r1", "r2", "r3")
     rng = random.Random(1)
     for _ in range(60):
         matched = {"r1": 5, "r2": 0, "r3": 0}
-        queues[choose_replica(matched, queues, 2, prompt_blocks=5, blocks_per_queued_request=0, rng=rng).replica] += 1
+        queues[choose_replica(matched, queues, 2, 5, idle("r1", "r2", "r3"), rng).replica] += 1
         assert queues["r1"] - min(queues.values()) <= 3
     assert queues["r1"] > queues["r2"] and queues["r1"] > queues["r3"]
 
 
-def test_no_match_takes_the_less_loaded_of_two() -> None:
-    decision = choose_replica({"r1": 0, "r2": 0}, {"r1": 3, "r2": 1}, 4, 6, 6, rng=random.Random(0))
+def test_no_match_takes_the_least_work_ahead_under_the_load_guard() -> None:
+    decision = choose_replica(idle("r1", "r2"), {"r1": 1, "r2": 3}, 4, 6, {"r1": 9, "r2": 0})
     assert (decision.replica, decision.reason) == ("r2", NO_MATCH)
+    decision = choose_replica(idle("r1", "r2"), {"r1": 3, "r2": 1}, 4, 6, idle("r1", "r2"))
+    assert (decision.replica, decision.reason) == ("r2", NO_MATCH)
+    # The idle-prefill replica has 5 more requests queued than the other: the guard passes it over.
+    decision = choose_replica(idle("r1", "r2"), {"r1": 0, "r2": 5}, 4, 6, {"r1": 9, "r2": 0})
+    assert (decision.replica, decision.reason) == ("r1", NO_MATCH)
     with pytest.raises(ValueError):
-        choose_replica({}, {}, 1, 0, 0)
+        choose_replica({}, {}, 1, 0, {})

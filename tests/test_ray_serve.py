@@ -224,9 +224,27 @@ def test_conversation_turns_land_on_the_replica_holding_them(http):
     assert len(per_replica(after, "tachy:prompt_tokens_total", "tiny")) == 2
 
 
+def test_prefill_owed_to_a_replica_is_settled_at_the_first_token(http):
+    """The router counts a routed request's uncached prompt blocks against its replica until the
+    request's first token reaches the ingress (ray_serve/pending_prefill.py): once a long stream has
+    started, nothing is owed though it is still decoding."""
+    body = {"model": "tiny", "prompt": SYSTEM.format(i=77) + " Go on.", "max_tokens": 200, "ignore_eos": True}
+    body["stream"] = True
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # the first token
+        during = scrape(http)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and len(rest) > 20  # it was still streaming at the scrape
+    # The series exists only once the router has recorded a request.
+    assert re.search(r'^tachy:router_pending_prefill_blocks\{model_name="tiny"\} 0\.0$', during, re.M), during
+    assert metric(scrape(http), "tachy:router_pending_prefill_blocks", model_name="tiny") == 0
+
+
 def test_load_guard_spreads_a_hot_prefix(http, base):
-    """Sixteen long requests sharing one cached prefix: once the holder's queue outweighs the blocks it
-    saves (or is 3 longer than the other's), requests go to the less loaded replica instead."""
+    """Sixteen long requests sharing one cached prefix: once the holder's queue is 3 longer than the
+    other's, requests go to the less loaded replica instead."""
     prompt = SYSTEM.format(i=99) + " Tell a long story."
     warm = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2})
     assert warm.status_code == 200

@@ -14,6 +14,7 @@ from ray.exceptions import ActorDiedError  # noqa: E402
 from tachyllm.engine.input_processor import ProcessedRequest  # noqa: E402
 from tachyllm.errors import RequestError  # noqa: E402
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from tachyllm.ray_serve.pending_prefill import pending_prefill  # noqa: E402
 from tachyllm.ray_serve.remote_engine import RemoteStream, prompt_block_hashes  # noqa: E402
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError  # noqa: E402
 from tachyllm.ray_serve.router_metrics import router_metrics  # noqa: E402
@@ -56,9 +57,14 @@ class FakeEngine:
         self.info = EngineInfo("fake", 64, 100, None, None, block_size, b"key", True)
         self.generators = [ScriptedGenerator(s) for s in scripts]
         self.calls: list[list[bytes]] = []
+        self.request_ids: list[str] = []
+        self.owe_blocks: int | None = None  # as the router would: each call owes this many blocks
 
     def call(self, request_id, request, max_queued, hashes):
         self.calls.append(hashes)
+        self.request_ids.append(request_id)
+        if self.owe_blocks is not None:
+            pending_prefill().add(request_id, "fake", f"replica{len(self.calls)}", self.owe_blocks)
         return self.generators[len(self.calls) - 1]
 
 
@@ -149,3 +155,32 @@ def test_an_engine_failing_before_any_token_is_a_retry_too_and_a_retry_refused_i
     with pytest.raises(APIError) as failure:
         asyncio.run(drain(engine))
     assert failure.value.body.error.code == "replica_failed" and not engine.open_streams
+
+
+def test_prefill_is_owed_until_the_first_token_and_a_dead_attempt_owes_nothing():
+    """The router records each attempt's uncached blocks against its replica (pending_prefill.py); the
+    stream settles them at the attempt's first token, or when the attempt fails."""
+    engine = FakeEngine([ACCEPTED, died()], [ACCEPTED, output([]), output([5]), output([6], True)])
+    engine.owe_blocks = 3
+    ledger = pending_prefill()
+
+    async def run() -> None:
+        stream = RemoteStream(engine, "owed", request(), None)
+        await stream.start()
+        assert ledger.blocks("replica1") == 3
+        assert (await stream.__anext__()).outputs[0].token_ids == []  # the first attempt died; the retry
+        assert ledger.blocks("replica1") == 0 and ledger.blocks("replica2") == 3  # has no token yet
+        assert (await stream.__anext__()).outputs[0].token_ids == [5]
+        assert ledger.blocks("replica2") == 0  # prefilled, still streaming
+        assert [o.outputs[0].token_ids async for o in stream] == [[6]]
+
+    asyncio.run(run())
+    assert engine.request_ids == ["owed", "owed-retry1"]
+    # A closed stream owes nothing either.
+    engine = FakeEngine([ACCEPTED, output([1], True)])
+    engine.owe_blocks = 2
+    stream = RemoteStream(engine, "closed", request(), None)
+    asyncio.run(stream.start())
+    assert ledger.blocks("replica1") == 2
+    stream.close()
+    assert ledger.blocks("replica1") == 0

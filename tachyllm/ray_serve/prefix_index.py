@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 PREFIX_HIT = "prefix_hit"  # a replica holding part of the prompt: the least work ahead of its first token
 LOAD_FALLBACK = "load_fallback"  # the holders were too busy: a replica without the prefix, or the load guard
-NO_MATCH = "no_match"  # no replica holds the first block: the less loaded of two
+NO_MATCH = "no_match"  # no replica holds the first block: the least work ahead, under the load guard
 DECISIONS = (PREFIX_HIT, LOAD_FALLBACK, NO_MATCH)
 
 
@@ -87,35 +87,35 @@ def choose_replica(
     queue_lengths: dict[str, int],
     load_margin: int,
     prompt_blocks: int,
-    blocks_per_queued_request: float,
+    pending_blocks: dict[str, int],
     rng: random.Random | None = None,
 ) -> RoutingDecision:
     """The replica with the least work ahead of the request's first token, counted in blocks: the
-    prompt blocks it lacks, plus `blocks_per_queued_request` for each request in its queue. A long
-    held prefix outweighs a few queued requests (a conversation's next turn stays with its history);
-    one shared block of a chat template does not (new chats spread over the replicas).
+    prompt blocks it lacks, plus the prompt blocks that requests already sent to it have still to
+    compute (`pending_blocks`, ray_serve/pending_prefill.py). A long held prefix outweighs another
+    request's prefill ahead of it (a conversation's next turn stays with its history); one shared
+    block of a chat template does not (new chats go where no prompt is being computed). Equal work:
+    the shorter queue, then any.
 
     The load guard: a chosen replica whose queue is longer than the shortest by more than
-    `load_margin` requests is passed over; then, as when no replica holds the first block, the less
-    loaded of two replicas drawn at random (power of two choices), so that a hot prefix spreads out.
+    `load_margin` requests is passed over for the less loaded of two other replicas drawn at random
+    (power of two choices), so that a hot prefix spreads out.
 
-    `matched` and `queue_lengths` have the same keys: the replicas that can take the request."""
+    `matched`, `queue_lengths` and `pending_blocks` have the same keys: the replicas that can take the
+    request."""
     if not matched:
         raise ValueError("no replica to choose from")
     rng = rng or random
     shortest = min(queue_lengths.values())
-    others = sorted(matched)
-    if max(matched.values()) > 0:
-        work = {r: prompt_blocks - matched[r] + queue_lengths[r] * blocks_per_queued_request for r in matched}
-        least = min(work.values())
-        # Equal work: the shorter queue, then any (a fixed order would pile ties on one replica).
-        tied = [r for r in sorted(matched) if work[r] == least]
-        best = min(rng.sample(tied, len(tied)), key=lambda r: queue_lengths[r])
-        if queue_lengths[best] <= shortest + load_margin:
-            reason = PREFIX_HIT if matched[best] > 0 else LOAD_FALLBACK
-            return RoutingDecision(best, reason, matched[best], prompt_blocks)
-        others.remove(best)  # too busy: never drawn again below
-    pair = rng.sample(others, min(2, len(others)))
-    chosen = min(pair, key=lambda r: queue_lengths[r])
-    reason = LOAD_FALLBACK if max(matched.values()) > 0 else NO_MATCH
-    return RoutingDecision(chosen, reason, matched[chosen], prompt_blocks)
+    any_match = max(matched.values()) > 0
+    work = {r: prompt_blocks - matched[r] + pending_blocks[r] for r in matched}
+    least = min(work.values())
+    # A fixed order would pile ties on one replica.
+    tied = [r for r in sorted(matched) if work[r] == least]
+    best = min(rng.sample(tied, len(tied)), key=lambda r: queue_lengths[r])
+    if queue_lengths[best] <= shortest + load_margin:
+        reason = NO_MATCH if not any_match else PREFIX_HIT if matched[best] > 0 else LOAD_FALLBACK
+        return RoutingDecision(best, reason, matched[best], prompt_blocks)
+    others = [r for r in sorted(matched) if r != best]  # too busy: never drawn below
+    chosen = min(rng.sample(others, min(2, len(others))), key=lambda r: queue_lengths[r])
+    return RoutingDecision(chosen, LOAD_FALLBACK if any_match else NO_MATCH, matched[chosen], prompt_blocks)

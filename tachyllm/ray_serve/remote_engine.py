@@ -22,6 +22,7 @@ from tachyllm.core.block_manager import extend_block_hashes, servable_blocks
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
 from tachyllm.outputs import RequestOutput
+from tachyllm.ray_serve.pending_prefill import pending_prefill
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError
 from tachyllm.ray_serve.router_metrics import router_metrics
 from tachyllm.sampling_params import SamplingParams
@@ -72,14 +73,15 @@ class RemoteStream:
         self._hashes = prompt_block_hashes(request.prompt_token_ids, engine.info)
         self._generator = None
         self._attempt = 0
+        self._attempt_id = request_id  # the engine request id of the current attempt
         self._streamed = False  # a token reached the caller: the request can no longer be retried
         self._done = False
 
     async def start(self) -> None:
         """Sends the request and waits until a replica's engine took it (raising what refused it)."""
         while True:
-            attempt_id = self.request_id if self._attempt == 0 else f"{self.request_id}-retry{self._attempt}"
-            self._generator = self._engine.call(attempt_id, self._request, self._max_queued, self._hashes)
+            self._attempt_id = self.request_id if self._attempt == 0 else f"{self.request_id}-retry{self._attempt}"
+            self._generator = self._engine.call(self._attempt_id, self._request, self._max_queued, self._hashes)
             try:
                 first = await self._generator.__anext__()
             except REPLICA_GONE:
@@ -102,6 +104,7 @@ class RemoteStream:
         if self._generator is not None:
             self._generator.cancel()
         self._engine.open_streams.discard(self)
+        pending_prefill().done(self._attempt_id)
         if self._streamed or self._attempt >= self._engine.retries:
             self._finish()
             raise replica_lost(self.request_id, why if not self._attempt else f"{why}, on its retry too")
@@ -129,8 +132,9 @@ class RemoteStream:
                 self._retry_or_fail(f"its replica's engine stopped ({item.message})")
                 await self.start()
                 continue
-            if any(c.token_ids for c in item.outputs):
+            if not self._streamed and any(c.token_ids for c in item.outputs):
                 self._streamed = True
+                pending_prefill().done(self._attempt_id)  # its replica has computed the prompt
             if item.finished:
                 self._finish()
             return item
@@ -138,6 +142,7 @@ class RemoteStream:
     def _finish(self) -> None:
         self._done = True
         self._engine.open_streams.discard(self)
+        pending_prefill().done(self._attempt_id)
 
     def close(self) -> None:
         """Aborts the request (the replica's generator is cancelled) unless it already finished."""

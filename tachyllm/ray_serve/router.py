@@ -19,16 +19,17 @@ import logging
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.pending_prefill import pending_prefill
 from tachyllm.ray_serve.prefix_index import DECISIONS, LOAD_FALLBACK, PrefixIndex, RoutingDecision, choose_replica
 from tachyllm.ray_serve.router_metrics import router_metrics
 
 logger = logging.getLogger("tachyllm.ray_serve")
 
 GENERATE = "generate"
-MAX_PENDING_DECISIONS = 65536
-BLOCK_HASHES_ARG = 3  # EngineReplica.generate(request_id, request, max_queued, block_hashes)
-# Weight of each routed request in the running mean of the blocks a request computes (about the last 10).
-WORK_MEAN_WEIGHT = 0.1
+MAX_UNSETTLED = 65536
+# EngineReplica.generate(request_id, request, max_queued, block_hashes)
+REQUEST_ID_ARG = 0
+BLOCK_HASHES_ARG = 3
 
 
 def ranked(first: RunningReplica, candidates: list[RunningReplica], queue_len) -> list[list[RunningReplica]]:
@@ -52,9 +53,9 @@ class PrefixCacheRouter(RequestRouter):
         # internal request id -> the decision made for it, counted once the request is routed (Ray
         # calls choose_replicas again while every chosen replica is full).
         self._decisions: dict[str, RoutingDecision] = {}
-        # What a queued request costs its replica: the mean of the prompt blocks routed requests had to
-        # compute (None until the first is routed: then a queued request counts as this one uncached).
-        self._mean_uncached_blocks: float | None = None
+        # internal request id -> the engine request id its prefill is owed under (pending_prefill.py),
+        # until Ray reports the request completed.
+        self._attempts: dict[str, str] = {}
         for decision in DECISIONS:
             router_metrics().decisions.labels(model_name, decision)
 
@@ -75,12 +76,10 @@ class PrefixCacheRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         matched = self._index.matched_blocks(hashes, by_id)
         queues = {rid: self._queue_len(r) for rid, r in by_id.items()}
-        per_request = len(hashes) if self._mean_uncached_blocks is None else self._mean_uncached_blocks
-        decision = choose_replica(matched, queues, self._load_margin, len(hashes), per_request)
+        pending = {rid: pending_prefill().blocks(rid) for rid in by_id}
+        decision = choose_replica(matched, queues, self._load_margin, len(hashes), pending)
         if counted:
-            if len(self._decisions) > MAX_PENDING_DECISIONS:  # requests cancelled before being routed
-                del self._decisions[next(iter(self._decisions))]
-            self._decisions[pending_request.metadata.internal_request_id] = decision
+            bounded_insert(self._decisions, pending_request.metadata.internal_request_id, decision)
         return ranked(by_id[decision.replica], candidate_replicas, self._queue_len)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
@@ -90,11 +89,15 @@ class PrefixCacheRouter(RequestRouter):
         # A full replica makes Ray send the request to the next in rank: count what it got.
         reason = decision.reason if replica_id.unique_id == decision.replica else LOAD_FALLBACK
         matched = decision.matched_blocks if replica_id.unique_id == decision.replica else 0
-        uncached = decision.prompt_blocks - matched
-        mean = self._mean_uncached_blocks
-        self._mean_uncached_blocks = uncached if mean is None else mean + WORK_MEAN_WEIGHT * (uncached - mean)
+        attempt_id = pending_request.args[REQUEST_ID_ARG]
+        pending_prefill().add(attempt_id, self._model_name, replica_id.unique_id, decision.prompt_blocks - matched)
+        bounded_insert(self._attempts, pending_request.metadata.internal_request_id, attempt_id)
         router_metrics().decisions.labels(self._model_name, reason).inc()
         router_metrics().matched_blocks.labels(self._model_name).inc(matched)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        if (attempt_id := self._attempts.pop(internal_request_id, None)) is not None:
+            pending_prefill().done(attempt_id)
 
     def on_replica_actor_died(self, replica_id) -> None:
         super().on_replica_actor_died(replica_id)
@@ -109,6 +112,7 @@ class PrefixCacheRouter(RequestRouter):
 
     def _forget(self, replica: str) -> None:
         self._index.forget(replica)
+        pending_prefill().forget(replica)
         try:
             routing_hub(self.app_name).forget.remote(self._deployment, replica)
         except Exception:  # Ray is shutting down
@@ -133,6 +137,13 @@ class PrefixCacheRouter(RequestRouter):
                 logger.warning("prefix router: could not read the routing hub", exc_info=True)
                 hub = None
             await asyncio.sleep(self._poll_interval_s)
+
+
+def bounded_insert(entries: dict, key, value) -> None:
+    """Entries that Ray never settles (a request cancelled before it was routed) cannot pile up."""
+    if len(entries) > MAX_UNSETTLED:
+        del entries[next(iter(entries))]
+    entries[key] = value
 
 
 class RoundRobinRouter(FIFOMixin, RequestRouter):

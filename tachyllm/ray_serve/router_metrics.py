@@ -33,6 +33,13 @@ class RouterMetrics:
             registry=self.registry,
         )  # fmt: skip
 
+        self.pending_prefill_blocks = Gauge(
+            "tachy:router_pending_prefill_blocks",
+            "Prompt blocks the routed requests still have to compute before their first tokens.",
+            ["model_name"],
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
