@@ -112,8 +112,9 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",pos
 
 def test_server_stats_from_metrics():
     after = parse_counters(TACHY_METRICS)
-    assert after == {("prefix_cache_queries", None): 300.0, ("prefix_cache_hits", None): 75.0}
-    stats = server_stats({("prefix_cache_queries", None): 100.0, ("prefix_cache_hits", None): 25.0}, after)
+    m = (("model_name", "m"),)
+    assert after == {("prefix_cache_queries", None, m): 300.0, ("prefix_cache_hits", None, m): 75.0}
+    stats = server_stats({("prefix_cache_queries", None, m): 100.0, ("prefix_cache_hits", None, m): 25.0}, after)
     assert stats.prefix_cache_hit_rate == pytest.approx(0.25)
     assert stats.spec_decode is None  # tachy exports no spec-decode counters: nothing is reported
 
@@ -122,6 +123,25 @@ def test_server_stats_from_metrics():
     assert spec.mean_acceptance_length == pytest.approx(2.5)
     assert spec.acceptance_per_position == pytest.approx([0.8, 0.5, 0.2])
     assert server_stats({}, parse_counters(VLLM_METRICS)).prefix_cache_hit_rate is None
+
+
+def test_server_stats_follow_each_series_as_replicas_come_and_go():
+    """A scale-out ingress merges its replicas' counters, each with a replica label: a replica gone
+    before the run ends counts nothing (its figures may still show in the first scrape), one that
+    started during it counts from 0, and so does a series that went back (a restarted server)."""
+
+    def scrape(values: dict[str, tuple[float, float]]) -> dict:
+        lines = ["# TYPE tachy:prefix_cache_queries counter", "# TYPE tachy:prefix_cache_hits counter"]
+        for replica, (queries, hits) in values.items():
+            lines.append(f'tachy:prefix_cache_queries_total{{model_name="m",replica="{replica}"}} {queries}')
+            lines.append(f'tachy:prefix_cache_hits_total{{model_name="m",replica="{replica}"}} {hits}')
+        return parse_counters("\n".join(lines) + "\n")
+
+    before = scrape({"old": (1000.0, 900.0), "kept": (100.0, 50.0), "restarted": (500.0, 400.0)})
+    after = scrape({"kept": (300.0, 200.0), "new": (100.0, 10.0), "restarted": (40.0, 20.0)})
+    stats = server_stats(before, after)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (200.0 + 100.0 + 40.0, 150.0 + 10.0 + 20.0)
+    assert stats.prefix_cache_hit_rate == pytest.approx(180.0 / 340.0)
 
 
 def test_stream_parsing_helpers():

@@ -153,7 +153,7 @@ class BenchClient:
                 result.error = f"the stream ended without any generated text (last event: {last_event[:300] or 'none'})"
 
     async def scrape(self) -> dict[CounterKey, float] | None:
-        """The counters this benchmark reports, summed over all other labels; None without /metrics."""
+        """The counters this benchmark reports, by series; None without /metrics."""
         try:
             response = await self.http.get("/metrics", timeout=10.0)
         except httpx.HTTPError:
@@ -176,8 +176,8 @@ def parse_counters(text: str) -> dict[CounterKey, float] | None:
                 continue
             name = sample.name[len(prefix) : -len("_total")]
             if name in SCRAPED_COUNTERS:
-                key = (name, sample.labels.get("position"))
-                counters[key] = counters.get(key, 0.0) + sample.value
+                labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "position"))
+                counters[(name, sample.labels.get("position"), labels)] = sample.value
     return counters
 
 

@@ -8,6 +8,7 @@ All times are in seconds here and in milliseconds in the reported distributions.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -174,7 +175,8 @@ def compute_metrics(
 
 # -- server-side counters (/metrics) -------------------------------------------------------------
 
-CounterKey = tuple[str, str | None]  # (metric name without prefix or _total, position label)
+# One series: (metric name without prefix or _total, its position label, its other labels, sorted).
+CounterKey = tuple[str, str | None, tuple[tuple[str, str], ...]]
 
 
 @dataclass
@@ -196,11 +198,16 @@ class ServerStats:
 
 
 def server_stats(before: dict[CounterKey, float], after: dict[CounterKey, float]) -> ServerStats:
-    """Counter differences over the run; a counter the server does not export stays None."""
+    """Counter increases over the run, summed over series (replicas, say); a counter the server does not
+    export stays None. Per series, as Prometheus's increase(): a series that appeared during the run (a
+    new replica) or went back (a restarted server) counts from 0, and one that disappeared (a replica
+    gone, whose last figures a scale-out ingress may still show at the first scrape) counts nothing."""
 
     def delta(name: str, position: str | None = None) -> float | None:
-        key = (name, position)
-        return after[key] - before.get(key, 0.0) if key in after else None
+        series = [key for key in after if key[:2] == (name, position)]
+        if not series:
+            return None
+        return sum(after[k] - before[k] if before.get(k, math.inf) <= after[k] else after[k] for k in series)
 
     queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
     hit_rate = hits / queries if queries and hits is not None else None
@@ -209,7 +216,7 @@ def server_stats(before: dict[CounterKey, float], after: dict[CounterKey, float]
     accepted = delta("spec_decode_num_accepted_tokens")
     if drafts is not None and draft_tokens is not None and accepted is not None:
         positions = sorted(
-            (pos for name, pos in after if name == "spec_decode_num_accepted_tokens_per_pos" and pos is not None),
+            {pos for name, pos, _ in after if name == "spec_decode_num_accepted_tokens_per_pos" and pos is not None},
             key=int,
         )
         per_pos = [delta("spec_decode_num_accepted_tokens_per_pos", pos) or 0.0 for pos in positions]
