@@ -33,11 +33,12 @@ import ray
 from ray import serve
 
 from tachyllm.ray_serve.app import application
-from tachyllm.ray_serve.config import parse_config
+from tachyllm.ray_serve.config import RouterConfig, parse_config
 from tachyllm.server.options import server_args
 
 PORT = 8401
-# fp32: on this 2-core AVX2 machine one thread prefills a long prompt faster in fp32 than in bf16.
+# fp32: on the 2-core AVX2 machine of the first runs one thread prefilled a long prompt faster in fp32 than in
+# bf16; kept so that later runs compare with those.
 ENGINE = {"dtype": "float32", "max_num_seqs": 32, "kv_cache_memory": "256M"}
 # Enough requests that p99 is a percentile and not the slowest request of the run: 128-144 per run, at
 # the same arrival rates as 32-48 (the load on the replicas is the same, the run is longer).
@@ -61,13 +62,14 @@ QUICK = {
     "long-conversation": ["--num-prompts", "36"],
     "shared-prefix": ["--num-prompts", "48"],
 }
+MARGIN = RouterConfig.load_margin  # the default
 SETUPS = {  # name: (router policy, replicas, load margin)
-    "prefix": ("prefix", 2, 8),
+    "prefix": ("prefix", 2, MARGIN),
     # A tighter load guard: spreads a hot prompt to the other replica sooner (not in the default setups).
     "prefix_margin2": ("prefix", 2, 2),
-    "power_of_two": ("power_of_two", 2, 8),
-    "round_robin": ("round_robin", 2, 8),
-    "one_replica": ("prefix", 1, 8),
+    "power_of_two": ("power_of_two", 2, MARGIN),
+    "round_robin": ("round_robin", 2, MARGIN),
+    "one_replica": ("prefix", 1, MARGIN),
 }
 DEFAULT_SETUPS = ("prefix", "power_of_two", "round_robin", "one_replica")
 
