@@ -84,6 +84,15 @@ def configs(draft: Path) -> dict[str, dict | None]:
         "draft-int4-k6": draft_config(draft, 6, quantization="int4"),
         "draft-k4-forced": draft_config(draft, 4, adaptive=False),
         "draft-int4-k4-forced": draft_config(draft, 4, quantization="int4", adaptive=False),
+        # The draft's LM head over a shortlist of the vocabulary (draft_vocab_size).
+        "draft-int4-k4-v32k": draft_config(draft, 4, quantization="int4", draft_vocab_size=32768),
+        "draft-int4-k4-v64k": draft_config(draft, 4, quantization="int4", draft_vocab_size=65536),
+        "draft-int4-k4-v32k-forced": draft_config(
+            draft, 4, quantization="int4", draft_vocab_size=32768, adaptive=False
+        ),
+        "draft-int4-k4-v64k-forced": draft_config(
+            draft, 4, quantization="int4", draft_vocab_size=65536, adaptive=False
+        ),
     }
 
 

@@ -4,7 +4,10 @@
     {"method": "draft_model", "model": PATH | "self:int4" | "self:layers=N", "num_speculative_tokens": 4}
 
 A draft model file also takes "quantization" (int8, int4, awq, gguf or none; unset: the target's
---quantization where it applies to the draft's file). Common keys: "disable_by_batch_size" (no
+--quantization where it applies to the draft's file), and a draft model (a file or "self:int4")
+"draft_vocab_size": N, the size of the shortlist its LM head computes (the N lowest token ids, which
+a BPE vocabulary gives its most frequent tokens, plus the special tokens; EAGLE-3's name). Output
+stays exactly the target's: the draft only proposes. Common keys: "disable_by_batch_size" (no
 speculation while more sequences than this are running) and "adaptive" (default true: speculate,
 and pick how many tokens, only where the measured costs and acceptance say it is faster).
 """
@@ -32,6 +35,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
     adaptive: bool = True
+    draft_vocab_size: int | None = None  # draft_model only; None: the whole vocabulary
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | str) -> SpeculativeConfig:
@@ -85,6 +89,14 @@ class SpeculativeConfig:
                 )
             if self.model.startswith("self:") and self.model != "self:int4" and self.self_layers is None:
                 raise ConfigError(f"unknown self-draft {self.model!r}; accepted: 'self:int4', 'self:layers=N'")
+        if self.draft_vocab_size is not None:
+            if self.method != "draft_model" or self.self_layers is not None:
+                raise ConfigError(
+                    "speculative_config 'draft_vocab_size' applies to a draft model with an LM head of its own "
+                    f"(a file or 'self:int4'), not to {self.model if self.method == 'draft_model' else self.method!r}"
+                )
+            if not is_int(self.draft_vocab_size) or self.draft_vocab_size < 1:
+                raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {self.draft_vocab_size!r}")
         if self.quantization is not None:
             if self.method != "draft_model" or self.model.startswith("self:"):
                 raise ConfigError(

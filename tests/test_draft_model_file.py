@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import openai
 import pytest
+import torch
 from conftest import build_tokenizer, first_layers, make_tiny_model
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_files import add_layer_tensors, add_llama_shape, finish
@@ -56,6 +57,52 @@ def test_greedy_output_is_identical_with_a_draft_file(pair, quantization):
     assert token_ids(run(llm, prompts, params)) == expected
     assert_speculated(llm)
     assert llm.engine.speculator.proposer.runner.model.config.num_layers == 1
+
+
+def record_proposals(llm, monkeypatch) -> list[int]:
+    """Every token the engine's draft model proposes from now on."""
+    proposer, proposed = llm.engine.speculator.proposer, []
+    real = proposer.propose
+
+    def recording(seqs, ks):
+        drafts = real(seqs, ks)
+        proposed.extend(t for d in drafts for t in d.token_ids)
+        return drafts
+
+    monkeypatch.setattr(proposer, "propose", recording)
+    return proposed
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_draft_head_over_a_vocabulary_shortlist(pair, quantization, monkeypatch):
+    """draft_vocab_size: the draft's LM head computes the lowest ids and the special tokens only, so
+    it proposes nothing else, and the output stays the target's alone."""
+    target, draft = pair
+    prompts = random_prompts(3, 6, shared=0, tail=(3, 12))
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    expected = token_ids(run(tiny_llm(target), prompts, params))
+    extra = {"draft_vocab_size": 200} | ({} if quantization is None else {"quantization": quantization})
+    llm = tiny_llm(target, speculative_config=draft_spec(draft, **extra))
+    model = llm.engine.speculator.proposer.runner.model
+    shortlist = set(range(200)) | set(llm.get_tokenizer().special_ids) | set(llm.engine.eos_token_ids)
+    assert set(model.head_token_ids.tolist()) == shortlist
+    assert model.compute_logits(torch.zeros(1, SHAPE["hidden_size"])).shape == (1, len(shortlist))
+    proposed = record_proposals(llm, monkeypatch)
+    assert token_ids(run(llm, prompts, params)) == expected
+    assert proposed and set(proposed) <= shortlist
+    assert_speculated(llm)
+    # The head's column c is token head_token_ids[c]: a draft whose logits peak at its last column
+    # proposes the last id of the list, and nothing else.
+    runner, kept = llm.engine.speculator.proposer.runner, model.head_token_ids.tolist()
+    peak = torch.zeros(len(kept))
+    peak[-1] = 1.0
+    monkeypatch.setattr(runner, "last_token_logits", lambda batch: peak.repeat(len(batch.seqs), 1))
+    proposed.clear()
+    assert token_ids(run(llm, prompts[:1], params)) == expected[:1]
+    assert proposed and set(proposed) == {kept[-1]}
+    # A shortlist as large as the vocabulary is the whole head.
+    whole = tiny_llm(target, speculative_config=draft_spec(draft, draft_vocab_size=10_000))
+    assert whole.engine.speculator.proposer.runner.model.head_token_ids is None
 
 
 def test_the_draft_follows_the_targets_quantization(pair, caplog):
@@ -176,3 +223,25 @@ def test_gguf_draft_file_under_gguf_quantization(tmp_path, caplog):
     assert "1 layers, quantization gguf" in caplog.text
     assert token_ids(run(llm, prompts, params)) == expected
     assert_speculated(llm)
+
+
+def test_gguf_draft_head_over_a_vocabulary_shortlist(tmp_path, monkeypatch):
+    """The shortlist of a GGUF draft keeps the file's own blocks for the rows it keeps: the head's
+    logits equal the full head's at those rows, exactly."""
+    target, draft = write_gguf(tmp_path / "target.gguf", 3), write_gguf(tmp_path / "draft.gguf", 1)
+    prompts = [[40, 50, 60, 70], [256, 104, 101, 32, 33], [120, 121]]
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    options = {"quantization": "gguf", "max_model_len": 128}
+    expected = token_ids(run(tiny_llm(target, **options), prompts, params))
+    full = tiny_llm(target, **options, speculative_config=draft_spec(draft))
+    llm = tiny_llm(target, **options, speculative_config=draft_spec(draft, draft_vocab_size=128))
+    short_model = llm.engine.speculator.proposer.runner.model
+    kept = short_model.head_token_ids
+    assert kept.tolist() == [*range(128), 257]  # and <|im_end|>, the EOS
+    assert type(short_model.lm_head).__name__ == "GGUFLinear"
+    hidden = torch.randn(3, HIDDEN)
+    whole = full.engine.speculator.proposer.runner.model.compute_logits(hidden)
+    assert torch.equal(short_model.compute_logits(hidden), whole[:, kept])
+    proposed = record_proposals(llm, monkeypatch)
+    assert token_ids(run(llm, prompts, params)) == expected
+    assert proposed and set(proposed) <= set(kept.tolist())

@@ -69,6 +69,11 @@ def test_config_accepts_vllm_shapes_and_json():
         ({"method": "draft_model", "model": "self:int2", "num_speculative_tokens": 2}, "unknown self-draft"),
         ({"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}, "unknown key"),
         ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 64}, "'draft_vocab_size' applies to"),
+        ({"model": "self:layers=1", "num_speculative_tokens": 2, "draft_vocab_size": 64}, "not to 'self:layers=1'"),
+        ({"model": "self:int4", "num_speculative_tokens": 2, "draft_vocab_size": 0}, "draft_vocab_size must be"),
+        ({"model": "self:int4", "num_speculative_tokens": 2, "draft_vocab_size": True}, "draft_vocab_size must be"),
+        ({"model": "self:int4", "num_speculative_tokens": 2, "draft_vocab_size": "32k"}, "draft_vocab_size must be"),
         ("{not json", "not valid JSON"),
     ],
 )
@@ -302,10 +307,12 @@ SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
     ],
     ids=["plain", "top-k", "top-p", "min-p+penalty"],
 )
-@pytest.mark.parametrize("proposer", ["draft", "deterministic"])
+@pytest.mark.parametrize("proposer", ["draft", "shortlist", "deterministic"])
 def test_rejection_sampling_preserves_the_target_distribution(params, proposer):
     target = markov(0, 1.5)
-    proposal = markov(1, 1.0) if proposer == "draft" else None
+    proposal = markov(1, 1.0) if proposer != "deterministic" else None
+    if proposer == "shortlist":  # a draft whose LM head covers half the vocabulary (draft_vocab_size)
+        proposal[:, VOCAB // 2 :] = float("-inf")
     counts = emitted_pairs(params, target, proposal, trials=6000, k=3)
     p = chi_square_p_value(counts, expected_pairs(params, target))
     assert p > SIGNIFICANCE, f"chi-square p = {p:.2e}: emitted tokens are not distributed as the target's"
@@ -327,14 +334,17 @@ def test_a_broken_acceptance_rule_fails_the_same_test(broken, monkeypatch):
     assert chi_square_p_value(counts, expected_pairs(params, target)) < SIGNIFICANCE
 
 
-@pytest.mark.parametrize("draft_model", ["self:layers=1", "file"])
+@pytest.mark.parametrize("draft_model", ["self:layers=1", "file", "file-shortlist"])
 def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factory, tmp_path, draft_model):
     """Two-sample test on the engine: many seeded requests, with and without a draft model (the
-    target's first layer, shared or as a separate file), on a tiny model with a narrowed vocabulary
-    (top_k=6). The first token comes from the prefill; the second and third from one verification
-    step (the draft token or its replacement, and the bonus)."""
+    target's first layer, shared or as a separate file, or that file with an LM head over half the
+    vocabulary), on a tiny model with a narrowed vocabulary (top_k=6). The first token comes from the
+    prefill; the second and third from one verification step (the draft token or its replacement,
+    and the bonus)."""
     path = tiny_model_factory("llama")
-    if draft_model == "file":
+    shortlist = {}
+    if draft_model.startswith("file"):
+        shortlist = {"draft_vocab_size": 200} if draft_model == "file-shortlist" else {}
         draft_model = str(first_layers(path, tmp_path / "draft", 1))
     prompt = [11, 12, 13, 14]
     params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s) for s in range(1500)]
@@ -348,7 +358,7 @@ def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factor
         return counts
 
     plain = pairs(tiny_llm(path, max_num_seqs=256))
-    spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=draft(draft_model, k=1))
+    spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=draft(draft_model, k=1) | shortlist)
     spec = pairs(spec_llm)
     assert spec_llm.engine.stats.spec_num_draft_tokens > 0
     keys = sorted(set(plain) | set(spec))

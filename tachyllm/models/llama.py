@@ -68,6 +68,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer  # a subclass of the family may build other layers
+    # The vocabulary rows the LM head computes, in its output order; None: all of them (keep_head_rows).
+    head_token_ids: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, ops: LayerOps = PORTABLE_OPS):
         super().__init__()
@@ -116,6 +118,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def keep_head_rows(self, token_ids: torch.Tensor) -> None:
+        """Gives the model an LM head of its own over these vocabulary rows only, so that logits come
+        back for token_ids in their order (a draft's shortlist: the head is a large share of a small
+        model's step). Called after load_weights, before quantization, which then sees the short head."""
+        full = self.lm_head.weight
+        head = nn.Linear(self.config.hidden_size, len(token_ids), bias=False, device=full.device, dtype=full.dtype)
+        head.weight.data.copy_(full.data[token_ids.to(full.device)])
+        self.lm_head = head
+        self.head_token_ids = token_ids.to(full.device)
 
     # -- loading -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -29,16 +29,20 @@ def build_model(
     batch_invariant: bool = False,
     fuse_layers: bool = True,
     shard: TensorShard | None = None,
+    head_token_ids: torch.Tensor | None = None,
 ) -> tuple[LlamaForCausalLM, int]:
     """`batch_invariant`: every token's result independent of what else the step computes
     (docs/determinism.md). `fuse_layers`: give the layers the backend's fused form (not for a
     tensor-parallel shard, whose layers join collectives the fused call has no place for).
-    `shard`: the tensor-parallel rank `ckpt` is the share of, whose layers quantize as the whole model's."""
+    `shard`: the tensor-parallel rank `ckpt` is the share of, whose layers quantize as the whole model's.
+    `head_token_ids`: the vocabulary rows the LM head keeps (LlamaForCausalLM.keep_head_rows); None: all."""
     device = backend.device
     with torch.device("meta"):
         model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
     model = model.to_empty(device=device)
     model.load_weights(ckpt.weights())
+    if head_token_ids is not None:
+        model.keep_head_rows(head_token_ids)
     model.init_rotary(max_model_len)
     # Bytes a decode step streams from memory (packing below hides parameters from the module).
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

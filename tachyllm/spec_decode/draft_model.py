@@ -10,6 +10,10 @@ Drafts available without a second file: "self:layers=N" (the target's first N la
 norm and head, sharing the target's weights) and "self:int4" (the target re-loaded with int4
 weights, LM head included: a GGUF file's own 4-bit blocks packed as they are, anything else
 quantized group-wise round-to-nearest).
+
+With "draft_vocab_size" the draft's LM head computes a shortlist of the vocabulary (draft_vocabulary):
+the proposer scatters its logits back into the whole vocabulary, the rest at -inf, so the draft never
+proposes a token outside the list and the target's verification is unchanged.
 """
 
 from __future__ import annotations
@@ -52,30 +56,48 @@ def build_draft_model(
     output tokens, and the head is a large part of a small model's step."""
     spec = config.speculative_config
     invariant = config.deterministic
+    if spec.model.startswith("self:layers="):
+        return _truncated(target, int(spec.model.removeprefix("self:layers=")))
+    shortlist = None
+    if spec.draft_vocab_size is not None and spec.draft_vocab_size < target.config.vocab_size:
+        shortlist = draft_vocabulary(ckpt.tokenizer, target.config.vocab_size, spec.draft_vocab_size,
+                                     target.config.eos_token_ids)  # fmt: skip
     if spec.model == "self:int4":
         # A GGUF file's own 4-bit weights are packed as they are (the draft then differs from the
         # target only by rounding), a pre-quantized checkpoint keeps its own codes (None: the
         # checkpoint's method); other checkpoints are quantized round-to-nearest.
         method = "gguf" if ckpt.format == "gguf" else None if ckpt.prequantized is not None else "int4"
-        draft, _ = build_model(ckpt, dtype, backend, max_len, method, None, "none", batch_invariant=invariant)
+        draft, _ = build_model(
+            ckpt, dtype, backend, max_len, method, None, "none", batch_invariant=invariant, head_token_ids=shortlist
+        )
         return draft
-    if spec.model.startswith("self:layers="):
-        return _truncated(target, int(spec.model.removeprefix("self:layers=")))
     draft_ckpt = load_checkpoint(spec.model)
     check_same_vocabulary(ckpt.tokenizer, draft_ckpt.tokenizer, spec.model)
     method = draft_quantization(spec.quantization, config.quantization, draft_ckpt.format, spec.model)
     blocks = method in ("int4", "awq", "gguf")  # the methods whose kernels round activations
+    if shortlist is not None:
+        shortlist = shortlist[shortlist < draft_ckpt.config.vocab_size]
     draft, weight_bytes = build_model(
         draft_ckpt, dtype, backend, max_len, method,
         config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
         "none" if method else None, config.quant_activation_bits if blocks else 16, batch_invariant=invariant,
+        head_token_ids=shortlist,
     )  # fmt: skip
     logger.info(
-        "draft model %s: %s, %d layers, quantization %s, %.1f MiB of weights per step",
+        "draft model %s: %s, %d layers, quantization %s, LM head over %s tokens, %.1f MiB of weights per step",
         spec.model, draft_ckpt.config.architecture, draft_ckpt.config.num_layers, method or "none",
-        weight_bytes / 2**20,
+        "all" if shortlist is None else f"{len(shortlist)} of {draft_ckpt.config.vocab_size}", weight_bytes / 2**20,
     )  # fmt: skip
     return draft
+
+
+def draft_vocabulary(tokenizer: Tokenizer, vocab_size: int, size: int, eos_token_ids: list[int]) -> torch.Tensor:
+    """The token ids a draft with draft_vocab_size proposes, ascending: the `size` lowest ids below the
+    target's vocab_size and every special token and EOS id (a reply must be able to end). BPE
+    vocabularies number their tokens in merge order, most frequent merges first, so the lowest ids
+    are the common ones; a target token outside the list costs one rejected draft, never output."""
+    ids = set(range(min(size, vocab_size))) | {i for i in (*tokenizer.special_ids, *eos_token_ids) if i < vocab_size}
+    return torch.tensor(sorted(ids), dtype=torch.long)
 
 
 def draft_quantization(requested: str | None, target: str | None, draft_format: str, name: str) -> str | None:
@@ -145,6 +167,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(model, caches, block_size, sampler, backend)
         self.sampler = sampler
         self.vocab_size = sampler.vocab_size
+        self.head_token_ids = model.head_token_ids  # None: the draft's head covers the whole vocabulary
         self.shadows: dict[int, _Shadow] = {}
         self._released: list[int] = []  # shadows released since the last forward (the runner drops their state)
         self._forward_costs: list[tuple[int, float]] = []
@@ -216,8 +239,13 @@ class DraftModelProposer(Proposer):
         logits = self.runner.last_token_logits(batch)
         back = torch.empty(len(order), dtype=torch.long)
         back[torch.tensor(order)] = torch.arange(len(order))
+        logits = logits[back.to(logits.device)]
+        if self.head_token_ids is not None:
+            full = logits.new_full((len(order), self.vocab_size), float("-inf"))
+            full[:, self.head_token_ids] = logits
+            return full
         # Embedding rows past the target's vocabulary (padding of a shared tokenizer) are never proposed.
-        return logits[back.to(logits.device), : self.vocab_size]
+        return logits[:, : self.vocab_size]
 
     def _sync(self, seq: Sequence) -> _Shadow:
         """The shadow of seq, truncated to the prefix it shares with the target and extended to match."""

@@ -707,8 +707,12 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* w = p.w + t * p.tile_bytes;
     const int64_t col0 = p.col0 + t * TILE, valid = std::min(TILE, p.n - t * TILE);
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(ROWS, r_end - r0));
+    // Rows in passes of at most ROWS, as equal as they can be: 5 rows as 3 + 2, not 4 + 1, whose
+    // one-row pass decodes every code again for a single dot product (a 5-token verification step
+    // of a Q4_K_M model: 15% less time at 8-bit activations, 8% at 16).
+    const int64_t total = r_end - r_begin, passes = (total + ROWS - 1) / ROWS;
+    for (int64_t g = 0, r0 = r_begin; g < passes; ++g) {
+      const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
 #ifdef QGEMV_AVX512
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
       static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
@@ -728,6 +732,7 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
 #else
       tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
 #endif
+      r0 += rows;
     }
   }
 }
