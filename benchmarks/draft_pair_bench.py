@@ -14,7 +14,9 @@ acceptance per draft position (accepted at position i / drafts), and whether eve
 the target alone's token for token (bf16 with --deterministic, the default: batch-invariant kernels
 make a verification forward round like a one-token one). --fp32-check N also compares a few
 short answers in float32, with and without the draft. One engine holds the target, and each
-configuration's speculator is attached to it in turn ("none": detached).
+configuration's speculator is attached to it in turn ("none": detached). A last table gives the
+median wall time of the engine's steps, the target's forwards by tokens per step (a verification
+of k drafts: k + 1 at batch 1) and the draft's proposals, per configuration and batch size.
 """
 
 from __future__ import annotations
@@ -180,6 +182,38 @@ def fp32_check(target: Path, draft: Path, prompts: list[str], max_tokens: int, t
     return same
 
 
+class StepTimes:
+    """Wall time of the engine's steps, of its target forwards (by tokens in the step) and of the draft's
+    proposals, per configuration and batch size: where a speculative step's time goes."""
+
+    def __init__(self, llm: LLM):
+        self.current = ""
+        self.times: dict[tuple[str, str], list[float]] = {}
+        self._time(llm.engine, "_step", lambda: "engine step")
+        self._time(llm.engine.runner, "execute", lambda batch: f"target forward, {batch.num_tokens} tokens")
+
+    def watch(self, speculator: Speculator | None) -> None:
+        if speculator is not None:
+            self._time(speculator, "propose", lambda scheduler: "draft proposals")
+
+    def _time(self, owner: object, method: str, what) -> None:
+        real = getattr(owner, method)
+
+        def timed(*args):
+            t0 = time.perf_counter()
+            out = real(*args)
+            self.times.setdefault((self.current, what(*args)), []).append(time.perf_counter() - t0)
+            return out
+
+        setattr(owner, method, timed)
+
+    def print_table(self, min_count: int = 10) -> None:
+        print("\n| config, batch | what | count | median ms |\n|---|---|---|---|")
+        for (config, what), seconds in sorted(self.times.items()):
+            if len(seconds) >= min_count:
+                print(f"| {config} | {what} | {len(seconds)} | {statistics.median(seconds) * 1e3:.1f} |")
+
+
 def attach(llm: LLM, target: Path, spec: dict | None) -> Speculator | None:
     """A speculator for llm's engine with this speculative_config, built as the engine builds its own."""
     if spec is None:
@@ -229,6 +263,9 @@ def main() -> None:
     print(f"loaded the target in {time.perf_counter() - t0:.0f} s", flush=True)
     specs = configs(draft)
     speculators = {name: attach(llm, target, specs[name]) for name in args.configs.split(",")}
+    step_times = StepTimes(llm)
+    for speculator in speculators.values():
+        step_times.watch(speculator)
     samples: dict[tuple[str, str, int], list[Sample]] = {}
     for round_ in range(args.rounds):
         for task, prompts in tasks.items():
@@ -237,6 +274,7 @@ def main() -> None:
                 subset = prompts[: args.prompts] if batch == 1 else (prompts * batch)[:batch]
                 for name, speculator in speculators.items():
                     llm.engine.speculator = speculator
+                    step_times.current = f"{name}, {batch}"
                     s = run(llm, subset, batch, args.max_tokens)
                     samples.setdefault((name, task, batch), []).append(s)
                     print(
@@ -261,6 +299,7 @@ def main() -> None:
             f"| {r.mean_acceptance_length or '-'} | {per_pos} "
             f"| {'-' if r.identical_to_target is None else r.identical_to_target} |"
         )
+    step_times.print_table()
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=2))
 

@@ -101,6 +101,27 @@ def test_penalties_change_greedy_choice():
     assert sampler(logits, [row(SamplingParams(presence_penalty=0.2, **greedy), prompt=[0])]).token_ids == [0]
 
 
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-30, 1e30, 1e300])
+@pytest.mark.parametrize("temperature", [0, 1e-5, 1.0])
+def test_extreme_repetition_penalties_keep_rows_finite(penalty, temperature):
+    """Any penalty > 0 is accepted; one that is 0, tiny or infinite in float32 must not make a row NaN
+    (found by the API fuzzer: repetition_penalty 5e-324 picked an arbitrary token). Masked tokens
+    stay masked."""
+    sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
+    logits = torch.tensor([[3.0, 0.0, -2.0, 1.0, float("-inf"), 0.5, -0.5, 2.0]] * 64)
+    rows = [row(SamplingParams(repetition_penalty=penalty, temperature=temperature), prompt=[0, 1, 2, 4])] * 64
+    processed = sampler.process(logits, rows)
+    assert not processed.isnan().any() and processed[:, 4].eq(float("-inf")).all()
+    probs = sampler.probs(processed, rows)
+    assert torch.isfinite(probs).all() and (probs[:, 4] == 0).all()
+    tokens = sampler(logits, rows).token_ids
+    assert 4 not in tokens
+    if penalty < 1 and temperature < 1:  # tiny penalties make the seen token 0 (3.0) unbeatable
+        assert set(tokens) == {0}
+    if penalty > 1:  # huge ones: seen 3.0 -> ~0, seen -2.0 -> never; greedy takes the unseen 7 (2.0)
+        assert 2 not in tokens and (temperature > 1e-5 or set(tokens) == {7})
+
+
 def test_min_tokens_suppresses_eos_and_stop_ids():
     sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 0, 0, 0, 0, 5.0, 0, 9.0]])

@@ -18,7 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tachyllm.sampling_params import GREEDY_TEMPERATURE
 from tachyllm.step import LogprobInfo, SamplingInput
+
+# The largest penalised logit: divided by the smallest sampling temperature it is still 10x below
+# float32's largest value, so a softmax over such logits stays finite.
+PENALISED_LIMIT = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE / 10
 
 
 @dataclass
@@ -182,8 +187,12 @@ class Sampler:
             (pairs[0], pairs[1]), torch.ones(len(all_ids), dtype=torch.bool, device=dev)
         )
         # Repetition penalty (over prompt and output) divides positive logits and multiplies negative ones.
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
+        # Any penalty > 0 is valid, but one below float32's range is 0 here (0 / 0 is NaN), and a tiny or
+        # huge one overflows: the penalty is kept in range and the result finite, within a bound that
+        # stays finite divided by the smallest temperature, so no row can turn NaN. Masked tokens stay -inf.
+        rep = rep.clamp(min=torch.finfo(torch.float32).tiny, max=torch.finfo(torch.float32).max)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep).clamp(-PENALISED_LIMIT, PENALISED_LIMIT)
+        logits = torch.where(seen & logits.isfinite(), penalised, logits)
         # OpenAI presence / frequency penalties count output tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0)
 
