@@ -75,6 +75,7 @@ constexpr int64_t ROW_CHUNK = 64;
 // other in memory). The hardware prefetcher alone fell behind as soon as a block took more work than
 // one 8-bit row: a 5-row verification of a Q4_K_M model then ran at half the weight stream's speed.
 constexpr int64_t PREFETCH_BYTES = 8192;
+constexpr int64_t PREFETCH_MAX_ROWS = 2 * ROWS;
 
 
 // Tile formats, numbered as GGML's block types (the layout tensors from Python hold these ids).
@@ -416,7 +417,8 @@ inline void block_dot(const __m512i* w, const int8_t* x, const int8_t* x2, __m51
 
 // One tile (16 output rows) against R activation rows starting at r0.
 template <Format F, bool FINE, int R, typename OutT>
-void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, __mmask16 mask, Output<OutT> out) {
+void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, __mmask16 mask, bool prefetch,
+                 Output<OutT> out) {
   constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
   __m512 acc[R];
@@ -428,7 +430,7 @@ void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t 
     if constexpr (F == Format::Q4_1) m2 = half16(scales + 32);
     if constexpr (F == Format::Q4_K || F == Format::Q5_K) m2 = _mm512_loadu_ps(scales + 64);
     for (int64_t j = 0; j < SUB; ++j) {
-      prefetch_ahead<F>(w, j);
+      if (prefetch) prefetch_ahead<F>(w, j);
       __m512i codes[8];
       load_codes<F>(w + codes_at(F) + j * code_bytes(F), codes);
       __m512 dj = d, mj = m2, dj2 = d;
@@ -587,7 +589,8 @@ inline void store8(c10::BFloat16* y, int64_t valid, __m256 v) {
 
 // One tile (16 output rows, as two halves of 8) against R activation rows starting at r0.
 template <Format F, bool FINE, int R, typename OutT>
-void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, int64_t valid, Output<OutT> out) {
+void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, int64_t valid, bool prefetch,
+               Output<OutT> out) {
   constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
   __m256 acc[R][2];
@@ -595,7 +598,7 @@ void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t co
   for (int64_t b0 = 0; b0 < nb; b0 += SUB, w += chunk_bytes(F)) {
     const uint8_t* scales = w + scales_at(F);
     for (int64_t j = 0; j < SUB; ++j) {
-      prefetch_ahead<F>(w, j);
+      if (prefetch) prefetch_ahead<F>(w, j);
       for (int h = 0; h < 2; ++h) {
         __m256i codes[code_vectors<F>()];
         load_codes_half<F>(w + codes_at(F) + j * code_bytes(F), h, codes);
@@ -730,21 +733,25 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
     const int64_t total = r_end - r_begin, passes = (total + ROWS - 1) / ROWS;
     for (int64_t g = 0, r0 = r_begin; g < passes; ++g) {
       const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
+      // Only decode- and verification-sized products prefetch, in their first pass over a tile. With
+      // more rows each tile is reread from cache many times and the products are compute bound:
+      // prefetching there made 64-sequence batches 30% slower (prefill too).
+      const bool first = g == 0 && total <= PREFETCH_MAX_ROWS;
 #ifdef QGEMV_AVX512
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
       static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
       switch (rows) {
-        case 4: tile_avx512<F, FINE, 4>(w, xq, r0, col0, mask, out); break;
-        case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, out); break;
-        case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, out); break;
-        default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, out); break;
+        case 4: tile_avx512<F, FINE, 4>(w, xq, r0, col0, mask, first, out); break;
+        case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, first, out); break;
+        case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, first, out); break;
+        default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, first, out); break;
       }
 #elif defined(QGEMV_AVX2)
       switch (rows) {
-        case 4: tile_avx2<F, FINE, 4>(w, xq, r0, col0, valid, out); break;
-        case 3: tile_avx2<F, FINE, 3>(w, xq, r0, col0, valid, out); break;
-        case 2: tile_avx2<F, FINE, 2>(w, xq, r0, col0, valid, out); break;
-        default: tile_avx2<F, FINE, 1>(w, xq, r0, col0, valid, out); break;
+        case 4: tile_avx2<F, FINE, 4>(w, xq, r0, col0, valid, first, out); break;
+        case 3: tile_avx2<F, FINE, 3>(w, xq, r0, col0, valid, first, out); break;
+        case 2: tile_avx2<F, FINE, 2>(w, xq, r0, col0, valid, first, out); break;
+        default: tile_avx2<F, FINE, 1>(w, xq, r0, col0, valid, first, out); break;
       }
 #else
       tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
