@@ -262,8 +262,12 @@ def _gguf(
     dtype = model.embed_tokens.weight.dtype
     head_source = head_weight_name(model.config)
     head = matrices.get(head_source)
+    kept_rows = getattr(model, "head_token_ids", None)
+    if head is not None and kept_rows is not None:
+        # A draft's vocabulary shortlist (keep_head_rows): its head is those rows of the file's blocks.
+        head = matrices[head_source] = head.part(kept_rows.cpu(), slice(None))
     if kernels is not None and head is not None and head.qtype in packable:
-        model.lm_head = GGUFLinear([_head_rows(model, rank_blocks(head, shard))], kernels)
+        model.lm_head = GGUFLinear([rank_blocks(head, shard)], kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
         shared = ", tied: the embedding lookup keeps its dequantized table" if model.config.tie_word_embeddings else ""
@@ -277,8 +281,6 @@ def _gguf(
             unpacked[name] = "+".join(sorted(lacking))
             continue
         parts = [rank_blocks(p, shard) for p in parts]
-        if name == "lm_head":
-            parts = [_head_rows(model, parts[0])]
         linear = model.get_submodule(name)
         bias = None if linear.bias is None else linear.bias.detach()
         if kernels is not None:
@@ -297,12 +299,6 @@ def _gguf(
             len(names), dtype, where, _summarise(names),
         )  # fmt: skip
     return out
-
-
-def _head_rows(model: nn.Module, blocks: GGUFBlocks) -> GGUFBlocks:
-    """The LM head's blocks for the rows the model's head keeps (all, unless keep_head_rows cut it)."""
-    rows = getattr(model, "head_token_ids", None)
-    return blocks if rows is None else blocks.part(rows.cpu(), slice(None))
 
 
 def _part_keys(name: str) -> list[str]:

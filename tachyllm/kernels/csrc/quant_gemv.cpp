@@ -75,8 +75,9 @@ constexpr int64_t ROW_CHUNK = 64;
 // other in memory). The hardware prefetcher alone fell behind as soon as a block took more work than
 // one 8-bit row: a 5-row verification of a Q4_K_M model then ran at half the weight stream's speed.
 constexpr int64_t PREFETCH_BYTES = 8192;
+// Only products of at most this many rows prefetch (decodes, verifications): larger ones reread each
+// tile from cache pass after pass and are compute bound, and prefetching made them slower.
 constexpr int64_t PREFETCH_MAX_ROWS = 2 * ROWS;
-
 
 // Tile formats, numbered as GGML's block types (the layout tensors from Python hold these ids).
 enum class Format : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -118,6 +119,7 @@ inline void prefetch_ahead(const uint8_t* w, int64_t j) {
   if (j == 0)
     for (int64_t line = 0; line < scale_bytes(F); line += 64) __builtin_prefetch(ahead + scales_at(F) + line, 0, 3);
 }
+
 // The code offset o of w = d * (u - o) formats (0: a format with its own min).
 constexpr int code_offset(Format f) {
   return f == Format::Q4_0 ? 8 : f == Format::Q5_0 ? 16 : f == Format::Q8_0 ? 128 : f == Format::Q6_K ? 32 : 0;
@@ -733,25 +735,24 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
     const int64_t total = r_end - r_begin, passes = (total + ROWS - 1) / ROWS;
     for (int64_t g = 0, r0 = r_begin; g < passes; ++g) {
       const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
-      // Only decode- and verification-sized products prefetch, in their first pass over a tile. With
-      // more rows each tile is reread from cache many times and the products are compute bound:
-      // prefetching there made 64-sequence batches 30% slower (prefill too).
-      const bool first = g == 0 && total <= PREFETCH_MAX_ROWS;
+      // The first pass over a tile prefetches the next ones; later passes find this tile in cache.
+      // Prefetching in every pass and at every row count made 64-sequence batches 25-30% slower.
+      const bool prefetch = g == 0 && total <= PREFETCH_MAX_ROWS;
 #ifdef QGEMV_AVX512
       const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
       static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
       switch (rows) {
-        case 4: tile_avx512<F, FINE, 4>(w, xq, r0, col0, mask, first, out); break;
-        case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, first, out); break;
-        case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, first, out); break;
-        default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, first, out); break;
+        case 4: tile_avx512<F, FINE, 4>(w, xq, r0, col0, mask, prefetch, out); break;
+        case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, prefetch, out); break;
+        case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, prefetch, out); break;
+        default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, prefetch, out); break;
       }
 #elif defined(QGEMV_AVX2)
       switch (rows) {
-        case 4: tile_avx2<F, FINE, 4>(w, xq, r0, col0, valid, first, out); break;
-        case 3: tile_avx2<F, FINE, 3>(w, xq, r0, col0, valid, first, out); break;
-        case 2: tile_avx2<F, FINE, 2>(w, xq, r0, col0, valid, first, out); break;
-        default: tile_avx2<F, FINE, 1>(w, xq, r0, col0, valid, first, out); break;
+        case 4: tile_avx2<F, FINE, 4>(w, xq, r0, col0, valid, prefetch, out); break;
+        case 3: tile_avx2<F, FINE, 3>(w, xq, r0, col0, valid, prefetch, out); break;
+        case 2: tile_avx2<F, FINE, 2>(w, xq, r0, col0, valid, prefetch, out); break;
+        default: tile_avx2<F, FINE, 1>(w, xq, r0, col0, valid, prefetch, out); break;
       }
 #else
       tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
