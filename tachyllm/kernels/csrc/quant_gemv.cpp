@@ -418,8 +418,10 @@ inline void block_dot(const __m512i* w, const int8_t* x, const int8_t* x2, __m51
 }
 
 // One tile (16 output rows) against R activation rows starting at r0.
-template <Format F, bool FINE, int R, typename OutT>
-void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, __mmask16 mask, bool prefetch,
+// PREFETCH is a template parameter, not a runtime flag: with the flag, the compiler laid out the
+// loop of the products that do not prefetch worse (Q6_K at 64 rows took 1.6x the time).
+template <Format F, bool FINE, bool PREFETCH, int R, typename OutT>
+void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, __mmask16 mask,
                  Output<OutT> out) {
   constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
@@ -432,7 +434,7 @@ void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t 
     if constexpr (F == Format::Q4_1) m2 = half16(scales + 32);
     if constexpr (F == Format::Q4_K || F == Format::Q5_K) m2 = _mm512_loadu_ps(scales + 64);
     for (int64_t j = 0; j < SUB; ++j) {
-      if (prefetch) prefetch_ahead<F>(w, j);
+      if constexpr (PREFETCH) prefetch_ahead<F>(w, j);
       __m512i codes[8];
       load_codes<F>(w + codes_at(F) + j * code_bytes(F), codes);
       __m512 dj = d, mj = m2, dj2 = d;
@@ -590,9 +592,8 @@ inline void store8(c10::BFloat16* y, int64_t valid, __m256 v) {
 }
 
 // One tile (16 output rows, as two halves of 8) against R activation rows starting at r0.
-template <Format F, bool FINE, int R, typename OutT>
-void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, int64_t valid, bool prefetch,
-               Output<OutT> out) {
+template <Format F, bool FINE, bool PREFETCH, int R, typename OutT>
+void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, int64_t valid, Output<OutT> out) {
   constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
   __m256 acc[R][2];
@@ -600,7 +601,7 @@ void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t co
   for (int64_t b0 = 0; b0 < nb; b0 += SUB, w += chunk_bytes(F)) {
     const uint8_t* scales = w + scales_at(F);
     for (int64_t j = 0; j < SUB; ++j) {
-      if (prefetch) prefetch_ahead<F>(w, j);
+      if constexpr (PREFETCH) prefetch_ahead<F>(w, j);
       for (int h = 0; h < 2; ++h) {
         __m256i codes[code_vectors<F>()];
         load_codes_half<F>(w + codes_at(F) + j * code_bytes(F), h, codes);
@@ -722,6 +723,31 @@ void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows
   }
 }
 
+// One tile against `rows` (1..ROWS) activation rows starting at r0.
+template <Format F, bool FINE, bool PREFETCH, typename OutT>
+void tile(const uint8_t* w, const QuantizedRows& xq, int rows, int64_t r0, int64_t col0, int64_t valid,
+          Output<OutT> out) {
+#ifdef QGEMV_AVX512
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
+  switch (rows) {
+    case 4: tile_avx512<F, FINE, PREFETCH, 4>(w, xq, r0, col0, mask, out); break;
+    case 3: tile_avx512<F, FINE, PREFETCH, 3>(w, xq, r0, col0, mask, out); break;
+    case 2: tile_avx512<F, FINE, PREFETCH, 2>(w, xq, r0, col0, mask, out); break;
+    default: tile_avx512<F, FINE, PREFETCH, 1>(w, xq, r0, col0, mask, out); break;
+  }
+#elif defined(QGEMV_AVX2)
+  switch (rows) {
+    case 4: tile_avx2<F, FINE, PREFETCH, 4>(w, xq, r0, col0, valid, out); break;
+    case 3: tile_avx2<F, FINE, PREFETCH, 3>(w, xq, r0, col0, valid, out); break;
+    case 2: tile_avx2<F, FINE, PREFETCH, 2>(w, xq, r0, col0, valid, out); break;
+    default: tile_avx2<F, FINE, PREFETCH, 1>(w, xq, r0, col0, valid, out); break;
+  }
+#else
+  tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
+#endif
+}
+
 // Tiles [begin, end) of one part against activation rows [r_begin, r_end).
 template <Format F, bool FINE, typename OutT>
 void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t end, int64_t r_begin, int64_t r_end,
@@ -737,26 +763,8 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
       const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
       // The first pass over a tile prefetches the next ones; later passes find this tile in cache.
       // Prefetching in every pass and at every row count made 64-sequence batches 25-30% slower.
-      const bool prefetch = g == 0 && total <= PREFETCH_MAX_ROWS;
-#ifdef QGEMV_AVX512
-      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-      static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
-      switch (rows) {
-        case 4: tile_avx512<F, FINE, 4>(w, xq, r0, col0, mask, prefetch, out); break;
-        case 3: tile_avx512<F, FINE, 3>(w, xq, r0, col0, mask, prefetch, out); break;
-        case 2: tile_avx512<F, FINE, 2>(w, xq, r0, col0, mask, prefetch, out); break;
-        default: tile_avx512<F, FINE, 1>(w, xq, r0, col0, mask, prefetch, out); break;
-      }
-#elif defined(QGEMV_AVX2)
-      switch (rows) {
-        case 4: tile_avx2<F, FINE, 4>(w, xq, r0, col0, valid, prefetch, out); break;
-        case 3: tile_avx2<F, FINE, 3>(w, xq, r0, col0, valid, prefetch, out); break;
-        case 2: tile_avx2<F, FINE, 2>(w, xq, r0, col0, valid, prefetch, out); break;
-        default: tile_avx2<F, FINE, 1>(w, xq, r0, col0, valid, prefetch, out); break;
-      }
-#else
-      tile_scalar<F>(w, xq, r0, rows, col0, valid, out);
-#endif
+      if (g == 0 && total <= PREFETCH_MAX_ROWS) tile<F, FINE, true>(w, xq, rows, r0, col0, valid, out);
+      else tile<F, FINE, false>(w, xq, rows, r0, col0, valid, out);
       r0 += rows;
     }
   }
