@@ -57,7 +57,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ import torch  # noqa: E402
 
 from tachyllm import LLM, SamplingParams  # noqa: E402
 from tachyllm.backends.registry import backend_names  # noqa: E402
+from tachyllm.bench.profile import format_profile, profile_decode  # noqa: E402
 from tachyllm.kernels.kv_quant import QuantizedKV  # noqa: E402
 
 # The config.json fields that shape the computation. Special ids 0-2 are the synthetic tokenizer's.
@@ -301,6 +302,12 @@ def tachy_single(llm: LLM, prompt: list[int], new: int, device: str) -> dict[str
     return {"seconds": seconds, "ttft_s": out.metrics.ttft, "decode_tok_s": 1.0 / tpot if tpot else None}
 
 
+def tachy_profile(llm: LLM, prompts: list[list[int]], steps: int) -> dict[str, Any]:
+    """The decode-step profile (host time by stage, device kernels and their time per step), as text too."""
+    profiled = profile_decode(llm.engine, prompts, num_steps=steps, warmup_steps=5)
+    return dict(asdict(profiled), text=format_profile(profiled))
+
+
 def served(path: Path, args: argparse.Namespace, prompts: int, seed: int) -> dict[str, Any]:
     """`tachy bench serve` metrics of `prompts` x input/output all at once against `tachy serve`."""
     import httpx
@@ -447,7 +454,11 @@ class Bench:
         seconds = time.perf_counter() - start
         recorded = dict(result) if isinstance(result, dict) else {}
         self.report["phases"][name] = dict(recorded, phase_seconds=seconds)
-        shown = {k: round(v, 2) if isinstance(v, float) else v for k, v in recorded.items() if k != "config"}
+        shown = {
+            k: round(v, 2) if isinstance(v, float) else v
+            for k, v in recorded.items()
+            if k not in ("config", "text", "top_ops", "top_device_ops")
+        }
         log(f"[{self.elapsed():6.1f}s] {name}: {seconds:.1f} s {json.dumps(shown, default=str)}")
         self.save()
         return result
@@ -526,8 +537,12 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
             return
         bench.phase(f"{model}/{tag}/warmup", lambda: tachy_batch(llm, p["warm"], args.warmup_output_len, args.device))
         bench.phase(f"{model}/{tag}/single", lambda: tachy_single(llm, p["single"], single_new, args.device))
+        if tag == "bf16":
+            bench.phase(f"{model}/{tag}/profile1", lambda: tachy_profile(llm, [p["single"]], 20))
         estimate = (bench.get(f"{model}/{tag}/single", "seconds") or 0.0) / per_single
         bench.phase(f"{model}/{tag}/batch", lambda: tachy_batch(llm, prompts_batch, new, args.device), estimate)
+        if tag == "bf16":
+            bench.phase(f"{model}/{tag}/profile64", lambda: tachy_profile(llm, p["warm"] * 8, 10))
         if tag == "bf16" and args.device.startswith("cuda"):
             llm = None
             free_memory()
@@ -535,6 +550,7 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
             if llm is not None:
                 bench.phase(f"{model}/eager/single", lambda: tachy_single(llm, p["single_eager"], single_new,
                                                                           args.device))  # fmt: skip
+                bench.phase(f"{model}/eager/profile1", lambda: tachy_profile(llm, [p["single_eager"]], 20))
         llm = None
         free_memory()
 
@@ -664,6 +680,9 @@ def render(report: dict[str, Any], args: argparse.Namespace) -> str:
     for row in variant_rows(report):
         lines.append(f"| {row['model']} | {row['variant']} | {fmt(row['kv_cache_tokens'])} | {fmt(row['weight_bytes'])}"
                      f" | {fmt(row['batch_output_tok_s'])} | {fmt(row['single_decode_tok_s'])} |")  # fmt: skip
+    profiles = [(name, phase["text"]) for name, phase in report["phases"].items() if "text" in phase]
+    for name, text in profiles:
+        lines += ["", f"{name}:", "```", text, "```"]
     if report["errors"]:
         lines += ["", "Errors:", *(f"- {k}: {v}" for k, v in report["errors"].items())]
     lines += ["", f"total {report.get('elapsed_s', 0):.1f} s", "", "```json", json.dumps(report, indent=1, default=str),

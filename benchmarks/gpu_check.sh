@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one prepared check for a session lent a CUDA GPU (issue #21; docs/benchmarks.md, "GPU"):
 # the environment, tests/test_cuda.py, then benchmarks/gpu_bench.py in the time that is left,
-# everything written under $OUT. Installs nothing (the device machine reaches no package index):
-# it records which of the modules it wants are missing, and the phases needing them fail on their own.
+# everything written under $OUT. The device machine reaches no package index, and its image lacks
+# some of tachyllm's dependencies (llguidance, gguf, pydantic, fastapi, uvicorn): where a folder .whl
+# holds their wheels (benchmarks/gpu_wheels.sh makes it here; the device call carries it), they are
+# installed into /tmp/site first. It records which modules are still missing.
 #
 #   OUT=/some/dir benchmarks/gpu_check.sh                     # from the repository root, ~9.5 minutes
-#   GPU_CHECK_SECONDS=300 GPU_BENCH_ARGS="--models llama3-8b" benchmarks/gpu_check.sh
+#   GPU_CHECK_SECONDS=300 GPU_TEST_ARGS="-n 4" GPU_BENCH_ARGS="--models llama3-8b" benchmarks/gpu_check.sh
 #
 # Files under $OUT: env.txt (GPU, versions, importable modules), test_cuda.log and test_cuda.xml,
 # gpu_bench.log, gpu_bench.md (the benchmark's one result file: tables, then JSON), summary.txt.
@@ -16,6 +18,10 @@ PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_SECONDS:-560}  # the whole script; a device command may run 600 s
 TEST_SECONDS=${GPU_TEST_SECONDS:-240}
 mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >"$OUT/wheels.log" 2>&1 && PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export OUT PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 elapsed() { echo $(($(date +%s) - start)); }
@@ -28,8 +34,8 @@ import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
-for name in ("triton", "transformers", "tokenizers", "safetensors", "pytest", "httpx", "fastapi", "uvicorn",
-             "llguidance", "vllm"):
+for name in ("triton", "transformers", "tokenizers", "safetensors", "pytest", "xdist", "httpx", "fastapi",
+             "uvicorn", "pydantic", "llguidance", "gguf", "tachyllm", "vllm"):
     try:
         module = importlib.import_module(name)
         print(f"{name} {getattr(module, '__version__', '?')}")
@@ -39,8 +45,9 @@ EOF
 } >"$OUT/env.txt" 2>&1
 echo "[$(elapsed) s] environment: $OUT/env.txt" | tee "$OUT/summary.txt"
 
-timeout "$TEST_SECONDS" "$PYTHON" -m pytest -q -p no:cacheprovider -rs --durations=15 tests/test_cuda.py \
-    --junitxml="$OUT/test_cuda.xml" >"$OUT/test_cuda.log" 2>&1
+# shellcheck disable=SC2086  # GPU_TEST_ARGS is a list of flags
+timeout "$TEST_SECONDS" "$PYTHON" -m pytest -q -p no:cacheprovider -rs --durations=15 ${GPU_TEST_ARGS:-} \
+    tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" >"$OUT/test_cuda.log" 2>&1
 rc=$?
 echo "[$(elapsed) s] pytest tests/test_cuda.py: exit $rc ($(tail -n 1 "$OUT/test_cuda.log"))" | tee -a "$OUT/summary.txt"
 

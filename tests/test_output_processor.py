@@ -123,3 +123,21 @@ def test_a_stop_string_wins_over_the_length_limit_of_the_same_token(model_path):
     c = out.outputs[0]
     assert (c.text, c.token_ids, c.finish_reason, c.stop_reason) == (before, tokens[:needed], "stop", stop)
     assert llm.engine.stats.finished_reasons == {"stop": 1}
+
+
+@pytest.mark.parametrize("stop", [None, ["\x00never"]], ids=["no-stop", "stop-string"])
+def test_final_only_text_is_made_once_unless_stop_strings_need_it(model_path, monkeypatch, stop):
+    """A FINAL_ONLY sample without stop strings is detokenized once, when it ends (the same text as a
+    streamed one: the first test); stop strings need the text as it grows, token by token."""
+    from tachyllm.detokenizer import IncrementalDetokenizer
+
+    calls = []
+    add_tokens = IncrementalDetokenizer.add_tokens
+    monkeypatch.setattr(
+        IncrementalDetokenizer, "add_tokens", lambda self, ids: calls.append(len(ids)) or add_tokens(self, ids)
+    )
+    prompts = random_prompts(3, 2, shared=0, tail=(4, 9))
+    params = SamplingParams(max_tokens=12, stop=stop, output_kind=RequestOutputKind.FINAL_ONLY, **GREEDY)
+    seen = outputs_by_step(tiny_llm(model_path), prompts, params)
+    assert all(len(outs) == 1 and len(outs[0].outputs[0].token_ids) == 12 for outs in seen.values())
+    assert calls == ([12, 12] if stop is None else [1] * 24)

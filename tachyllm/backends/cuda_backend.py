@@ -14,9 +14,11 @@ the kernels run in Triton's interpreter: that exists for the tests, and is far t
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV, MetadataBuilder
@@ -35,15 +37,29 @@ class CudaMetadata(AttentionMetadata):
 
 @dataclass(eq=False)
 class GraphBuffers:
-    """Persistent step inputs for CUDA graphs, allocated once: a captured graph reads these addresses."""
+    """Persistent step inputs for CUDA graphs, allocated once: a captured graph reads these addresses.
+
+    The tensors are views of one device byte buffer, mirrored by one host buffer (pinned on a GPU)
+    of the same layout, block tables last: a padded step is written into the host buffer and goes
+    up in one asynchronous copy of its used prefix, instead of one blocking copy per tensor."""
 
     queries_per_seq: int  # batch rows per sequence in a padded step (1, or 1 + drafts for verification)
     input_ids: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
     positions: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
     slot_mapping: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
-    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks]
     query_start: torch.Tensor  # int32 [max_num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [max_num_seqs]
+    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks]
+    device_bytes: torch.Tensor  # uint8: the tensors above are views of it
+    host_bytes: torch.Tensor  # uint8, the same layout on the host
+    host: dict[str, np.ndarray]  # numpy views of host_bytes, by field name
+    tables_offset: int  # byte offset of block_tables in both buffers
+    uploaded: torch.cuda.Event | None = None  # the last upload's end: the host buffer is free again after it
+
+
+# Graph-buffer fields in layout order, with dtypes; the block tables last, so that a step copies a prefix.
+_GRAPH_FIELDS = (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
+                 ("query_start", torch.int32), ("seq_lens", torch.int32), ("block_tables", torch.int32))  # fmt: skip
 
 
 class CudaMetadataBuilder(MetadataBuilder):
@@ -57,17 +73,27 @@ class CudaMetadataBuilder(MetadataBuilder):
         if min(max_num_seqs, max_blocks, queries_per_seq) < 1:
             raise ValueError(f"graph buffers need positive sizes, got {max_num_seqs}, {max_blocks}, {queries_per_seq}")
         tokens = max_num_seqs * queries_per_seq
-        i64 = dict(dtype=torch.long, device=self.device)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        shapes = {"input_ids": (tokens,), "positions": (tokens,), "slot_mapping": (tokens,),
+                  "query_start": (max_num_seqs + 1,), "seq_lens": (max_num_seqs,),
+                  "block_tables": (max_num_seqs, max_blocks)}  # fmt: skip
+        offsets, size = {}, 0
+        for name, dtype in _GRAPH_FIELDS:
+            offsets[name] = size
+            size += -(-math.prod(shapes[name]) * dtype.itemsize // 64) * 64  # 64-byte aligned regions
+        device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
+        host_bytes = torch.zeros(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+        def carve(buffer: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+            count = math.prod(shapes[name])
+            return buffer[offsets[name] : offsets[name] + count * dtype.itemsize].view(dtype).view(shapes[name])
+
+        views = {name: carve(device_bytes, name, dtype) for name, dtype in _GRAPH_FIELDS}
+        host = {name: carve(host_bytes, name, dtype).numpy() for name, dtype in _GRAPH_FIELDS}
+        views["slot_mapping"].fill_(-1)
         self.graph_buffers = GraphBuffers(
-            queries_per_seq,
-            torch.zeros(tokens, **i64),
-            torch.zeros(tokens, **i64),
-            torch.full((tokens,), -1, **i64),
-            torch.zeros(max_num_seqs, max_blocks, **i32),
-            torch.zeros(max_num_seqs + 1, **i32),
-            torch.zeros(max_num_seqs, **i32),
-        )
+            queries_per_seq, **views, device_bytes=device_bytes, host_bytes=host_bytes, host=host,
+            tables_offset=offsets["block_tables"], uploaded=torch.cuda.Event() if self.device.type == "cuda" else None,
+        )  # fmt: skip
         return self.graph_buffers
 
     def prepare(self, batch: StepBatch, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, CudaMetadata]:
@@ -125,17 +151,24 @@ class CudaMetadataBuilder(MetadataBuilder):
         width = max(len(t) for t in tables)
         if width > max_blocks:
             raise ValueError(f"a block table of {width} blocks does not fit the graph buffers' {max_blocks}")
-        tokens, real = pad_to * buf.queries_per_seq, len(ids)
-        pad_rows, pad_seqs = tokens - real, pad_to - len(batch.seqs)
-        # Only the tables' used columns are copied: columns past a sequence's context are never read.
-        buf.block_tables[:pad_to, :width].copy_(
-            torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad_seqs, dtype=torch.int32)
-        )
-        buf.input_ids[:tokens].copy_(torch.tensor(ids + [0] * pad_rows, dtype=torch.long))
-        buf.positions[:tokens].copy_(torch.tensor(positions + [0] * pad_rows, dtype=torch.long))
-        buf.slot_mapping[:tokens].copy_(torch.tensor(slots + [-1] * pad_rows, dtype=torch.long))
-        buf.query_start[: pad_to + 1].copy_(torch.tensor(query_start + [real] * pad_seqs, dtype=torch.int32))
-        buf.seq_lens[:pad_to].copy_(torch.tensor(seq_lens + [0] * pad_seqs, dtype=torch.int32))
+        tokens, real, seqs = pad_to * buf.queries_per_seq, len(ids), len(batch.seqs)
+        if buf.uploaded is not None:  # the last upload has read the host buffer (long since, normally)
+            buf.uploaded.synchronize()
+        h = buf.host
+        h["input_ids"][:real], h["input_ids"][real:tokens] = ids, 0
+        h["positions"][:real], h["positions"][real:tokens] = positions, 0
+        h["slot_mapping"][:real], h["slot_mapping"][real:tokens] = slots, -1  # padding rows write nothing
+        h["query_start"][: seqs + 1], h["query_start"][seqs + 1 : pad_to + 1] = query_start, real
+        h["seq_lens"][:seqs], h["seq_lens"][seqs:pad_to] = seq_lens, 0  # padding sequences read nothing
+        # Only the tables' used columns are written: columns past a sequence's context are never read.
+        table_rows = h["block_tables"]
+        for row, table in zip(table_rows, tables):
+            row[: len(table)], row[len(table) : width] = table, 0
+        table_rows[seqs:pad_to, :width] = 0
+        end = buf.tables_offset + ((pad_to - 1) * max_blocks + width) * 4
+        buf.device_bytes[:end].copy_(buf.host_bytes[:end], non_blocking=True)
+        if buf.uploaded is not None:
+            buf.uploaded.record()
         meta = CudaMetadata(
             backend=self.backend,
             slot_mapping=buf.slot_mapping[:tokens],

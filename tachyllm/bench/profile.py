@@ -24,6 +24,10 @@ The step's wall time is then split into categories that add up to it exactly:
 An op nested in another op counts once, in its outermost op. Times are those of the profiled steps,
 which the profiler itself slows down (each recorded op costs a few microseconds); the same steps'
 time without the profiler is reported alongside.
+
+On a CUDA device the profiler also records the device's activity: the kernels (and copies) per step
+and their summed duration, next to the step's host-side wall time. A step whose device time is far
+under its wall time is bound by the host (Python, launches), not by the GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tachyllm import tracing
@@ -111,6 +116,9 @@ class StepProfile:
     warmup_steps: int = 0
     unprofiled_step_ms: float | None = None  # median wall time of the warm-up decode steps (no profiler)
     device: str = "cpu"
+    device_activities_per_step: float | None = None  # CUDA: kernels, copies and sets the profiler saw
+    device_ms_per_step: float | None = None  # CUDA: their summed duration (one stream: the GPU's busy time)
+    top_device_ops: list[OpStat] = field(default_factory=list)  # CUDA: by summed duration
 
     def percent(self, ms: float) -> float:
         return 100.0 * ms / self.step_ms if self.step_ms > 0 else 0.0
@@ -171,7 +179,7 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup
             engine.step()
             _synchronize(device)
             warm.append(time.perf_counter() - t0)
-        activities = [ProfilerActivity.CPU]
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with instrumented(), profile(activities=activities) as prof:
             for _ in range(num_steps):
                 with record_function(STEP):
@@ -183,7 +191,7 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup
     finally:
         for rid in ids:
             engine.abort_request(rid)
-    result = analyze(prof.events(), num_steps)
+    result = analyze(prof.events(), num_steps, device_activity=device.type == "cuda")
     result.batch_size = len(prompts)
     result.warmup_steps = warmup_steps
     result.unprofiled_step_ms = statistics.median(warm) * 1e3 if warm else None
@@ -194,8 +202,10 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup
 # -- the analysis -------------------------------------------------------------------------------
 
 
-def analyze(events, num_steps: int) -> StepProfile:
-    """Splits the time of the tachy::step ranges among CATEGORIES (see the module docstring)."""
+def analyze(events, num_steps: int, device_activity: bool = False) -> StepProfile:
+    """Splits the time of the tachy::step ranges among CATEGORIES (see the module docstring); with
+    `device_activity`, also sums the device's events (each profiled step synchronizes, so every one
+    of them belongs to a profiled step)."""
     us = {k: 0.0 for k in CATEGORIES}
     att = {k: 0.0 for k in ATTENTION_PARTS}
     step_us = forward_us = forward_inner_us = 0.0
@@ -203,9 +213,17 @@ def analyze(events, num_steps: int) -> StepProfile:
     ops = top_level = 0
     self_us: dict[str, float] = {}
     calls: dict[str, int] = {}
+    device_us: dict[str, float] = {}
+    device_calls: dict[str, int] = {}
 
     for e in events:
         dur = e.time_range.elapsed_us()
+        if e.device_type != DeviceType.CPU:
+            if e.name in RANGES:  # our ranges' shadows on the device timeline, not device work
+                continue
+            device_us[e.name] = device_us.get(e.name, 0.0) + dur
+            device_calls[e.name] = device_calls.get(e.name, 0) + 1
+            continue
         # The nearest enclosing range of ours, whether an op encloses this event, and the step.
         region, inside_op, in_step, in_forward = None, False, e.name == STEP, False
         parent = e.cpu_parent
@@ -263,6 +281,7 @@ def analyze(events, num_steps: int) -> StepProfile:
     per_step = 1e-3 / num_steps  # us in all -> ms per step
     step_ms = step_us * per_step
     top = sorted(self_us, key=self_us.get, reverse=True)[:TOP_OPS]
+    top_device = sorted(device_us, key=device_us.get, reverse=True)[:TOP_OPS]
     return StepProfile(
         num_steps=num_steps,
         step_ms=step_ms,
@@ -279,6 +298,13 @@ def analyze(events, num_steps: int) -> StepProfile:
             )
             for n in top
         ],
+        device_activities_per_step=sum(device_calls.values()) / num_steps if device_activity else None,
+        device_ms_per_step=sum(device_us.values()) * per_step if device_activity else None,
+        top_device_ops=[
+            OpStat(n, device_calls[n] / num_steps, device_us[n] * per_step, 100.0 * device_us[n] * per_step / step_ms)
+            for n in top_device
+            if step_ms
+        ],
     )
 
 
@@ -292,6 +318,11 @@ def format_profile(p: StepProfile) -> str:
     ]
     if p.device != "cpu":
         lines.append(f"  note: on {p.device} the op times are CPU-side (launch) times, not kernel times")
+    if p.device_ms_per_step is not None:
+        lines.append(
+            f"  device: {p.device_activities_per_step:.0f} kernels / copies per step, {p.device_ms_per_step:.2f} ms"
+            f" per step busy ({p.percent(p.device_ms_per_step):.0f}% of the step's wall time)"
+        )
     width = max(len(label) for label in CATEGORIES.values()) + 2
     lines.append(f"  {'where':<{width}} {'ms/step':>9} {'% step':>7}")
     for key, label in CATEGORIES.items():
@@ -309,4 +340,9 @@ def format_profile(p: StepProfile) -> str:
         lines.append(
             f"  {o.name:<{name_width}} {o.calls_per_step:10.1f} {o.self_ms_per_step:12.2f} {o.percent_of_step:6.1f}%"
         )
+    if p.top_device_ops:
+        lines.append(f"  Top {len(p.top_device_ops)} device kernels by time")
+        for o in p.top_device_ops:
+            lines.append(f"  {o.name[:100]:<{name_width}} {o.calls_per_step:10.1f} {o.self_ms_per_step:12.2f}"
+                         f" {o.percent_of_step:6.1f}%")  # fmt: skip
     return "\n".join(lines)

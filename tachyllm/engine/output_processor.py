@@ -34,6 +34,10 @@ class _SeqOutput:
     tail: str = ""
     unsent: str = ""  # text not handed out yet (DELTA)
     num_sent_tokens: int = 0
+    # Tokens whose text is not made yet, or None: a FINAL_ONLY sample without stop strings shows its
+    # text only at the end, so it is detokenized once then, not token by token (the same text:
+    # the detokenizer's deltas add up to the whole decode however the tokens arrive).
+    deferred: list[int] | None = None
 
     @property
     def max_stop_len(self) -> int:
@@ -111,6 +115,7 @@ class OutputProcessor:
                 params.stop_strings,
                 params.include_stop_str_in_output,
                 params.logprobs is not None,
+                deferred=[] if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop_strings else None,
             )
             for _ in req.seqs
         ]
@@ -134,6 +139,9 @@ class OutputProcessor:
             stop_token = _ended_by(seq, token, i == last)
             if stop_token and not out.include_stop:
                 continue  # as vLLM: the stop token's text is not output, unless asked for
+            if out.deferred is not None:
+                out.deferred.append(token)
+                continue
             delta = out.detokenizer.add_tokens([token])
             out.add_text(delta)
             if not out.stop_strings or len(out.token_ids) < params.min_tokens or stop_token:
@@ -184,6 +192,9 @@ class OutputProcessor:
             faults.check("output", req.seqs)
         completions = []
         for seq, out in zip(req.seqs, state.seqs):
+            if out.deferred:
+                out.add_text(out.detokenizer.add_tokens(out.deferred))
+                out.deferred.clear()
             reason, stop_reason = ("error", None) if error is not None else (seq.finish_reason, seq.stop_reason)
             done = finished or seq.is_finished
             if state.kind is RequestOutputKind.DELTA:

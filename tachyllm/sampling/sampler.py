@@ -159,13 +159,15 @@ class Sampler:
                 rows.append(i)
                 cols.append(token)
                 values.append(bias)
-        dev = logits.device
-        index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))
-        return logits.index_put(index, to_device(values, logits.dtype, dev), accumulate=True)
+        dev, vocab = logits.device, logits.shape[1]
+        # scatter_add over flat indices: index_put with accumulate=True checks its indices' range on the
+        # host (a device sync on a GPU); a token id past the vocabulary was refused with the request.
+        flat = to_device([r * vocab + c for r, c in zip(rows, cols)], torch.long, dev)
+        return logits.reshape(-1).scatter_add(0, flat, to_device(values, logits.dtype, dev)).view(logits.shape)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         n, vocab, dev = len(seqs), logits.shape[1], logits.device
-        # One transfer: the three penalties per row, then flat (row, token) pairs of outputs and of history.
+        # Two transfers: the three penalties per row, then the (row, token) pairs of outputs and of history.
         values = [s.params.repetition_penalty for s in seqs] + [s.params.presence_penalty for s in seqs]
         values += [s.params.frequency_penalty for s in seqs]
         penalties = to_device(values, torch.float32, dev).view(3, n, 1)
@@ -178,14 +180,13 @@ class Sampler:
             ids = [t for t in s.token_ids if t < vocab]
             all_rows += [i] * len(ids)
             all_ids += ids
-        pairs = to_device([out_rows, out_ids], torch.long, dev)
-        out_counts = torch.zeros(n, vocab, device=dev).index_put_(
-            (pairs[0], pairs[1]), torch.ones(len(out_ids), device=dev), accumulate=True
-        )
-        pairs = to_device([all_rows, all_ids], torch.long, dev)
-        seen = torch.zeros(n, vocab, dtype=torch.bool, device=dev).index_put_(
-            (pairs[0], pairs[1]), torch.ones(len(all_ids), dtype=torch.bool, device=dev)
-        )
+        # Flat (row * vocab + token) indices, scattered (see _apply_logit_bias: no index_put here).
+        flat = [r * vocab + t for r, t in zip(out_rows, out_ids)] + [r * vocab + t for r, t in zip(all_rows, all_ids)]
+        flat = to_device(flat, torch.long, dev)
+        out_flat, all_flat = flat[: len(out_ids)], flat[len(out_ids) :]
+        out_counts = torch.zeros(n * vocab, device=dev).scatter_add_(0, out_flat, torch.ones(len(out_ids), device=dev))
+        out_counts = out_counts.view(n, vocab)
+        seen = torch.zeros(n * vocab, dtype=torch.bool, device=dev).scatter_(0, all_flat, True).view(n, vocab)
         # Repetition penalty (over prompt and output) divides positive logits and multiplies negative ones.
         # Any penalty > 0 is valid, but one below float32's range is 0 here (0 / 0 is NaN), and a tiny or
         # huge one overflows: the penalty is kept in range and the result finite, within a bound that
