@@ -91,7 +91,8 @@ PAD_ID = 2
 GPU_PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}
 # Weight / KV-cache variants next to bf16: (name, EngineConfig overrides).
 VARIANTS = [("fp8 KV cache", {"kv_cache_dtype": "fp8"}), ("int4 weights", {"quantization": "int4"}),
-            ("fp8 weights", {"quantization": "fp8"})]  # fmt: skip
+            ("fp8 weights", {"quantization": "fp8"}),
+            ("8192-token steps", {"max_num_batched_tokens": 8192})]  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -116,7 +117,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tachyllm tokens per step (its default)")
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; phases predicted to overrun are skipped")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers phases")
-    ap.add_argument("--skip-variants", action="store_true", help="no fp8 / int4 variants")
+    ap.add_argument("--skip-variants", action="store_true", help="no variants (fp8 / int4, larger steps)")
+    ap.add_argument("--variants", default=None, help=f"comma list of variants to run, of {[t for t, _ in VARIANTS]}")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -504,7 +506,9 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
         "single": random_prompts(1, length, vocab, seed + 2)[0],
         "single_eager": random_prompts(1, length, vocab, seed + 3)[0],
         "warm": random_prompts(args.warmup_prompts, length, vocab, seed + 4),
-        "variant_batches": [random_prompts(args.batch_prompts, length, vocab, seed + 10 + i) for i in range(4)],
+        "variant_batches": [
+            random_prompts(args.batch_prompts, length, vocab, seed + 10 + i) for i in range(len(VARIANTS))
+        ],
     }
 
 
@@ -568,7 +572,10 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
         estimate = 30.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0) * args.serve_prompts / n
         bench.phase(f"{model}/served", lambda: served(directory, args, args.serve_prompts, args.seed + 7), estimate)
     if not args.skip_variants:
+        chosen = None if args.variants is None else {v.strip() for v in args.variants.split(",")}
         for i, (tag, overrides) in enumerate(VARIANTS):
+            if chosen is not None and tag not in chosen:
+                continue
             estimate = 20.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0)
             if estimate > bench.left():
                 bench.report["phases"][f"{model}/{tag}/load"] = {"skipped": f"estimated {estimate:.1f} s"}
