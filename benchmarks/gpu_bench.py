@@ -547,6 +547,7 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
         bench.phase(f"{model}/{tag}/batch", lambda: tachy_batch(llm, prompts_batch, new, args.device), estimate)
         if tag == "bf16":
             bench.phase(f"{model}/{tag}/profile64", lambda: tachy_profile(llm, p["warm"] * 8, 10))
+            bench.phase(f"{model}/{tag}/profile256", lambda: tachy_profile(llm, prompts_batch, 10))
         if tag == "bf16" and args.device.startswith("cuda"):
             llm = None
             free_memory()
