@@ -115,7 +115,9 @@ class EngineConfig:
     max_model_len: int | None = option(None, "context length limit (default: the model's max_position_embeddings)")
     block_size: int = option(16, "tokens per KV-cache block")
     max_num_seqs: int = option(256, "sequences running at once")
-    max_num_batched_tokens: int = option(2048, "token budget of one step")
+    max_num_batched_tokens: int | None = option(
+        None, "token budget of one step (default: 2048 on the CPU; 8192 on a GPU, as vLLM's server on large GPUs)"
+    )
     kv_cache_memory: int | None = option(
         None, "KV cache size in bytes, e.g. 2G (default: a share of free memory)", parse=byte_size
     )
@@ -223,6 +225,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.max_num_batched_tokens is None:
+            # On a GPU a step's overhead is its launches, not its tokens: fewer, larger prefill steps.
+            self.max_num_batched_tokens = 8192 if self.device.startswith("cuda") else 2048
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

@@ -145,7 +145,7 @@ def _synchronize(device: torch.device) -> None:
 def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup_steps: int = 5) -> StepProfile:
     """Prefills `prompts` as one batch, runs `warmup_steps` decode steps, then profiles `num_steps`
     decode steps. The engine must have no other requests; it has none when this returns."""
-    from tachyllm.sampling_params import SamplingParams
+    from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
     if num_steps < 1:
         raise ValueError(f"profile needs at least one decode step, got {num_steps}")
@@ -162,16 +162,20 @@ def profile_decode(engine, prompts: list[list[int]], num_steps: int = 10, warmup
             f"({engine.max_model_len}): use a shorter --input-len or fewer profile steps"
         )
     max_tokens = min(room, 1 + warmup_steps + num_steps + prefill_steps)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    # Final outputs only, as LLM.generate asks: the steps do the work of an offline batch.
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
     ids = [f"profile-{i}" for i in range(len(prompts))]
     device = engine.device
     try:
         for rid, p in zip(ids, prompts):
             engine.add_request(rid, p, params)
-        started: set[str] = set()
-        while len(started) < len(ids) and engine.has_unfinished_requests():
-            outputs = engine.step()
-            started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+        # Until every request has its first token (final outputs only: the engine's own requests tell).
+        while engine.has_unfinished_requests() and any(
+            rid in engine.requests and engine.requests[rid].seqs[0].num_output_tokens == 0 for rid in ids
+        ):
+            engine.step()
         warm = []
         for _ in range(warmup_steps):
             _synchronize(device)

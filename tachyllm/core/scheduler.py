@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from tachyllm.core.block_manager import BlockManager
@@ -134,9 +135,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         # Decodes (one uncomputed token) first so that prefill chunks never delay a token stream.
         self.running.sort(key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_order))
-        queue = list(self.running)
+        queue = deque(self.running)
         while queue and budget > 0:
-            seq = queue.pop(0)
+            seq = queue.popleft()
             num_new = self._prefill_cap(seq, min(seq.num_uncomputed_tokens, budget), out)
             spec, num_valid = self._fit_spec_tokens(seq, budget)
             if spec:
@@ -200,19 +201,20 @@ class Scheduler:
         """The plan as the runner's StepBatch: decodes first, then prefill chunks."""
         plan.scheduled.sort(key=lambda s: s.num_real_tokens > 1)
         seqs = []
+        windowed = self.block_manager.window_pool is not None
         for s in plan.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start, num_real, completes = s.seq, s.seq.num_computed_tokens, s.num_real_tokens, s.completes
             sampling = None
-            if s.completes:
+            if completes:
                 sampling = SamplingInput(
                     seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs
                 )
-            new_tokens = seq.token_ids[start : start + s.num_real_tokens] + s.spec_token_ids
+            new_tokens = seq.token_ids[start : start + num_real] + s.spec_token_ids
             seqs.append(
                 ScheduledSeq(
                     seq.seq_id, seq.request.request_id, start, new_tokens, len(s.spec_token_ids), seq.block_table,
-                    seq.num_tokens, s.completes, sampling, _prompt_logprobs_input(seq, start, s.num_real_tokens),
-                    seq.window_block_table if self.block_manager.window_pool else None,
+                    seq.num_tokens, completes, sampling, _prompt_logprobs_input(seq, start, num_real),
+                    seq.window_block_table if windowed else None,
                 )
             )  # fmt: skip
         self._fill_bitmasks(plan.scheduled, seqs)

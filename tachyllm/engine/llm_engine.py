@@ -29,7 +29,7 @@ from tachyllm.runner import cuda_graphs, kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("tachyllm")
@@ -397,14 +397,17 @@ class LLMEngine:
     def _emit(self, req: Request, now: float) -> RequestOutput | None:
         """The request's output for this step (None: it asked for its final output only); a request
         whose output cannot be made fails alone."""
-        if req.finished:
+        finished = req.finished
+        if not finished and req.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        if finished:
             req.metrics.finished_time = now
         try:
             out = self.output_processor.make_output(req.request_id)
         except Exception as e:
             logger.exception("request %s failed while its output was made", req.request_id)
             return self._fail_request(req, e)
-        if req.finished:
+        if finished:
             self.requests.pop(req.request_id, None)
         return out
 

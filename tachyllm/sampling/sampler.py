@@ -147,9 +147,11 @@ class Sampler:
                 rows += [i] * len(stop_ids)
                 cols += stop_ids
         if rows:
-            dev = logits.device
-            logits = logits.clone()
-            logits[to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)] = float("-inf")
+            # index_fill takes the value as a scalar argument: indexed assignment of a Python float would
+            # copy it to the device as a tensor, which waits for the device.
+            vocab = logits.shape[1]
+            flat = to_device([r * vocab + c for r, c in zip(rows, cols)], torch.long, logits.device)
+            logits = logits.flatten().index_fill(0, flat, float("-inf")).view(logits.shape)
         return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
