@@ -61,7 +61,7 @@ def test_packed_weights_are_the_gguf_dequantization(kind):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 33])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [16, 8])
 def test_kernel_matches_the_dequantized_matmul(kind, rows, dtype, bits):
