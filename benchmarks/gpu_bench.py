@@ -573,10 +573,9 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
         estimate = 30.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0) * args.serve_prompts / n
         bench.phase(f"{model}/served", lambda: served(directory, args, args.serve_prompts, args.seed + 7), estimate)
     if not args.skip_variants:
-        # Names as listed, or with dashes for spaces (for shells).
-        chosen = None if args.variants is None else {v.strip().replace("-", " ") for v in args.variants.split(",")}
+        chosen = chosen_variants(args.variants)
         for i, (tag, overrides) in enumerate(VARIANTS):
-            if chosen is not None and tag.replace("-", " ") not in chosen:
+            if chosen is not None and variant_key(tag) not in chosen:
                 continue
             estimate = 20.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0)
             if estimate > bench.left():
@@ -587,7 +586,22 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
         bench.phase(f"{model}/vllm", lambda: vllm_phases(directory, args, p), 60.0)
 
 
+def variant_key(name: str) -> str:
+    """A variant's name as --variants matches it: case and dashes for spaces (for shells) do not matter."""
+    return name.strip().lower().replace("-", " ")
+
+
+def chosen_variants(names: str | None) -> set[str] | None:
+    if names is None:
+        return None
+    chosen = {variant_key(v) for v in names.split(",") if v.strip()}
+    if unknown := chosen - {variant_key(t) for t, _ in VARIANTS}:
+        raise SystemExit(f"unknown variant(s) {sorted(unknown)}: choose from {[t for t, _ in VARIANTS]}")
+    return chosen
+
+
 def run(bench: Bench) -> None:
+    chosen_variants(bench.args.variants)  # a misspelt variant fails here, not silently later
     models = [m.strip() for m in bench.args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown:

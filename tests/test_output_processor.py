@@ -128,7 +128,7 @@ def test_a_stop_string_wins_over_the_length_limit_of_the_same_token(model_path):
 @pytest.mark.parametrize("stop", [None, ["\x00never"]], ids=["no-stop", "stop-string"])
 def test_final_only_text_is_made_once_unless_stop_strings_need_it(model_path, monkeypatch, stop):
     """A FINAL_ONLY sample without stop strings is detokenized once, when it ends (the same text as a
-    streamed one: the first test); stop strings need the text as it grows, token by token."""
+    streamed one here: the first test); stop strings need the text as it grows, token by token."""
     from tachyllm.detokenizer import IncrementalDetokenizer
 
     calls = []

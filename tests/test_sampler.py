@@ -130,6 +130,16 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     assert sampler(logits, [row(p, output=[1, 2])]).token_ids == [7]
 
 
+def test_min_tokens_masks_only_its_own_row_with_an_eos_id_outside_the_vocabulary():
+    """A model whose EOS id lies past the sampled vocabulary: the masks are flat indices, so such an id
+    must not spill into the next row's tokens (it can never be drawn anyway)."""
+    sampler = Sampler(VOCAB, eos_token_ids=[7, VOCAB + 1], device=torch.device("cpu"), seed=0)
+    logits = torch.tensor([[0.0, 0, 0, 0, 0, 5.0, 0, 9.0], [0.0, 0, 0, 0, 0, 0, 0, 0]])
+    logits[1, 1] = 9.0  # token VOCAB + 1 of row 0, read flat
+    p = SamplingParams(temperature=0, min_tokens=2)
+    assert sampler(logits, [row(p, output=[1]), row(SamplingParams(temperature=0))]).token_ids == [5, 1]
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     sampler = Sampler(VOCAB, eos_token_ids=[7], device=torch.device("cpu"), seed=0)
     logits = torch.zeros(1, VOCAB)

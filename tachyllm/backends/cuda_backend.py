@@ -14,7 +14,6 @@ the kernels run in Triton's interpreter: that exists for the tests, and is far t
 from __future__ import annotations
 
 import importlib.util
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -39,9 +38,10 @@ class CudaMetadata(AttentionMetadata):
 class GraphBuffers:
     """Persistent step inputs for CUDA graphs, allocated once: a captured graph reads these addresses.
 
-    The tensors are views of one device byte buffer, mirrored by one host buffer (pinned on a GPU)
-    of the same layout, block tables last: a padded step is written into the host buffer and goes
-    up in one asynchronous copy of its used prefix, instead of one blocking copy per tensor."""
+    The per-token and per-sequence tensors are views of one device byte buffer, mirrored by one host
+    buffer (pinned on a GPU) of the same layout, which ends with the step's block tables packed to
+    their used width: a padded step is written into the host buffer and goes up in one asynchronous
+    copy of its used prefix, and the packed tables are spread into `block_tables` on the device."""
 
     queries_per_seq: int  # batch rows per sequence in a padded step (1, or 1 + drafts for verification)
     input_ids: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
@@ -49,17 +49,18 @@ class GraphBuffers:
     slot_mapping: torch.Tensor  # int64 [max_num_seqs * queries_per_seq]
     query_start: torch.Tensor  # int32 [max_num_seqs + 1]
     seq_lens: torch.Tensor  # int32 [max_num_seqs]
-    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks]
-    device_bytes: torch.Tensor  # uint8: the tensors above are views of it
+    packed_tables: torch.Tensor  # int32 [max_num_seqs * max_blocks]: a step's tables, [pad_to, width] row-major
+    block_tables: torch.Tensor  # int32 [max_num_seqs, max_blocks], a tensor of its own
+    device_bytes: torch.Tensor  # uint8: the tensors above, all but block_tables, are views of it
     host_bytes: torch.Tensor  # uint8, the same layout on the host
     host: dict[str, np.ndarray]  # numpy views of host_bytes, by field name
-    tables_offset: int  # byte offset of block_tables in both buffers
+    packed_offset: int  # byte offset of packed_tables in both buffers
     uploaded: torch.cuda.Event | None = None  # the last upload's end: the host buffer is free again after it
 
 
-# Graph-buffer fields in layout order, with dtypes; the block tables last, so that a step copies a prefix.
-_GRAPH_FIELDS = (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
-                 ("query_start", torch.int32), ("seq_lens", torch.int32), ("block_tables", torch.int32))  # fmt: skip
+# The uploaded fields in layout order, with dtypes; the packed tables last, so that a step copies a prefix.
+_UPLOADED = (("input_ids", torch.long), ("positions", torch.long), ("slot_mapping", torch.long),
+             ("query_start", torch.int32), ("seq_lens", torch.int32), ("packed_tables", torch.int32))  # fmt: skip
 
 
 class CudaMetadataBuilder(MetadataBuilder):
@@ -73,27 +74,32 @@ class CudaMetadataBuilder(MetadataBuilder):
         if min(max_num_seqs, max_blocks, queries_per_seq) < 1:
             raise ValueError(f"graph buffers need positive sizes, got {max_num_seqs}, {max_blocks}, {queries_per_seq}")
         tokens = max_num_seqs * queries_per_seq
-        shapes = {"input_ids": (tokens,), "positions": (tokens,), "slot_mapping": (tokens,),
-                  "query_start": (max_num_seqs + 1,), "seq_lens": (max_num_seqs,),
-                  "block_tables": (max_num_seqs, max_blocks)}  # fmt: skip
+        sizes = {"input_ids": tokens, "positions": tokens, "slot_mapping": tokens, "query_start": max_num_seqs + 1,
+                 "seq_lens": max_num_seqs, "packed_tables": max_num_seqs * max_blocks}  # fmt: skip
         offsets, size = {}, 0
-        for name, dtype in _GRAPH_FIELDS:
+        for name, dtype in _UPLOADED:
             offsets[name] = size
-            size += -(-math.prod(shapes[name]) * dtype.itemsize // 64) * 64  # 64-byte aligned regions
+            size += -(-sizes[name] * dtype.itemsize // 64) * 64  # 64-byte aligned regions
         device_bytes = torch.zeros(size, dtype=torch.uint8, device=self.device)
         host_bytes = torch.zeros(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
         def carve(buffer: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
-            count = math.prod(shapes[name])
-            return buffer[offsets[name] : offsets[name] + count * dtype.itemsize].view(dtype).view(shapes[name])
+            return buffer[offsets[name] : offsets[name] + sizes[name] * dtype.itemsize].view(dtype)
 
-        views = {name: carve(device_bytes, name, dtype) for name, dtype in _GRAPH_FIELDS}
-        host = {name: carve(host_bytes, name, dtype).numpy() for name, dtype in _GRAPH_FIELDS}
+        views = {name: carve(device_bytes, name, dtype) for name, dtype in _UPLOADED}
+        host = {name: carve(host_bytes, name, dtype).numpy() for name, dtype in _UPLOADED}
         views["slot_mapping"].fill_(-1)
+        host["slot_mapping"].fill(-1)
         self.graph_buffers = GraphBuffers(
-            queries_per_seq, **views, device_bytes=device_bytes, host_bytes=host_bytes, host=host,
-            tables_offset=offsets["block_tables"], uploaded=torch.cuda.Event() if self.device.type == "cuda" else None,
-        )  # fmt: skip
+            queries_per_seq,
+            **views,
+            block_tables=torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=self.device),
+            device_bytes=device_bytes,
+            host_bytes=host_bytes,
+            host=host,
+            packed_offset=offsets["packed_tables"],
+            uploaded=torch.cuda.Event() if self.device.type == "cuda" else None,
+        )
         return self.graph_buffers
 
     def prepare(self, batch: StepBatch, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, CudaMetadata]:
@@ -160,15 +166,16 @@ class CudaMetadataBuilder(MetadataBuilder):
         h["slot_mapping"][:real], h["slot_mapping"][real:tokens] = slots, -1  # padding rows write nothing
         h["query_start"][: seqs + 1], h["query_start"][seqs + 1 : pad_to + 1] = query_start, real
         h["seq_lens"][:seqs], h["seq_lens"][seqs:pad_to] = seq_lens, 0  # padding sequences read nothing
-        # Only the tables' used columns are written: columns past a sequence's context are never read.
-        table_rows = h["block_tables"]
-        for row, table in zip(table_rows, tables):
-            row[: len(table)], row[len(table) : width] = table, 0
-        table_rows[seqs:pad_to, :width] = 0
-        end = buf.tables_offset + ((pad_to - 1) * max_blocks + width) * 4
+        # The tables packed to their used width: columns past a sequence's context are never read.
+        packed = h["packed_tables"][: pad_to * width].reshape(pad_to, width)
+        for row, table in zip(packed, tables):
+            row[: len(table)], row[len(table) :] = table, 0
+        packed[seqs:] = 0
+        end = buf.packed_offset + pad_to * width * 4
         buf.device_bytes[:end].copy_(buf.host_bytes[:end], non_blocking=True)
+        buf.block_tables[:pad_to, :width].copy_(buf.packed_tables[: pad_to * width].view(pad_to, width))
         if buf.uploaded is not None:
-            buf.uploaded.record()
+            buf.uploaded.record(torch.cuda.current_stream(self.device))  # the stream the upload ran on
         meta = CudaMetadata(
             backend=self.backend,
             slot_mapping=buf.slot_mapping[:tokens],

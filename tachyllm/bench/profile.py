@@ -26,13 +26,15 @@ which the profiler itself slows down (each recorded op costs a few microseconds)
 time without the profiler is reported alongside.
 
 On a CUDA device the profiler also records the device's activity: the kernels (and copies) per step
-and their summed duration, next to the step's host-side wall time. A step whose device time is far
+and their summed duration, next to the step's host-side wall time (the CUDA runtime calls it then
+records on the host are not counted as ops). A step whose device time is far
 under its wall time is bound by the host (Python, launches), not by the GPU.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 import time
 from contextlib import AbstractContextManager
@@ -89,6 +91,13 @@ def is_matmul(op_name: str) -> bool:
     name after '::'."""
     base = op_name.rsplit("::", 1)[-1]
     return base in MATMUL_OPS or "pack_mm" in base or base.endswith("_linear") or "gemv" in base
+
+
+def is_runtime_call(name: str) -> bool:
+    """The CUDA runtime and driver calls (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...)
+    and the profiler's own buffer requests that a profile with CUDA activity records on the host:
+    not ops. Their time stays in whatever encloses them, as in a profile of the CPU alone."""
+    return re.match(r"cu(da)?[A-Z]", name) is not None or name == "Activity Buffer Request"
 
 
 def is_softmax(op_name: str) -> bool:
@@ -257,6 +266,10 @@ def analyze(events, num_steps: int, device_activity: bool = False) -> StepProfil
                 us["attention"] += dur
                 if in_forward:
                     attention_in_forward_us += dur
+            continue
+        if is_runtime_call(name):  # listed with the ops by self time, counted in none of the categories
+            self_us[name] = self_us.get(name, 0.0) + e.self_cpu_time_total
+            calls[name] = calls.get(name, 0) + 1
             continue
 
         ops += 1

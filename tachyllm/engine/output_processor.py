@@ -35,8 +35,9 @@ class _SeqOutput:
     unsent: str = ""  # text not handed out yet (DELTA)
     num_sent_tokens: int = 0
     # Tokens whose text is not made yet, or None: a FINAL_ONLY sample without stop strings shows its
-    # text only at the end, so it is detokenized once then, not token by token (the same text:
-    # the detokenizer's deltas add up to the whole decode however the tokens arrive).
+    # text only at the end, so it is detokenized once then, not token by token. That is the same text
+    # (the detokenizer's deltas add up to the whole decode), except where a SentencePiece byte-fallback
+    # run holds invalid UTF-8: decoded whole, as here, each of its bytes is U+FFFD.
     deferred: list[int] | None = None
 
     @property
@@ -193,8 +194,8 @@ class OutputProcessor:
         completions = []
         for seq, out in zip(req.seqs, state.seqs):
             if out.deferred:
-                out.add_text(out.detokenizer.add_tokens(out.deferred))
-                out.deferred.clear()
+                tokens, out.deferred = out.deferred, []  # taken first: a failure here is not repeated
+                out.add_text(out.detokenizer.add_tokens(tokens))
             reason, stop_reason = ("error", None) if error is not None else (seq.finish_reason, seq.stop_reason)
             done = finished or seq.is_finished
             if state.kind is RequestOutputKind.DELTA:

@@ -44,7 +44,8 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device, seed: int):
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
+        # An end-of-sequence id outside the sampled vocabulary can never be drawn: nothing to mask or allow.
+        self.eos_token_ids = [t for t in eos_token_ids if 0 <= t < vocab_size]
         self.device = device
         # Noise for requests without their own seed: one engine-wide stream, reproducible per engine seed.
         self.generator = torch.Generator(device=device)
