@@ -9,7 +9,7 @@
 #   OUT=/some/dir benchmarks/gpu_check.sh                     # from the repository root, ~9.5 minutes
 #   GPU_CHECK_SECONDS=300 GPU_TEST_ARGS="-n 4" GPU_BENCH_ARGS="--models llama3-8b" benchmarks/gpu_check.sh
 #
-# Files under $OUT: env.txt (GPU, versions, importable modules), test_cuda.log and test_cuda.xml,
+# Files under $OUT: wheels.log, env.txt (GPU, versions, importable modules), test_cuda.log and test_cuda.xml,
 # gpu_bench.log, gpu_bench.md (the benchmark's one result file: tables, then JSON), summary.txt.
 set -u
 cd "$(dirname "$0")/.."
