@@ -332,6 +332,7 @@ def test_padded_decode_step_equals_unpadded(tiny_model_factory):
     assert ids.shape == (12,) and meta.block_tables.shape == (4, 6)
     assert meta.slot_mapping[4:].tolist() == [-1] * 8 and meta.query_start.tolist() == [0, 1, 4, 4, 4]
     assert meta.seq_lens.tolist() == [11, 8, 0, 0]
+    assert meta.block_tables[:, :3].tolist() == [ta, tb + [0], [0] * 3, [0] * 3]
     torch.testing.assert_close(padded[:4], unpadded, rtol=1e-5, atol=1e-5)
     # The padded step wrote the same K/V as the unpadded one, and nothing else.
     written = [c.clone() for kv in runner.kv_caches for c in kv]
@@ -344,6 +345,9 @@ def test_padded_decode_step_equals_unpadded(tiny_model_factory):
         again[2].query_start.tolist() == [0, 1, 1, 1, 1]
         and again[2].slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()
     )
+    # The tables go up packed to the step's width and are spread into the graph's buffer: the used
+    # columns hold this step's tables (padding sequences zeros), whatever a wider step left after them.
+    assert again[2].block_tables[:, :2].tolist() == [tb, [0, 0], [0, 0], [0, 0]]
     with pytest.raises(ValueError, match="decode-only"):
         builder.prepare(prefill, pad_to=4)
     with pytest.raises(ValueError, match="cannot pad 2 sequences to 1"):
