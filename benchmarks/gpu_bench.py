@@ -95,6 +95,20 @@ VARIANTS = [("fp8 KV cache", {"kv_cache_dtype": "fp8"}), ("int4 weights", {"quan
             ("2048-token steps", {"max_num_batched_tokens": 2048})]  # fmt: skip
 
 
+def variant_key(name: str) -> str:
+    """A variant's name as --variants matches it: case and dashes for spaces (for shells) do not matter."""
+    return name.strip().lower().replace("-", " ")
+
+
+def chosen_variants(names: str) -> set[str]:
+    """--variants as a set of variant keys; a misspelt name is an argument error, not a silent skip."""
+    chosen = {variant_key(v) for v in names.split(",") if v.strip()}
+    if unknown := chosen - {variant_key(t) for t, _ in VARIANTS}:
+        names = [t for t, _ in VARIANTS]
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {sorted(unknown)}: choose from {names}")
+    return chosen
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -118,7 +132,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--time-budget", type=float, default=360.0, help="seconds; phases predicted to overrun are skipped")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers phases")
     ap.add_argument("--skip-variants", action="store_true", help="no variants (fp8 / int4, larger steps)")
-    ap.add_argument("--variants", default=None, help=f"comma list of variants to run, of {[t for t, _ in VARIANTS]}")
+    ap.add_argument("--variants", type=chosen_variants, default=None,
+                    help=f"comma list of variants to run, of {[t for t, _ in VARIANTS]}")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -573,9 +588,8 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
         estimate = 30.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0) * args.serve_prompts / n
         bench.phase(f"{model}/served", lambda: served(directory, args, args.serve_prompts, args.seed + 7), estimate)
     if not args.skip_variants:
-        chosen = chosen_variants(args.variants)
         for i, (tag, overrides) in enumerate(VARIANTS):
-            if chosen is not None and variant_key(tag) not in chosen:
+            if args.variants is not None and variant_key(tag) not in args.variants:
                 continue
             estimate = 20.0 + (bench.get(f"{model}/bf16/batch", "seconds") or 0.0)
             if estimate > bench.left():
@@ -586,22 +600,7 @@ def run_model(bench: Bench, model: str, directory: Path) -> None:
         bench.phase(f"{model}/vllm", lambda: vllm_phases(directory, args, p), 60.0)
 
 
-def variant_key(name: str) -> str:
-    """A variant's name as --variants matches it: case and dashes for spaces (for shells) do not matter."""
-    return name.strip().lower().replace("-", " ")
-
-
-def chosen_variants(names: str | None) -> set[str] | None:
-    if names is None:
-        return None
-    chosen = {variant_key(v) for v in names.split(",") if v.strip()}
-    if unknown := chosen - {variant_key(t) for t, _ in VARIANTS}:
-        raise SystemExit(f"unknown variant(s) {sorted(unknown)}: choose from {[t for t, _ in VARIANTS]}")
-    return chosen
-
-
 def run(bench: Bench) -> None:
-    chosen_variants(bench.args.variants)  # a misspelt variant fails here, not silently later
     models = [m.strip() for m in bench.args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
     if unknown:

@@ -15,7 +15,8 @@ quant:     the C++ block kernels (kernels/csrc/quant_gemv.cpp; 16- and 8-bit act
 kquant:    the C++ block kernels on each GGUF block type a Q4_K_M file holds (Q4_K, Q5_K, Q6_K,
            Q5_0, Q8_0; Q4_1 for reference) vs the engine's bf16 linear (PackedLinear) on the
            dequantized weight, at Qwen2.5-1.5B's shapes (gate_up 17920 x 1536, down 1536 x 8960)
-           and 1 / 16 / 64 rows, weights from DRAM as in quant. GB/s = tile bytes / time.
+           and 1 / 5 (a 4-draft verification) / 16 / 64 rows, weights from DRAM as in quant. GB/s = tile
+           bytes / time.
 sampling:  drawing a token per row from 64 x 49,152 probabilities: the sampler's CDF inversion vs
            the exponential race it replaced.
 bf16:      the C++ bf16 matrix-vector kernel (kernels/csrc/bf16_gemv.cpp) vs the oneDNN-prepacked
@@ -228,7 +229,7 @@ def bench_kquant() -> None:
             raw = torch.from_numpy(rng.integers(0, 0x3C, (out_f, in_f // block * size), dtype=np.uint8))
             tiles = _copies(ops.quant_pack_gguf(int(kind), raw, in_f))
             layout = torch.tensor([[int(kind), out_f]])
-            for rows in (1, 16, 64):
+            for rows in (1, 5, 16, 64):
                 x = torch.randn(rows, in_f, dtype=torch.bfloat16)
                 calls = 50 if rows == 1 else 10
                 t16, t8 = (

@@ -267,14 +267,11 @@ def analyze(events, num_steps: int, device_activity: bool = False) -> StepProfil
                 if in_forward:
                     attention_in_forward_us += dur
             continue
-        if is_runtime_call(name):  # listed with the ops by self time, counted in none of the categories
-            self_us[name] = self_us.get(name, 0.0) + e.self_cpu_time_total
-            calls[name] = calls.get(name, 0) + 1
-            continue
-
-        ops += 1
         self_us[name] = self_us.get(name, 0.0) + e.self_cpu_time_total
         calls[name] = calls.get(name, 0) + 1
+        if is_runtime_call(name):  # listed with the ops by self time, counted in none of the categories
+            continue
+        ops += 1
         if inside_op:
             continue
         top_level += 1

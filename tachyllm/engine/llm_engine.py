@@ -29,7 +29,7 @@ from tachyllm.runner import cuda_graphs, kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
-from tachyllm.sampling_params import RequestOutputKind, SamplingParams
+from tachyllm.sampling_params import SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
 
 logger = logging.getLogger("tachyllm")
@@ -398,8 +398,6 @@ class LLMEngine:
         """The request's output for this step (None: it asked for its final output only); a request
         whose output cannot be made fails alone."""
         finished = req.finished
-        if not finished and req.params.output_kind is RequestOutputKind.FINAL_ONLY:
-            return None
         if finished:
             req.metrics.finished_time = now
         try:

@@ -139,57 +139,49 @@ class Sampler:
         return torch.rand(count, generator=seq.generator or self.generator, device=self.device)
 
     def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
-        rows, cols = [], []
+        vocab, flat = logits.shape[1], []  # flat (row * vocab + token) indices, as in the methods below
         for i, s in enumerate(seqs):
             if s.num_output_tokens < s.params.min_tokens:
                 stop_ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
                     stop_ids += self.eos_token_ids
-                rows += [i] * len(stop_ids)
-                cols += stop_ids
-        if rows:
+                flat += [i * vocab + t for t in stop_ids]
+        if flat:
             # index_fill takes the value as a scalar argument: indexed assignment of a Python float would
             # copy it to the device as a tensor, which waits for the device.
-            vocab = logits.shape[1]
-            flat = to_device([r * vocab + c for r, c in zip(rows, cols)], torch.long, logits.device)
-            logits = logits.flatten().index_fill(0, flat, float("-inf")).view(logits.shape)
+            index = to_device(flat, torch.long, logits.device)
+            logits = logits.flatten().index_fill(0, index, float("-inf")).view(logits.shape)
         return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
-        rows, cols, values = [], [], []
+        dev, vocab = logits.device, logits.shape[1]
+        flat, values = [], []
         for i, s in enumerate(seqs):
             for token, bias in (s.params.logit_bias or {}).items():
-                rows.append(i)
-                cols.append(token)
+                flat.append(i * vocab + token)
                 values.append(bias)
-        dev, vocab = logits.device, logits.shape[1]
         # scatter_add over flat indices: index_put with accumulate=True checks its indices' range on the
         # host (a device sync on a GPU); a token id past the vocabulary was refused with the request.
-        flat = to_device([r * vocab + c for r, c in zip(rows, cols)], torch.long, dev)
-        return logits.reshape(-1).scatter_add(0, flat, to_device(values, logits.dtype, dev)).view(logits.shape)
+        index = to_device(flat, torch.long, dev)
+        return logits.reshape(-1).scatter_add(0, index, to_device(values, logits.dtype, dev)).view(logits.shape)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         n, vocab, dev = len(seqs), logits.shape[1], logits.device
-        # Two transfers: the three penalties per row, then the (row, token) pairs of outputs and of history.
+        # Two transfers: the three penalties per row, then the flat (row * vocab + token) indices of
+        # outputs and of history, scattered (see _apply_logit_bias: no index_put here).
         values = [s.params.repetition_penalty for s in seqs] + [s.params.presence_penalty for s in seqs]
         values += [s.params.frequency_penalty for s in seqs]
         penalties = to_device(values, torch.float32, dev).view(3, n, 1)
         rep, pres, freq = penalties[0], penalties[1], penalties[2]
-        out_rows, out_ids, all_rows, all_ids = [], [], [], []
+        out_flat, all_flat = [], []
         for i, s in enumerate(seqs):
-            ids = [t for t in s.output_token_ids if t < vocab]
-            out_rows += [i] * len(ids)
-            out_ids += ids
-            ids = [t for t in s.token_ids if t < vocab]
-            all_rows += [i] * len(ids)
-            all_ids += ids
-        # Flat (row * vocab + token) indices, scattered (see _apply_logit_bias: no index_put here).
-        flat = [r * vocab + t for r, t in zip(out_rows, out_ids)] + [r * vocab + t for r, t in zip(all_rows, all_ids)]
-        flat = to_device(flat, torch.long, dev)
-        out_flat, all_flat = flat[: len(out_ids)], flat[len(out_ids) :]
-        out_counts = torch.zeros(n * vocab, device=dev).scatter_add_(0, out_flat, torch.ones(len(out_ids), device=dev))
+            out_flat += [i * vocab + t for t in s.output_token_ids if t < vocab]
+            all_flat += [i * vocab + t for t in s.token_ids if t < vocab]
+        index = to_device(out_flat + all_flat, torch.long, dev)
+        outputs, history = index[: len(out_flat)], index[len(out_flat) :]
+        out_counts = torch.zeros(n * vocab, device=dev).scatter_add_(0, outputs, torch.ones(len(out_flat), device=dev))
         out_counts = out_counts.view(n, vocab)
-        seen = torch.zeros(n * vocab, dtype=torch.bool, device=dev).scatter_(0, all_flat, True).view(n, vocab)
+        seen = torch.zeros(n * vocab, dtype=torch.bool, device=dev).scatter_(0, history, True).view(n, vocab)
         # Repetition penalty (over prompt and output) divides positive logits and multiplies negative ones.
         # Any penalty > 0 is valid, but one below float32's range is 0 here (0 / 0 is NaN), and a tiny or
         # huge one overflows: the penalty is kept in range and the result finite, within a bound that
