@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +27,13 @@ from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.outputs import DeltaAccumulator, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
+
+# The engine thread lets go of the GIL in every tensor op and must win it back after each one. While
+# another thread of this process holds it (a /tokenize answer of a million ids being written, a long
+# detokenization), each win-back waits out the interpreter's switch interval, 5 ms by default, so a
+# step of a few hundred ops stalled for as long as that thread worked. At 0.5 ms the stall is a tenth
+# (measurements: docs/benchmarks.md "Tokenizing off the event loop").
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -165,6 +173,7 @@ class AsyncEngine:
         self._abandoned = False  # abandon() answered every stream: the loop delivers nothing more
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(build_engine, built), name="tachy-engine", daemon=True)

@@ -118,14 +118,14 @@ def usage(prompts: list[Prompt], num_output_tokens: int) -> p.UsageInfo:
 
 def json_object(fields: dict, **long_lists: list | None) -> str:
     """A JSON object of `fields` and long lists, written a slice at a time: a serializer holds the
-    GIL until it is done (~0.1 s for a million ids), while between slices other threads, the event
-    loop's among them, get their turn."""
+    GIL until it is done (~0.1 s for a million ids, 0.3 ms for a slice of 4096), while between
+    slices other threads, the event loop's and the engine's among them, get their turn."""
     parts = [json.dumps(fields)[:-1]]
     for name, items in long_lists.items():
         if items is None:
             parts.append(f', "{name}": null')
             continue
-        step = 1 << 14
+        step = 1 << 12
         slices = (json.dumps(items[i : i + step])[1:-1] for i in range(0, len(items), step))
         parts.append(f', "{name}": [' + ", ".join(slices) + "]")
     return "".join(parts) + "}"
