@@ -20,7 +20,13 @@ from tachyllm.outputs import RequestMetrics, StepStats
 from tachyllm.runner import kv_cache
 from tachyllm.sampling import verify as rejection
 from tachyllm.sampling.sampler import Sampler
-from tachyllm.spec_decode.adaptive import PROBE_INTERVAL, REFRESH_INTERVAL, AdaptiveController
+from tachyllm.spec_decode.adaptive import (
+    EARLY_DRAFTS,
+    EARLY_PROBE_INTERVAL,
+    PROBE_INTERVAL,
+    REFRESH_INTERVAL,
+    AdaptiveController,
+)
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import SamplingInput, ScheduledSeq
@@ -463,6 +469,54 @@ def test_adaptive_controller_speculates_only_where_it_pays():
     # Probes that keep finding no gain come less and less often.
     more = [big.choose(32, 32, 32, 32) for _ in range(8 * PROBE_INTERVAL)]
     assert [i for i, k in enumerate(more) if k] == [2 * PROBE_INTERVAL - 1, 6 * PROBE_INTERVAL]  # gaps 2x, 4x
+
+
+def test_adaptive_controller_measures_the_next_larger_step_it_could_take():
+    """A verification costs less than linearly more per token (a CPU's memory-bound step), but a size
+    never measured is judged by a linear bound: without trying k + 1 now and then the controller
+    would stay at the k of its probes for good."""
+    cost = {1: 0.025, 2: 0.033, 3: 0.040, 4: 0.045, 5: 0.052}  # session 17's 1.5B at 16-bit activations
+    c = AdaptiveController(max_k=4)
+    for n in (1, 3):
+        c.step_costs.observe(StepShape(n), cost[n])
+    c.record_proposal(2, 0.007)
+    c.record_proposal(1, 0.0065)
+    for _ in range(30):
+        c.record_acceptance(2, 2 if _ % 7 else 1)  # ~0.85 per position
+    chosen = []
+    for _ in range(4 * REFRESH_INTERVAL):
+        k = c.choose(1, 1, 1, 1)
+        chosen.append(k)
+        c.step_costs.observe(StepShape(1 + k), cost[1 + k])
+    half = REFRESH_INTERVAL // 2
+    assert chosen[: half - 1] == [2] * (half - 1)
+    # Size 4 is measured once and k = 3 pays from then on; size 5 (k = 4) is measured and found not to
+    # pay, and is measured again once per interval, as the plain step is.
+    assert chosen[half - 1] == 3
+    for start in range(half, len(chosen) - REFRESH_INTERVAL + 1, REFRESH_INTERVAL):
+        interval = chosen[start : start + REFRESH_INTERVAL]
+        assert sorted(interval) == [0] + [3] * (REFRESH_INTERVAL - 2) + [4], interval
+
+
+def test_adaptive_controller_probes_often_until_it_has_seen_some_drafts():
+    """An acceptance estimate still at its prior must not keep speculation off for PROBE_INTERVAL
+    steps at a time: probes come every EARLY_PROBE_INTERVAL steps until EARLY_DRAFTS first-position
+    drafts were judged, then at the usual, growing intervals."""
+    c = AdaptiveController(max_k=4)
+    for n in range(1, 6):
+        c.step_costs.observe(StepShape(n), 0.010 * (1 + 0.5 * (n - 1)))  # pays only if nearly all accepted
+    c.record_proposal(2, 0.001)
+    c.record_proposal(1, 0.001)
+    probes = []
+    for step in range(EARLY_DRAFTS * EARLY_PROBE_INTERVAL + 2 * PROBE_INTERVAL):
+        if c.choose(1, 1, 1, 1):
+            assert c.probing
+            probes.append(step)
+            c.record_acceptance(2, 0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    early = gaps.index(PROBE_INTERVAL + 1)  # (the counts decay, so a few more than EARLY_DRAFTS probes)
+    assert EARLY_DRAFTS - 1 <= early <= EARLY_DRAFTS + 2 and gaps[:early] == [EARLY_PROBE_INTERVAL + 1] * early
+    assert gaps[early:] == [PROBE_INTERVAL + 1]
 
 
 def test_ngram_lookups_are_skipped_while_speculation_cannot_pay():

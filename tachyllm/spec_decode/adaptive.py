@@ -13,11 +13,13 @@ is high; at large batches the forward is compute bound and k falls to 0.
 Step costs come from the engine's own measurements, kept per step-size bucket and interpolated
 between measured sizes; outside the measured range they are bounded on the side that argues
 against speculating. While speculation is off, a probe runs after PROBE_INTERVAL steps (then
-after twice as many, and so on while probes keep finding it does not pay) so acceptance estimates
+after twice as many, and so on while probes keep finding it does not pay; every
+EARLY_PROBE_INTERVAL steps while acceptance has hardly been measured) so acceptance estimates
 stay current; while it is on, a plain step runs every REFRESH_INTERVAL steps so the baseline
-does too. Probes involve a single sequence: for a draft model a sequence's
-first round includes prefilling its prompt, which must not be paid for a whole batch to learn
-that speculation does not pay.
+does too, and a step at k + 1 halfway between: a verification that costs less than linearly more
+per token (a CPU's) would otherwise never be measured above the size the probes try. Probes
+involve a single sequence: for a draft model a sequence's first round includes prefilling its
+prompt, which must not be paid for a whole batch to learn that speculation does not pay.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from tachyllm.core.step_cost import CostBySize, StepCostModel
 
 PROBE_INTERVAL = 64  # while off: a probe after this many steps, doubling after each probe that
 MAX_PROBE_INTERVAL = 2048  # did not turn speculation back on, up to this
-REFRESH_INTERVAL = 64  # while on: a plain step every this many steps
+REFRESH_INTERVAL = 64  # while on: a plain step every this many steps, and a step one token longer
+EARLY_PROBE_INTERVAL = 8  # while acceptance rests on fewer than EARLY_DRAFTS first-position drafts
+EARLY_DRAFTS = 8
 MIN_GAIN = 1.10  # speculate only when expected to be at least this much faster (noise margin)
 ACCEPT_PRIOR, PRIOR_WEIGHT, DECAY = 0.5, 2.0, 0.97
 
@@ -88,13 +92,17 @@ class AdaptiveController:
             # catch-up forward, a whole prompt, says nothing about the steady state).
             return self._probe(min(2, self.max_k))
         best_k = self._best_k(num_spec, num_decodes, base_tokens, base)
-        if best_k == 0 and self.steps_without_spec >= self.probe_interval:
-            self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        early = self.attempted[0] < EARLY_DRAFTS
+        if best_k == 0 and self.steps_without_spec >= (EARLY_PROBE_INTERVAL if early else self.probe_interval):
+            if not early:
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
             # Keep the acceptance and cost estimates current: a draft model's probe is short (its
             # forwards cost), an n-gram probe uses every position it may.
             return self._probe(min(2, self.max_k) if self.has_draft_model else self.max_k)
         if best_k:
             self.probe_interval = PROBE_INTERVAL
+            if best_k < self.max_k and self.steps % REFRESH_INTERVAL == REFRESH_INTERVAL // 2:
+                best_k += 1  # a size never measured is judged by a cautious bound: measure it
             return self._spec(best_k)
         return self._no_spec()
 
