@@ -89,7 +89,7 @@ def test_batched_rows_have_the_bits_of_one_row(kind, bits):
     layout = _layout((kind, out_f))
     x = torch.randn(64, in_f, generator=torch.Generator().manual_seed(bits))
     alone = torch.cat([ops.quant_gemv(x[r : r + 1], packed, layout, bits) for r in range(64)])
-    for rows in (1, 2, 3, 5, 6, 7, 9, 17, 64):  # passes of 4 rows or fewer, as equal as they can be
+    for rows in (1, 2, 3, 5, 6, 7, 9, 13, 17, 64):  # passes of 4 (Q4_K on AVX-512: 6) rows or fewer, as equal as can be
         assert torch.equal(ops.quant_gemv(x[:rows], packed, layout, bits), alone[:rows]), rows
     reference = round_activations(x, bits) @ weight.t()
     assert (alone.double() - reference).norm() / reference.norm() < EXACT_RTOL[torch.float32]

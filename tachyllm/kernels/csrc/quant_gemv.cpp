@@ -85,6 +85,19 @@ constexpr Format kFormats[] = {Format::Q4_0, Format::Q4_1, Format::Q5_0, Format:
                                Format::Q4_K, Format::Q5_K, Format::Q6_K};
 
 constexpr bool is_k(Format f) { return f == Format::Q4_K || f == Format::Q5_K || f == Format::Q6_K; }
+// Rows per pass of format F. With AVX-512's 32 vector registers a Q4_K tile holds 6 rows'
+// accumulators beside its codes: a 5-token verification in one pass instead of 3 + 2 rows. Q6_K's
+// tile, with its two scale vectors and half sums, ran 45-50% slower at 5 or 6 rows than in two
+// passes (benchmarks.md, session 18, before the tiles were noinline; not measured again); the other
+// formats were not measured at more than ROWS.
+constexpr int max_rows(Format f) {
+#ifdef QGEMV_AVX512
+  return f == Format::Q4_K ? 6 : ROWS;
+#else
+  static_cast<void>(f);
+  return ROWS;
+#endif
+}
 constexpr bool has_q5_plane(Format f) { return f == Format::Q5_0 || f == Format::Q5_K; }
 constexpr int64_t sub_blocks(Format f) { return is_k(f) ? 8 : 1; }  // 32-blocks per super-block
 constexpr int64_t super_weights(Format f) { return sub_blocks(f) * QK; }
@@ -420,9 +433,12 @@ inline void block_dot(const __m512i* w, const int8_t* x, const int8_t* x2, __m51
 // One tile (16 output rows) against R activation rows starting at r0.
 // PREFETCH is a template parameter, not a runtime flag: with the flag, the compiler laid out the
 // loop of the products that do not prefetch worse (Q6_K at 64 rows took 1.6x the time).
+// Never inlined (here and in tile_avx2): each instantiation gets registers of its own. Inlined, as
+// GCC chose to do for some of them depending on how many there were, the 16-bit Q6_K tiles ran
+// 1.4-1.5x slower (benchmarks.md, session 19).
 template <Format F, bool FINE, bool PREFETCH, int R, typename OutT>
-void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, __mmask16 mask,
-                 Output<OutT> out) {
+__attribute__((noinline)) void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0,
+                                           __mmask16 mask, Output<OutT> out) {
   constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
   __m512 acc[R];
@@ -593,7 +609,8 @@ inline void store8(c10::BFloat16* y, int64_t valid, __m256 v) {
 
 // One tile (16 output rows, as two halves of 8) against R activation rows starting at r0.
 template <Format F, bool FINE, bool PREFETCH, int R, typename OutT>
-void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0, int64_t valid, Output<OutT> out) {
+__attribute__((noinline)) void tile_avx2(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0,
+                                         int64_t valid, Output<OutT> out) {
   constexpr int64_t SUB = sub_blocks(F);
   const int64_t nb = xq.nb, k = xq.k;
   __m256 acc[R][2];
@@ -723,13 +740,17 @@ void tile_scalar(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int rows
   }
 }
 
-// One tile against `rows` (1..ROWS) activation rows starting at r0.
+// One tile against `rows` (1..max_rows(F)) activation rows starting at r0.
 template <Format F, bool FINE, bool PREFETCH, typename OutT>
 void tile(const uint8_t* w, const QuantizedRows& xq, int rows, int64_t r0, int64_t col0, int64_t valid,
           Output<OutT> out) {
+  static_assert(ROWS == 4 && max_rows(F) <= 6, "the switches below cover 1..max_rows(F) rows");
 #ifdef QGEMV_AVX512
   const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-  static_assert(ROWS == 4, "the switch below covers 1..ROWS rows");
+  if constexpr (max_rows(F) > ROWS) {
+    if (rows == 6) return tile_avx512<F, FINE, PREFETCH, 6>(w, xq, r0, col0, mask, out);
+    if (rows == 5) return tile_avx512<F, FINE, PREFETCH, 5>(w, xq, r0, col0, mask, out);
+  }
   switch (rows) {
     case 4: tile_avx512<F, FINE, PREFETCH, 4>(w, xq, r0, col0, mask, out); break;
     case 3: tile_avx512<F, FINE, PREFETCH, 3>(w, xq, r0, col0, mask, out); break;
@@ -755,10 +776,13 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* w = p.w + t * p.tile_bytes;
     const int64_t col0 = p.col0 + t * TILE, valid = std::min(TILE, p.n - t * TILE);
-    // Rows in passes of at most ROWS, as equal as they can be: 5 rows as 3 + 2, not 4 + 1, whose
-    // one-row pass decodes every code again for a single dot product (a 5-token verification step
-    // of a Q4_K_M model: 15% less time at 8-bit activations, 8% at 16).
-    const int64_t total = r_end - r_begin, passes = (total + ROWS - 1) / ROWS;
+    // Rows in passes as equal as they can be: 5 rows at 4 a pass as 3 + 2, not 4 + 1, whose one-row
+    // pass decodes every code again for a single dot product (a 5-token verification step of a
+    // Q4_K_M model: 15% less time at 8-bit activations, 8% at 16). Only small products (decodes,
+    // verifications) take max_rows(F) a pass: at 64 rows 6-row passes of Q4_K were not faster.
+    const int64_t total = r_end - r_begin;
+    const int64_t per_pass = max_rows(F) > ROWS && total <= PREFETCH_MAX_ROWS ? max_rows(F) : ROWS;
+    const int64_t passes = (total + per_pass - 1) / per_pass;
     for (int64_t g = 0, r0 = r_begin; g < passes; ++g) {
       const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
       // The first pass over a tile prefetches the next ones; later passes find this tile in cache.
