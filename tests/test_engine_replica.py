@@ -108,6 +108,9 @@ class FakeEngine:
     def busy_seconds(self) -> float:
         return self._busy
 
+    def shutdown(self, timeout: float) -> None:  # the replica's __del__ stops its engine
+        pass
+
 
 def replica(engine: FakeEngine, timeout: float) -> EngineReplica:
     r = object.__new__(EngineReplica)  # the constructor needs a Serve replica context
