@@ -517,6 +517,12 @@ def test_adaptive_controller_probes_often_until_it_has_seen_some_drafts():
     early = gaps.index(PROBE_INTERVAL + 1)  # (the counts decay, so a few more than EARLY_DRAFTS probes)
     assert EARLY_DRAFTS - 1 <= early <= EARLY_DRAFTS + 2 and gaps[:early] == [EARLY_PROBE_INTERVAL + 1] * early
     assert gaps[early:] == [PROBE_INTERVAL + 1]
+    # The same early probes for n-gram lookups, whose steps skip the lookups until a probe is due.
+    ngram = AdaptiveController(max_k=4, has_draft_model=False)
+    for n in range(1, 200):
+        ngram.step_costs.observe(StepShape(n), 0.001 * n)
+    skipped = [ngram.can_skip_proposals(32, 32, 32) for _ in range(EARLY_PROBE_INTERVAL)]
+    assert skipped.count(True) == EARLY_PROBE_INTERVAL - 1 and not skipped[-1]
 
 
 def test_ngram_lookups_are_skipped_while_speculation_cannot_pay():

@@ -92,9 +92,8 @@ class AdaptiveController:
             # catch-up forward, a whole prompt, says nothing about the steady state).
             return self._probe(min(2, self.max_k))
         best_k = self._best_k(num_spec, num_decodes, base_tokens, base)
-        early = self.attempted[0] < EARLY_DRAFTS
-        if best_k == 0 and self.steps_without_spec >= (EARLY_PROBE_INTERVAL if early else self.probe_interval):
-            if not early:
+        if best_k == 0 and self.steps_without_spec >= self._steps_between_probes():
+            if not self._early():
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
             # Keep the acceptance and cost estimates current: a draft model's probe is short (its
             # forwards cost), an n-gram probe uses every position it may.
@@ -124,7 +123,7 @@ class AdaptiveController:
         and no probe is due, so that proposing (n-gram lookups: a small but real share of a large
         batch's step; measurements: docs/design_measurements.md#n-gram-lookup-cost) can be
         skipped; the step then counts as one without speculation."""
-        if not self.adaptive or self.has_draft_model or self.steps_without_spec + 1 >= self.probe_interval:
+        if not self.adaptive or self.has_draft_model or self.steps_without_spec + 1 >= self._steps_between_probes():
             return False
         base = self.step_costs.by_size.estimate(base_tokens, high=False)
         if base is None:
@@ -137,6 +136,13 @@ class AdaptiveController:
         self.steps += 1
         self._no_spec()
         return True
+
+    def _early(self) -> bool:
+        """Acceptance still rests on a handful of drafts (mostly on its prior)."""
+        return self.attempted[0] < EARLY_DRAFTS
+
+    def _steps_between_probes(self) -> int:
+        return EARLY_PROBE_INTERVAL if self._early() else self.probe_interval
 
     def proposal_seconds(self, num_spec: int, k: int) -> float:
         """A draft model's round: a catch-up forward over what the target accepted last time
