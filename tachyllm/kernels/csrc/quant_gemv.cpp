@@ -781,7 +781,7 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
     // Q4_K_M model: 15% less time at 8-bit activations, 8% at 16). Only small products (decodes,
     // verifications) take max_rows(F) a pass: at 64 rows 6-row passes of Q4_K were not faster.
     const int64_t total = r_end - r_begin;
-    const int64_t per_pass = max_rows(F) > ROWS && total <= PREFETCH_MAX_ROWS ? max_rows(F) : ROWS;
+    const int64_t per_pass = total <= PREFETCH_MAX_ROWS ? max_rows(F) : ROWS;
     const int64_t passes = (total + per_pass - 1) / per_pass;
     for (int64_t g = 0, r0 = r_begin; g < passes; ++g) {
       const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
