@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from gguf_files import HALF_FIELDS, add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
 from test_quant_gemv import EXACT_RTOL, UNROUNDED_RTOL, round_activations
@@ -22,6 +22,7 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
+from tachyllm.quantization.apply import module_bytes
 from tachyllm.quantization.gguf_packed import GGUFLinear
 
 ops = native.native_ops()
@@ -236,10 +237,15 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
     assert model.layers[1].mlp.gate_up_proj.block_types == "Q4_0+Q4_1"
     assert all(isinstance(m, GGUFLinear) for layer in model.layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
-    # A decode step streams the tiles (~the file's bytes), not a dequantized copy (fp32 here; the
-    # fp32 embedding table, only gathered from, counts in both).
-    assert packed.weight_bytes < _engine(path).weight_bytes / 4
+    # A decode step streams the tiles (~the file's bytes), not a dequantized copy (fp32 here), and
+    # not the embedding table: the file has a head of its own, so the table is only gathered from.
     reference = _engine(path)
+    tiles = sum(module_bytes(m) for m in model.modules() if isinstance(m, GGUFLinear))
+    norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+    assert packed.weight_bytes == tiles + norms
+    fp32_elements = sum(int(t.n_elements) for t in GGUFReader(path).tensors if t.name != "token_embd.weight")
+    assert reference.weight_bytes == 4 * fp32_elements
+    assert packed.weight_bytes < reference.weight_bytes / 4
     ids = [(i * 37) % 250 + 3 for i in range(40)]
     lp, lp_ref = sequence_logprobs(packed, ids), sequence_logprobs(reference, ids)
     assert (lp.argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.95  # near-ties may flip

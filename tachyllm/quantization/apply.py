@@ -412,14 +412,10 @@ def _summarise(names: list[str]) -> str:
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:
-    """Bytes a decode step streams: parameters plus the quantized modules' buffers."""
+    """Parameters plus the quantized modules' buffers (build_model leaves out an embedding table
+    that is only gathered from)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
         if isinstance(m, Int4Linear | Int8Linear | GGUFLinear | Fp8Linear):
             total += module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters())
-    config = getattr(model, "config", None)
-    if isinstance(getattr(model, "lm_head", None), GGUFLinear) and getattr(config, "tie_word_embeddings", False):
-        # The tied table counted above as the head's weight; the head now streams its own blocks
-        # and the table is only gathered from (one row per token).
-        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return total

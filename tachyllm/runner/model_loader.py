@@ -45,7 +45,7 @@ def build_model(
         model.keep_head_rows(head_token_ids)
     model.init_rotary(max_model_len)
     # Bytes a decode step streams from memory (packing below hides parameters from the module).
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - lookup_only_bytes(model)
     if ckpt.prequantized is not None:
         # vLLM's rule: the checkpoint's quantization_config decides; --quantization may only repeat it.
         quantization = quantization or ckpt.prequantized.format.method
@@ -62,7 +62,7 @@ def build_model(
             model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels,
             ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
-        weight_bytes = quantized_weight_bytes(model)
+        weight_bytes = quantized_weight_bytes(model) - lookup_only_bytes(model)
     if device.type == "cpu":
         bf16_kernels = backend.bf16_linear_kernels()
         if packing_available(dtype, bf16_kernels):
@@ -70,3 +70,12 @@ def build_model(
     if fuse_layers:
         model.fuse_layers(backend)
     return model.eval(), weight_bytes
+
+
+def lookup_only_bytes(model: LlamaForCausalLM) -> int:
+    """The embedding table's bytes when the LM head has weights of its own (untied, quantized from the
+    table, or cut to a shortlist): a decode step then reads one row of the table per token."""
+    table = model.embed_tokens.weight
+    if getattr(model.lm_head, "weight", None) is table:
+        return 0
+    return table.numel() * table.element_size()
