@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tachyllm import SamplingParams
-from tachyllm.sampling.sampler import Sampler
+from tachyllm.sampling.sampler import BLOCK, Sampler, greedy_tokens, invert_cdf
 
 VOCAB = 8
 
@@ -86,6 +86,76 @@ def test_top_k_top_p_min_p_masks():
     assert set(draw(logits, SamplingParams(min_p=0.2)).nonzero().flatten().tolist()) == {0, 1, 2}
     # top_p keeps at least the top token however small p is.
     assert set(draw(logits, SamplingParams(top_p=0.01)).nonzero().flatten().tolist()) == {0}
+
+
+@pytest.mark.parametrize("vocab", [7, BLOCK, 3 * BLOCK + 5])
+def test_greedy_tokens_are_argmax_with_its_ties(vocab):
+    """The two-level search answers as torch.argmax does: the first of tied maxima (here across block
+    boundaries too), a row of -inf, a NaN taken as the largest."""
+    torch.manual_seed(0)
+    logits = torch.randint(-3, 4, (6, vocab)).float()  # many ties
+    logits[1] = float("-inf")
+    logits[2, -1] = float("nan")
+    logits[3, vocab // 2] = 9.0
+    logits[3, -1] = 9.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    padded = torch.cat([logits, torch.full((6, 3), 99.0)], dim=1)[:, :vocab]  # a column slice, as the sampler takes
+    assert torch.equal(greedy_tokens(padded), logits.argmax(dim=-1))
+
+
+def test_inverted_cdf_is_the_whole_rows_cdf():
+    """In float64 (block sums exact to rounding) the two-level draw picks, for every uniform, the token
+    that one CDF over the whole row picks; zero blocks, zero tokens at block edges and the tail block
+    included, and uniforms at 0 and just below 1."""
+    torch.manual_seed(1)
+    vocab = 3 * BLOCK + 300
+    probs = torch.rand(4, vocab, dtype=torch.float64) ** 4
+    probs[0, BLOCK : 2 * BLOCK] = 0  # a whole block of zeros
+    probs[1, BLOCK - 3 : BLOCK + 3] = 0  # zeros across an edge
+    probs[2, :] = 0
+    probs[2, [5, BLOCK, vocab - 1]] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # three tokens only
+    probs[3, 3 * BLOCK :] = 0  # the tail block empty
+    probs[3, 3 * BLOCK - 1] = 0
+    cdf = probs.cumsum(dim=-1)
+    last_positive = torch.tensor([max(row.nonzero().flatten().tolist()) for row in probs])
+    uniforms = torch.cat([torch.tensor([0.0, 1 - 2**-53]), torch.rand(2000, dtype=torch.float64)])
+    for u in uniforms.split(4):
+        u = u.repeat(4)[:4] if len(u) < 4 else u
+        past = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        assert torch.equal(invert_cdf(probs, u), torch.minimum(past, last_positive))
+    drawn = torch.cat([invert_cdf(probs[2:3], u.reshape(1)) for u in uniforms[:300]])
+    assert set(drawn.tolist()) == {5, BLOCK, vocab - 1}
+
+
+def test_no_zero_probability_token_at_block_ends():
+    """float32 probabilities whose block sums round: uniforms at the very end of each block and of the row
+    still land on tokens of positive probability."""
+    vocab = 2 * BLOCK + 10
+    probs = torch.zeros(3, vocab)
+    probs[:, BLOCK - 1] = 1e-3
+    probs[:, 10] = 0.3
+    probs[:, BLOCK + 7] = 0.7 + 1e-7
+    probs[:, 2 * BLOCK + 2] = 1e-30
+    u = torch.tensor([1 - 2**-53, 0.3 / (1.0 + 1e-3), 0.0], dtype=torch.float64)
+    tokens = invert_cdf(probs, u)
+    assert all(probs[i, t] > 0 for i, t in enumerate(tokens.tolist())), tokens
+
+
+def test_sampling_over_blocks_follows_softmax():
+    """Chi-square of draws over a vocabulary of several blocks and a tail: the mass sits in tokens spread
+    across the blocks."""
+    vocab = 3 * BLOCK + 17
+    hot = [3, BLOCK - 1, BLOCK, 2 * BLOCK + 500, vocab - 1]
+    logits = torch.full((vocab,), -30.0)
+    logits[hot] = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.8])
+    sampler = Sampler(vocab, eos_token_ids=[0], device=torch.device("cpu"), seed=0)
+    n = 4000
+    tokens = torch.tensor(sampler(logits.repeat(n, 1), [row(SamplingParams(temperature=1.0))] * n).token_ids)
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert counts.sum() == counts[hot].sum()  # the rest has probability ~1e-13 each
+    expected = torch.softmax(logits, dim=0)[hot] * n
+    chi2 = ((counts[hot] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 18.5, (counts[hot], expected)  # 4 degrees of freedom, p = 0.001
 
 
 def test_penalties_change_greedy_choice():

@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from tachyllm.config import EngineConfig
+from tachyllm.host_malloc import keep_freed_memory, use_one_arena
 
 
 @dataclass
@@ -83,6 +84,7 @@ def _start(spec: WorkerSpec, conn: Connection):
     from tachyllm.runner.model_runner import ModelRunner
 
     config = spec.config
+    use_one_arena()
     if spec.cpus is not None:
         os.sched_setaffinity(0, spec.cpus)
     torch.set_num_threads(spec.threads)
@@ -93,6 +95,7 @@ def _start(spec: WorkerSpec, conn: Connection):
     backend = create_backend(config.backend, device)
     plan = ShardPlan(ckpt.config, spec.rank, spec.size)
     model, _ = build_rank_model(ckpt, plan, group, config, backend, spec.max_model_len)
+    keep_freed_memory()
     conn.send(("loaded",))
     num_blocks = conn.recv()
     caches = backend.allocate_kv_cache(plan.config, num_blocks, config.block_size, config.resolve_dtype())

@@ -19,6 +19,7 @@ from tachyllm.engine.input_processor import InputLimits, InputProcessor, Process
 from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import EngineCorruptedError, RequestError, WorkerError
+from tachyllm.host_malloc import keep_freed_memory, use_one_arena
 from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import Checkpoint, load_checkpoint
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
@@ -52,6 +53,7 @@ class EngineSnapshot:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        use_one_arena()
         torch.set_num_threads(config.threads or default_threads())
         self.device = torch.device(config.device)
         self.dtype = config.resolve_dtype()
@@ -81,6 +83,7 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
+        keep_freed_memory()
 
     def _build(self, config: EngineConfig, ckpt: Checkpoint, t0: float) -> None:
         mc = self.model_config

@@ -24,6 +24,8 @@ from tachyllm.step import LogprobInfo, SamplingInput
 # The largest penalised logit: divided by the smallest sampling temperature it is still 10x below
 # float32's largest value, so a softmax over such logits stays finite.
 PENALISED_LIMIT = torch.finfo(torch.float32).max * GREEDY_TEMPERATURE / 10
+# Tokens per block of the two-level searches over a row of logits (greedy_tokens, invert_cdf).
+BLOCK = 1024
 
 
 @dataclass
@@ -57,11 +59,13 @@ class Sampler:
         num_logprobs = [s.params.logprobs for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
         logits = self.process(logits, seqs)
-        tokens = logits.argmax(dim=-1)
-        if not all(s.params.greedy for s in seqs):
-            sampled = self.draw(self.probs(logits, seqs), seqs)
-            is_greedy = to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
-            tokens = torch.where(is_greedy, tokens, sampled)
+        greedy = [s.params.greedy for s in seqs]
+        if all(greedy):
+            tokens = greedy_tokens(logits)
+        else:
+            tokens = self.draw(self.probs(logits, seqs), seqs)
+            if any(greedy):
+                tokens = torch.where(to_device(greedy, torch.bool, logits.device), greedy_tokens(logits), tokens)
         rows = logprob_rows(raw_logprobs, tokens, num_logprobs) if raw_logprobs is not None else [None] * len(seqs)
         return SampleResult(tokens.tolist(), rows)
 
@@ -101,8 +105,8 @@ class Sampler:
         top-k / top-p and min-p (greedy rows are treated as temperature 1)."""
         dev = logits.device
         temperature = [1.0 if s.params.greedy else s.params.temperature for s in seqs]
-        temperature = to_device(temperature, torch.float32, dev).unsqueeze(1)
-        logits = logits / temperature
+        if any(t != 1.0 for t in temperature):
+            logits = logits / to_device(temperature, torch.float32, dev).unsqueeze(1)
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
         if any(k != -1 for k in top_k) or any(p < 1 for p in top_p):
@@ -115,11 +119,10 @@ class Sampler:
         return probs
 
     def draw(self, probs: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
-        """One token per row from (unnormalised) probs: the row's CDF inverted at one uniform from
-        the row's own noise stream (the engine's for unseeded rows). One random number per row: a
-        [rows, vocab] tensor of exponential noise cost more than the rest of a decode step's
-        sampling (measurements: docs/design_measurements.md#sampling-noise). The CDF is summed in
-        float64 so that rounding cannot shift even the rarest token's share noticeably."""
+        """One token per row from (unnormalised) probs, by inverting the row's CDF at one uniform
+        from the row's own noise stream (the engine's for unseeded rows). One random number per row:
+        a [rows, vocab] tensor of exponential noise cost more than the rest of a decode step's
+        sampling (measurements: docs/design_measurements.md#sampling-noise)."""
         dev = probs.device
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
@@ -129,10 +132,7 @@ class Sampler:
         u = torch.cat(parts)
         if seeded and unseeded:  # each row's uniform to its place
             u = torch.empty_like(u).index_copy_(0, to_device(unseeded + seeded, torch.long, dev), u)
-        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
-        # The first token whose cumulative share exceeds u * total: never one of probability 0.
-        target = (u * cdf[:, -1]).unsqueeze(1)
-        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        return invert_cdf(probs, u)
 
     def uniform(self, count: int, seq: SamplingInput) -> torch.Tensor:
         """count uniforms in [0, 1) from the sequence's own stream (or the engine's)."""
@@ -215,6 +215,58 @@ def logprob_rows(
             kept = [(int(t), lp) for t, lp in top if lp != float("-inf")]  # a grammar forbade them
             rows[i] = (h[0], int(h[1]), [t for t, _ in kept], [lp for _, lp in kept])
     return rows
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of [rows, vocab], the index of the first largest value: torch.argmax's answer (NaN
+    taken as the largest, as there), found among the maxima of blocks of BLOCK first, then in the
+    block holding the row's maximum. aten's argmax over each whole row took 7.3 ms for 64 rows of a
+    262k vocabulary, this 1.8 (docs/design_measurements.md#sampling-over-a-large-vocabulary)."""
+    rows, vocab = logits.shape
+    whole = vocab - vocab % BLOCK
+    maxima = logits[:, :whole].reshape(rows, -1, BLOCK).amax(dim=-1)
+    if whole < vocab:
+        maxima = torch.cat([maxima, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    block = maxima.argmax(dim=-1)
+    columns = (block.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=logits.device)).clamp(max=vocab - 1)
+    return block * BLOCK + logits.gather(1, columns).argmax(dim=-1)
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative share of the row's total exceeds u (one float64
+    uniform per row): never a token of probability 0. In two levels, so that no [rows, vocab] float64
+    CDF is built (its cumulative sum and its memory were most of a 64-row step's sampling at a
+    262k vocabulary: docs/design_measurements.md#sampling-over-a-large-vocabulary): a block of BLOCK tokens is drawn by
+    its float32 sum, then a token within it by its float64 CDF at the uniform's remainder. A token's
+    chance is its probability times (block sum as summed in float32) / (block sum exactly), within
+    float32 rounding of its own share however rare it is (one float64 CDF over the whole row, which
+    this replaces, kept that too; a float32 one would not)."""
+    rows, vocab = probs.shape
+    whole = vocab - vocab % BLOCK
+    sums = probs[:, :whole].reshape(rows, -1, BLOCK).sum(dim=-1)
+    if whole < vocab:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    block, remainder = _first_past(sums, u)
+    columns = block.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=probs.device)
+    inside = columns < vocab
+    shares = torch.where(inside, probs.gather(1, columns.clamp(max=vocab - 1)), 0.0)
+    offset, _ = _first_past(shares, remainder)
+    return block * BLOCK + offset
+
+
+def _first_past(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of non-negative weights [rows, n]: the first index whose cumulative (float64) sum
+    exceeds u times the row's total, and how far into that index's weight the point falls (in [0, 1),
+    a uniform of its own for a further draw). Rounding can put the point at the very end: the last
+    index of positive weight is taken then."""
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
+    point = u * cdf[:, -1]
+    index = torch.searchsorted(cdf, point.unsqueeze(1), right=True).squeeze(1)
+    last_positive = weights.shape[1] - 1 - (weights.flip(1) > 0).to(torch.uint8).argmax(dim=1)
+    index = torch.minimum(index, last_positive)
+    before = torch.where(index > 0, cdf.gather(1, (index - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    weight = weights.gather(1, index.unsqueeze(1)).squeeze(1).double()
+    return index, ((point - before) / weight).clamp(0.0, 1.0 - 2**-53)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

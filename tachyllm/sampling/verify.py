@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
+from tachyllm.sampling.sampler import Sampler, greedy_tokens, logprob_rows, to_device
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.step import LogprobInfo, SamplingInput, ScheduledSeq
 
@@ -78,7 +78,7 @@ def verify(
     want_logprobs = any(s.sampling.params.logprobs is not None for s in spec)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = sampler.process(logits, rows)
-    greedy_tokens = processed.argmax(dim=-1).tolist()
+    argmaxes = greedy_tokens(processed).tolist()
     # Target distributions, only for the rows of sampling requests: row index -> row of `probs`.
     sampled = [
         r for i, s in enumerate(spec) if not s.sampling.params.greedy for r in range(first_rows[i], first_rows[i + 1])
@@ -92,7 +92,7 @@ def verify(
     for i, s in enumerate(spec):
         drafts, first, seq = s.draft_token_ids, first_rows[i], s.sampling
         if seq.params.greedy:
-            target = greedy_tokens[first : first_rows[i + 1]]
+            target = argmaxes[first : first_rows[i + 1]]
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == target[accepted]:
                 accepted += 1

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
+from tachyllm.host_malloc import use_one_arena
 from tachyllm.outputs import DeltaAccumulator, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -175,6 +176,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        # Before the engine's thread allocates anything: it then shares the main arena (host_malloc.py).
+        use_one_arena()
         built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(build_engine, built), name="tachy-engine", daemon=True)

@@ -36,7 +36,7 @@ from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
-from tachyllm.sampling.sampler import Sampler
+from tachyllm.sampling.sampler import Sampler, greedy_tokens
 from tachyllm.spec_decode.proposer import Draft, Proposer
 from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
 
@@ -273,7 +273,7 @@ class DraftModelProposer(Proposer):
         distribution under their parameters and keep it (q) for the rejection test."""
         shadows = [SamplingInput(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in shadows]
         processed = self.sampler.process(logits, shadows)
-        tokens = processed.argmax(dim=-1)
+        tokens = greedy_tokens(processed)
         if all(s.params.greedy for s in shadows):
             return tokens.tolist(), None
         dists = self.sampler.probs(processed, shadows)

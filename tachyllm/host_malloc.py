@@ -1,0 +1,71 @@
+"""glibc malloc settings for a process that runs an engine on the CPU.
+
+A decode step allocates and frees the same large tensors every step (logits: [rows, vocabulary]
+float32, 67 MB at 64 rows of Gemma 3's 262,144 tokens; the sampler's temporaries; a prefill chunk's
+activations). glibc serves every block above its mmap threshold (at most 32 MB by default) with a
+fresh mmap and unmaps it on free, so each step faults every page of those tensors in again, and a
+thread other than the main one gets its own arenas, whose heaps cannot hold a block over 64 MB at
+all. Measured: a 64-row Gemma-3-270M step spent more time in the kernel than in its matrix products
+(docs/benchmarks.md, "Page faults"). So, as engines that tell their users to preload tcmalloc or
+jemalloc get by other means: one arena for every thread, large blocks from the heap, and freed
+memory kept for reuse instead of being trimmed, from the moment the engine is built.
+
+A process whose user set malloc's own environment variables, or that runs another C library,
+is left as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+
+logger = logging.getLogger("tachyllm")
+
+# mallopt(3) parameters (malloc.h).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+
+# Larger than any tensor a step allocates; glibc takes blocks above it from mmap still.
+LARGE_BLOCK_LIMIT = 1 << 30
+USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        os.confstr("CS_GNU_LIBC_VERSION")  # glibc answers; other C libraries raise
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except (OSError, ValueError):
+        return None
+    return libc if hasattr(libc, "mallopt") else None
+
+
+def user_configured_malloc() -> bool:
+    return any(name in os.environ for name in USER_SETTINGS) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def _set(settings: tuple[tuple[int, int], ...]) -> None:
+    libc = _glibc()
+    if libc is None or user_configured_malloc():
+        return
+    refused = [name for name, value in settings if libc.mallopt(name, value) != 1]
+    if refused:
+        logger.info("glibc refused mallopt parameters %s: large step tensors may be mapped anew each step", refused)
+
+
+def use_one_arena() -> None:
+    """Every thread allocates from the main arena, whose heap holds blocks of any size. Call it before
+    the thread that will step the engine first allocates: glibc picks a thread's arena then, and
+    honours the limit only while no thread has needed an arena of its own yet."""
+    _set(((M_ARENA_MAX, 1),))
+
+
+def keep_freed_memory() -> None:
+    """From now on large blocks come from the heap and freed memory stays there for reuse. Called once
+    the engine is built, so that loading's transient tensors were mapped and returned as usual and the
+    process holds what serving needs at its peak, not what loading did."""
+    _set(((M_MMAP_THRESHOLD, LARGE_BLOCK_LIMIT), (M_TRIM_THRESHOLD, LARGE_BLOCK_LIMIT)))
