@@ -283,3 +283,48 @@ def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, capl
     assert "lm_head: lm_head.weight (F16 in the file) dequantized to torch.float32" in caplog.text
     assert not isinstance(model.layers[0].mlp.gate_up_proj, GGUFLinear)
     assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear)
+
+
+def test_layers_on_the_files_blocks_are_never_loaded_dense(tmp_path, monkeypatch):
+    """Loading leaves out the tensors of every layer that runs on the file's blocks: they are never
+    dequantized, and the model computes exactly what it computed when they were loaded first and then
+    replaced. A fused layer with one part of a type without a kernel (Q5_1) loads all its parts."""
+    import tachyllm.loading.gguf as gguf_loading
+    import tachyllm.runner.model_loader as model_loader
+
+    monkeypatch.setenv("TACHY_CACHE_DIR", "off")  # every build parses the file (no entry to read from)
+    layers = [dict(Q4_K_M_LIKE[0], ffn_up=T.Q5_1), Q4_K_M_LIKE[1]]
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", layers, head=T.Q6_K)
+    dequantized = []
+    to_torch = gguf_loading._to_torch
+
+    def recording(tensor, name, config):
+        dequantized.append(name)
+        return to_torch(tensor, name, config)
+
+    monkeypatch.setattr(gguf_loading, "_to_torch", recording)
+    packed = _engine(path, quantization="gguf")
+    matrices = {n for n in dequantized if n.endswith("_proj.weight")}
+    assert matrices == {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
+    assert "lm_head.weight" not in dequantized and "model.embed_tokens.weight" in dequantized
+    assert not isinstance(packed.model.layers[0].mlp.gate_up_proj, GGUFLinear)
+
+    dequantized.clear()
+    monkeypatch.setattr(model_loader, "gguf_layers_from_file", lambda *args: {})  # load everything, as before
+    loaded_first = _engine(path, quantization="gguf")
+    assert "lm_head.weight" in dequantized
+    ids = [(i * 37) % 250 + 3 for i in range(40)]
+    assert torch.equal(sequence_logprobs(packed, ids), sequence_logprobs(loaded_first, ids))
+
+
+def test_a_layer_left_unloaded_must_be_replaced(tmp_path, monkeypatch):
+    """If loading left out a layer that quantization then did not take from the file, its weights are
+    garbage: the build refuses to go on."""
+    import tachyllm.runner.model_loader as model_loader
+
+    layers = [dict(Q4_K_M_LIKE[0], ffn_up=T.Q5_1)]
+    path = write_mixed_gguf(tmp_path / "q5_1.gguf", layers, head=T.Q6_K)
+    keys = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+    monkeypatch.setattr(model_loader, "gguf_layers_from_file", lambda *args: {"layers.0.mlp.gate_up_proj": keys})
+    with pytest.raises(RuntimeError, match=r"not replaced by them: \['layers.0.mlp.gate_up_proj'\]"):
+        _engine(path, quantization="gguf")

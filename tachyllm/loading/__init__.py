@@ -88,9 +88,11 @@ def _load_hf(directory: Path, source: str) -> Checkpoint:
 def _guarded(weights: WeightSource, source: str) -> WeightSource:
     """Reading happens later, while the model is built; a damaged tensor must still say which file."""
 
-    def read(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(
+        select: Select | None = None, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         try:
-            yield from weights(select)
+            yield from weights(select, leave_out)
         except Exception as exc:
             raise ModelLoadError(f"cannot read weights from {source}: {_one_line(exc)}") from exc
 

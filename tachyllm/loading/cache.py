@@ -13,6 +13,8 @@ special tokens, chat template) as JSON in the file's metadata.
 - Writing happens during the first pass over the weights (the model load), tensor by tensor into
   a temporary file in the cache directory that is renamed into place once complete, so no reader
   ever sees a partial entry and no extra copy of the weights is held in memory.
+  A pass that leaves tensors out (`--quantization gguf` reads the matrices it runs packed from the
+  file's own blocks) writes nothing: most of the entry's bytes would be dequantized copies of those.
 - Anything wrong with an entry (unreadable, truncated, wrong key or layout) makes it a miss: it is
   deleted and rebuilt. Failing to write (read-only or full disk) only logs a warning.
 
@@ -134,15 +136,17 @@ def caching_weights(
     """
     state = {"started": False, "written": False}
 
-    def read(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def read(
+        select: Select | None = None, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         if state["written"]:
             cached = load(entry)
             if cached is not None:
-                yield from cached.weights(select)
+                yield from cached.weights(select, leave_out)
                 return
             state["written"] = False  # the entry vanished or broke since; the GGUF file still works
-        if state["started"]:
-            yield from weights(select)
+        if state["started"] or leave_out:  # a pass that leaves tensors out cannot write the whole entry
+            yield from weights(select, leave_out)
             return
         state["started"] = True
         writer = _Writer.open(entry, shapes, _metadata(entry, config, tokenizer, [n for n, _ in shapes]))
@@ -179,10 +183,13 @@ def _read(entry: CacheEntry) -> CachedCheckpoint:
     config = _config_from_json(meta["tachyllm.config"])
     tokenizer = Tokenizer.from_state(json.loads(meta["tachyllm.tokenizer"]))
 
-    def weights(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        select: Select | None = None, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         # Memory-mapped, copy-on-write: reading costs no copy, writing never reaches the file.
         for name in names:
-            yield name, read_part(handle, name, select)
+            if name not in leave_out:
+                yield name, read_part(handle, name, select)
 
     return CachedCheckpoint(config, tokenizer, weights)
 

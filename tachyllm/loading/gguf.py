@@ -156,11 +156,14 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> WeightSource:
     for first_of_type in {t.tensor_type: t for _, t in reversed(plan)}.values():
         _check_dequantizable(first_of_type)
 
-    def weights(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        select: Select | None = None, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         # Dequantized whole (a rank's columns cut K across quantized blocks); the checkpoint cache's
         # copy, read on later loads, is sliced as it is read.
         for name, tensor in plan:
-            yield name, select_part(select, name, _to_torch(tensor, name, config))
+            if name not in leave_out:
+                yield name, select_part(select, name, _to_torch(tensor, name, config))
 
     return weights
 

@@ -168,14 +168,17 @@ def hf_weights(
         if not tied_head and not name.endswith("rotary_emb.inv_freq") and name not in stored_packed:
             by_file.setdefault(file, []).append(name)
 
-    def weights(select: Select | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(
+        select: Select | None = None, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as handle:
                 for name in names:
-                    yield name, read_part(handle, name, select)
+                    if name not in leave_out:
+                        yield name, read_part(handle, name, select)
         for module in packed.modules if packed is not None else ():
-            if not (module == "lm_head" and config.tie_word_embeddings):
-                name = f"{module}.weight"
+            name = f"{module}.weight"
+            if not (module == "lm_head" and config.tie_word_embeddings) and name not in leave_out:
                 yield name, select_part(select, name, packed.read(module).dequantize())
 
     return weights

@@ -1,6 +1,8 @@
 """A checkpoint's weight stream: `source()` yields (name, tensor) for every tensor, `source(select)`
 only the part of each that `select` asks for, read without the rest where the format allows
-(safetensors slices: a tensor-parallel rank reads its own shard of each matrix)."""
+(safetensors slices: a tensor-parallel rank reads its own shard of each matrix), and
+`source(select, leave_out)` none of the tensors named in `leave_out`, which are not read at all (a
+GGUF file's matrices that run on the file's own blocks)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 # (tensor name, its full shape) -> the index of the part wanted (one slice per leading dimension), or
 # None for the whole tensor.
 Select = Callable[[str, tuple[int, ...]], tuple[slice, ...] | None]
-# Called as source() or source(select).
+# Called as source(), source(select) or source(select, leave_out).
 WeightSource = Callable[..., Iterator[tuple[str, torch.Tensor]]]
 
 

@@ -82,8 +82,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], unloaded: frozenset[str] = frozenset()) -> None:
+        super().load_weights(weights, unloaded)
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm):

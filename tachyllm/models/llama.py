@@ -130,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_token_ids = token_ids.to(full.device)
 
     # -- loading -----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors (canonical HF names) into the fused parameters."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], unloaded: frozenset[str] = frozenset()) -> None:
+        """Copies checkpoint tensors (canonical HF names) into the fused parameters. `unloaded`: parameters
+        the caller leaves out of `weights` on purpose (their modules are replaced before use)."""
         cfg = self.config
         q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         # checkpoint suffix -> (our suffix, row offset in the fused tensor)
@@ -169,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
                 )
             target.copy_(tensor)
             filled[name] += tensor.numel()
-        missing = [n for n, p in params.items() if filled[n] != p.numel()]
+        missing = [n for n, p in params.items() if filled[n] != p.numel() and n not in unloaded]
         if missing:
             raise ModelLoadError(
                 f"checkpoint lacks weights for: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"

@@ -22,7 +22,6 @@ from tachyllm.quantization.gguf_packed import (
     ATEN_TYPES,
     GGUFBlocks,
     GGUFLinear,
-    gguf_matrices,
     head_weight_name,
     int4_weight,
     kernel_types,
@@ -98,14 +97,15 @@ def quantize_model(
     group_size: int | None,
     skip: tuple[str, ...],
     tokenizer=None,
-    gguf_path: str | None = None,
+    gguf_blocks: dict[str, GGUFBlocks] | None = None,
     activation_bits: int = ACTIVATION_BITS,
     kernels: ModuleType | None = None,
     prequantized: PrequantizedWeights | None = None,
     matmul: ModuleType | None = None,
     shard: TensorShard | None = None,
 ) -> QuantizationResult:
-    """`kernels`: the backend's block kernels (Backend.block_kernels) that int4 / GGUF block layers pack
+    """`gguf_blocks`: for gguf, the model file's matrices as stored (gguf_packed.gguf_matrices).
+    `kernels`: the backend's block kernels (Backend.block_kernels) that int4 / GGUF block layers pack
     their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere).
     `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format).
     `matmul`: the backend's quantized matmul kernels (Backend.quantized_matmul_kernels) that int4 and
@@ -162,7 +162,7 @@ def quantize_model(
     elif method == "awq":
         replacements = _awq(model, targets, groups, tokenizer, kernels, matmul)
     elif method == "gguf":
-        replacements = _gguf(model, targets, gguf_path, result, kernels, matmul, shard)
+        replacements = _gguf(model, targets, gguf_blocks, result, kernels, matmul, shard)
     elif method == "fp8":
         replacements = {n: Fp8Linear.from_linear(model.get_submodule(n)) for n in targets}
     else:
@@ -236,7 +236,7 @@ def _awq(
 def _gguf(
     model: nn.Module,
     targets: list[str],
-    path: str | None,
+    matrices: dict[str, GGUFBlocks] | None,
     result: QuantizationResult,
     kernels: ModuleType | None,
     matmul: ModuleType | None,
@@ -255,9 +255,8 @@ def _gguf(
     per step; a Q4_K_M file's Q6_K head: 2.4x). Without the block kernels the head is dequantized,
     except that a Q4_0/Q4_1 head keeps the usual rule (skipped by default, else aten's int4 kernel).
     """
-    if path is None:
+    if matrices is None:
         raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
-    matrices = gguf_matrices(path, model.config if shard is None else shard.full)
     packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
     dtype = model.embed_tokens.weight.dtype
     head_source = head_weight_name(model.config)
@@ -274,9 +273,8 @@ def _gguf(
         result.head = f"the file's {head.qtype.name} blocks ({head_source}{shared}), C++ kernel"
     out, unpacked = {}, {}
     for name in targets:
-        keys = [head_source] if name == "lm_head" else _part_keys(name)
-        parts = [matrices.get(k) for k in keys]
-        lacking = {p.qtype.name if p else "absent" for p in parts if p is None or p.qtype not in packable}
+        parts = [matrices.get(k) for k in _file_keys(name, head_source)]
+        lacking = _lacking(parts, packable)
         if lacking:
             unpacked[name] = "+".join(sorted(lacking))
             continue
@@ -299,6 +297,38 @@ def _gguf(
             len(names), dtype, where, _summarise(names),
         )  # fmt: skip
     return out
+
+
+def gguf_layers_from_file(
+    model: nn.Module, skip: tuple[str, ...], matrices: dict[str, GGUFBlocks], kernels: ModuleType | None
+) -> dict[str, list[str]]:
+    """Before the weights are loaded: the linear layers that quantize_model's gguf path will run on the
+    file's own blocks (as _gguf decides), each with the checkpoint tensors it is made of, so that
+    loading can leave those tensors out (not dequantized, and the layers' dense weights never
+    written). A tied head's table is not among them: the embedding lookup reads it."""
+    config = model.config
+    packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
+    head_source = head_weight_name(config)
+    head = matrices.get(head_source)
+    targets, _ = select_linears(model, skip)
+    if kernels is not None and head is not None and head.qtype in packable and "lm_head" not in targets:
+        targets.append("lm_head")  # packed whatever quant_skip says (see _gguf)
+    layers = {}
+    for name in targets:
+        keys = _file_keys(name, head_source)
+        if not _lacking([matrices.get(k) for k in keys], packable) and "model.embed_tokens.weight" not in keys:
+            layers[name] = keys
+    return layers
+
+
+def _file_keys(name: str, head_source: str) -> list[str]:
+    """The file tensors a targeted module is made of: the head reads its own or the tied table."""
+    return [head_source] if name == "lm_head" else _part_keys(name)
+
+
+def _lacking(parts: list[GGUFBlocks | None], packable: frozenset) -> set[str]:
+    """Why these file tensors cannot run packed: the types (or absence) the kernels do not take."""
+    return {p.qtype.name if p else "absent" for p in parts if p is None or p.qtype not in packable}
 
 
 def _part_keys(name: str) -> list[str]:

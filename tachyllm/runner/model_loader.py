@@ -5,6 +5,7 @@ bytes a decode step streams."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from tachyllm.backends.base import Backend
 from tachyllm.errors import ConfigError
@@ -13,7 +14,8 @@ from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.quantization import quantize_model, quantized_weight_bytes
-from tachyllm.quantization.apply import TensorShard
+from tachyllm.quantization.apply import TensorShard, gguf_layers_from_file
+from tachyllm.quantization.gguf_packed import gguf_matrices
 from tachyllm.quantization.policy import parse_skip
 
 
@@ -40,7 +42,16 @@ def build_model(
     with torch.device("meta"):
         model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
     model = model.to_empty(device=device)
-    model.load_weights(ckpt.weights())
+    from_file, blocks = {}, None
+    if quantization == "gguf" and ckpt.format == "gguf":
+        blocks = gguf_matrices(ckpt.source, ckpt.config if shard is None else shard.full)
+    if blocks is not None and shard is None:
+        # Layers that will run on the file's blocks are not loaded dense first: a Q4_K_M 1.5B model's
+        # dense copy was 3.5 GB of bf16 written only to be replaced (docs/benchmarks.md, "Loading").
+        from_file = gguf_layers_from_file(model, parse_skip(quant_skip), blocks, backend.block_kernels())
+    left_out = frozenset(key for keys in from_file.values() for key in keys)
+    weights = ckpt.weights(None, left_out) if left_out else ckpt.weights()
+    model.load_weights(weights, unloaded=frozenset(f"{name}.weight" for name in from_file))
     if head_token_ids is not None:
         model.keep_head_rows(head_token_ids)
     model.init_rotary(max_model_len)
@@ -55,14 +66,16 @@ def build_model(
         raise ConfigError("quant_activation_bits applies to quantized weights; set quantization (int4, awq, gguf)")
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
-        gguf_path = ckpt.source if ckpt.format == "gguf" else None
         skip = parse_skip(quant_skip)
         kernels = backend.block_kernels()
         quantize_model(
-            model, quantization, quant_group_size, skip, ckpt.tokenizer, gguf_path, quant_activation_bits, kernels,
+            model, quantization, quant_group_size, skip, ckpt.tokenizer, blocks, quant_activation_bits, kernels,
             ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model) - lookup_only_bytes(model)
+    dense = [name for name in from_file if isinstance(model.get_submodule(name), nn.Linear)]
+    if dense:
+        raise RuntimeError(f"layers left unloaded for the GGUF blocks were not replaced by them: {dense}")
     if device.type == "cpu":
         bf16_kernels = backend.bf16_linear_kernels()
         if packing_available(dtype, bf16_kernels):
