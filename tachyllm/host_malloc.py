@@ -48,24 +48,27 @@ def user_configured_malloc() -> bool:
     return any(name in os.environ for name in USER_SETTINGS) or "malloc" in os.environ.get("GLIBC_TUNABLES", "")
 
 
-def _set(settings: tuple[tuple[int, int], ...]) -> None:
+def _set(settings: tuple[tuple[int, int], ...]) -> bool:
+    """True when glibc took every setting."""
     libc = _glibc()
     if libc is None or user_configured_malloc():
-        return
+        return False
     refused = [name for name, value in settings if libc.mallopt(name, value) != 1]
     if refused:
         logger.info("glibc refused mallopt parameters %s: large step tensors may be mapped anew each step", refused)
+    return not refused
 
 
-def use_one_arena() -> None:
+def use_one_arena() -> bool:
     """Every thread allocates from the main arena, whose heap holds blocks of any size. Call it before
-    the thread that will step the engine first allocates: glibc picks a thread's arena then, and
-    honours the limit only while no thread has needed an arena of its own yet."""
-    _set(((M_ARENA_MAX, 1),))
+    the thread that will step the engine first allocates: glibc picks a thread's arena then. Best
+    effort: glibc honours the limit only while no thread has needed an arena of its own yet, and a
+    process whose other threads already have arenas (a Ray worker's) may hand one of those on."""
+    return _set(((M_ARENA_MAX, 1),))
 
 
-def keep_freed_memory() -> None:
+def keep_freed_memory() -> bool:
     """From now on large blocks come from the heap and freed memory stays there for reuse. Called once
     the engine is built, so that loading's transient tensors were mapped and returned as usual and the
     process holds what serving needs at its peak, not what loading did."""
-    _set(((M_MMAP_THRESHOLD, LARGE_BLOCK_LIMIT), (M_TRIM_THRESHOLD, LARGE_BLOCK_LIMIT)))
+    return _set(((M_MMAP_THRESHOLD, LARGE_BLOCK_LIMIT), (M_TRIM_THRESHOLD, LARGE_BLOCK_LIMIT)))

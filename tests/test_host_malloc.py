@@ -23,14 +23,14 @@ import torch
 from tachyllm import host_malloc
 
 tuned = sys.argv[1] == "tuned"
+result = {"took": True}
 if tuned:
-    host_malloc.use_one_arena()
-result = {}
+    result["took"] = host_malloc.use_one_arena()
 
 def engine_thread():
     kept = [torch.ones(1 << 20) for _ in range(8)]
     if tuned:
-        host_malloc.keep_freed_memory()
+        result["took"] &= host_malloc.keep_freed_memory()
     for step in range(12):
         if step == 8:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -47,18 +47,21 @@ print(json.dumps(result))
 PAGES_PER_STEP = 64 * 320_000 * 4 // 4096
 
 
-def step_faults(mode: str) -> int:
+def step_faults(mode: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in host_malloc.USER_SETTINGS and k != "GLIBC_TUNABLES"}
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, timeout=120, check=True
     )
-    return json.loads(done.stdout.strip().splitlines()[-1])["faults"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(host_malloc._glibc() is None, reason="glibc malloc only")
 def test_an_engine_thread_reuses_its_large_freed_blocks():
-    assert step_faults("untuned") >= 4 * PAGES_PER_STEP  # every step maps 80 MB anew: the measurement sees it
-    assert step_faults("tuned") < PAGES_PER_STEP // 10
+    assert step_faults("untuned")["faults"] >= 4 * PAGES_PER_STEP  # every step maps 80 MB anew: measured
+    tuned = step_faults("tuned")
+    if not tuned["took"]:
+        pytest.skip("this glibc refused the settings (logged by the engine)")
+    assert tuned["faults"] < PAGES_PER_STEP // 10
 
 
 def test_malloc_settings_of_the_user_are_left_alone(monkeypatch):

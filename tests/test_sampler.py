@@ -127,6 +127,19 @@ def test_inverted_cdf_is_the_whole_rows_cdf():
     assert set(drawn.tolist()) == {5, BLOCK, vocab - 1}
 
 
+@pytest.mark.parametrize("vocab", [2 * BLOCK, 2 * BLOCK + 10])
+def test_rows_without_a_positive_share_still_give_a_token_of_the_vocabulary(vocab):
+    """NaN (an overflow upstream) or all-zero rows: some token id in range, never past the tail (as the
+    single CDF's clamp gave); and a batch of no rows gives no tokens."""
+    probs = torch.rand(3, vocab)
+    probs[0] = float("nan")
+    probs[1] = 0.0
+    tokens = invert_cdf(probs, torch.tensor([0.5, 0.999, 0.1], dtype=torch.float64))
+    assert ((tokens >= 0) & (tokens < vocab)).all(), tokens
+    assert invert_cdf(probs[:0], torch.zeros(0, dtype=torch.float64)).shape == (0,)
+    assert greedy_tokens(probs[:0]).shape == (0,)
+
+
 def test_no_zero_probability_token_at_block_ends():
     """float32 probabilities whose block sums round: uniforms at the very end of each block and of the row
     still land on tokens of positive probability."""

@@ -95,10 +95,10 @@ def _start(spec: WorkerSpec, conn: Connection):
     backend = create_backend(config.backend, device)
     plan = ShardPlan(ckpt.config, spec.rank, spec.size)
     model, _ = build_rank_model(ckpt, plan, group, config, backend, spec.max_model_len)
-    keep_freed_memory()
     conn.send(("loaded",))
     num_blocks = conn.recv()
     caches = backend.allocate_kv_cache(plan.config, num_blocks, config.block_size, config.resolve_dtype())
+    keep_freed_memory()
     conn.send(("ready",))
     return ModelRunner(model, caches, config.block_size, None, backend)
 

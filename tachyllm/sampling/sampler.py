@@ -224,7 +224,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     262k vocabulary, this 1.8 (docs/design_measurements.md#sampling-over-a-large-vocabulary)."""
     rows, vocab = logits.shape
     whole = vocab - vocab % BLOCK
-    maxima = logits[:, :whole].reshape(rows, -1, BLOCK).amax(dim=-1)
+    maxima = logits[:, :whole].reshape(rows, whole // BLOCK, BLOCK).amax(dim=-1)
     if whole < vocab:
         maxima = torch.cat([maxima, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
     block = maxima.argmax(dim=-1)
@@ -243,7 +243,7 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     this replaces, kept that too; a float32 one would not)."""
     rows, vocab = probs.shape
     whole = vocab - vocab % BLOCK
-    sums = probs[:, :whole].reshape(rows, -1, BLOCK).sum(dim=-1)
+    sums = probs[:, :whole].reshape(rows, whole // BLOCK, BLOCK).sum(dim=-1)
     if whole < vocab:
         sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
     block, remainder = _first_past(sums, u)
@@ -251,7 +251,8 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inside = columns < vocab
     shares = torch.where(inside, probs.gather(1, columns.clamp(max=vocab - 1)), 0.0)
     offset, _ = _first_past(shares, remainder)
-    return block * BLOCK + offset
+    # A row without a positive share (NaN from an overflow) ends in the last block, past a short tail.
+    return (block * BLOCK + offset).clamp_(max=vocab - 1)
 
 
 def _first_past(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
