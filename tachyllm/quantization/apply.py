@@ -265,7 +265,7 @@ def _gguf(
     if head is not None and kept_rows is not None:
         # A draft's vocabulary shortlist (keep_head_rows): its head is those rows of the file's blocks.
         head = matrices[head_source] = head.part(kept_rows.cpu(), slice(None))
-    if kernels is not None and head is not None and head.qtype in packable:
+    if _packs_head(head, packable, kernels):
         model.lm_head = GGUFLinear([rank_blocks(head, shard)], kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
@@ -311,7 +311,7 @@ def gguf_layers_from_file(
     head_source = head_weight_name(config)
     head = matrices.get(head_source)
     targets, _ = select_linears(model, skip)
-    if kernels is not None and head is not None and head.qtype in packable and "lm_head" not in targets:
+    if _packs_head(head, packable, kernels) and "lm_head" not in targets:
         targets.append("lm_head")  # packed whatever quant_skip says (see _gguf)
     layers = {}
     for name in targets:
@@ -319,6 +319,11 @@ def gguf_layers_from_file(
         if not _lacking([matrices.get(k) for k in keys], packable) and "model.embed_tokens.weight" not in keys:
             layers[name] = keys
     return layers
+
+
+def _packs_head(head: GGUFBlocks | None, packable: frozenset, kernels: ModuleType | None) -> bool:
+    """The LM head runs on the file's blocks whenever the block kernels take its type (quant_skip aside)."""
+    return kernels is not None and head is not None and head.qtype in packable
 
 
 def _file_keys(name: str, head_source: str) -> list[str]:

@@ -222,13 +222,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     taken as the largest, as there), found among the maxima of blocks of BLOCK first, then in the
     block holding the row's maximum. aten's argmax over each whole row took 7.3 ms for 64 rows of a
     262k vocabulary, this 1.8 (docs/design_measurements.md#sampling-over-a-large-vocabulary)."""
-    rows, vocab = logits.shape
-    whole = vocab - vocab % BLOCK
-    maxima = logits[:, :whole].reshape(rows, whole // BLOCK, BLOCK).amax(dim=-1)
-    if whole < vocab:
-        maxima = torch.cat([maxima, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
-    block = maxima.argmax(dim=-1)
-    columns = (block.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=logits.device)).clamp(max=vocab - 1)
+    block = _per_block(logits, torch.amax).argmax(dim=-1)
+    columns, _ = _block_columns(block, logits.shape[1])
     return block * BLOCK + logits.gather(1, columns).argmax(dim=-1)
 
 
@@ -241,18 +236,30 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     chance is its probability times (block sum as summed in float32) / (block sum exactly), within
     float32 rounding of its own share however rare it is (one float64 CDF over the whole row, which
     this replaces, kept that too; a float32 one would not)."""
-    rows, vocab = probs.shape
-    whole = vocab - vocab % BLOCK
-    sums = probs[:, :whole].reshape(rows, whole // BLOCK, BLOCK).sum(dim=-1)
-    if whole < vocab:
-        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
-    block, remainder = _first_past(sums, u)
-    columns = block.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=probs.device)
-    inside = columns < vocab
-    shares = torch.where(inside, probs.gather(1, columns.clamp(max=vocab - 1)), 0.0)
-    offset, _ = _first_past(shares, remainder)
+    vocab = probs.shape[1]
+    block, remainder = _first_past(_per_block(probs, torch.sum), u)
+    columns, inside = _block_columns(block, vocab)
+    offset, _ = _first_past(torch.where(inside, probs.gather(1, columns), 0.0), remainder)
     # A row without a positive share (NaN from an overflow) ends in the last block, past a short tail.
     return (block * BLOCK + offset).clamp_(max=vocab - 1)
+
+
+def _per_block(values: torch.Tensor, reduce) -> torch.Tensor:
+    """[rows, vocab] -> [rows, blocks]: `reduce` (torch.amax, torch.sum) over each block of BLOCK
+    columns, the last block being the tail when BLOCK does not divide the vocabulary."""
+    rows, vocab = values.shape
+    whole = vocab - vocab % BLOCK
+    out = reduce(values[:, :whole].reshape(rows, whole // BLOCK, BLOCK), dim=-1)
+    if whole < vocab:
+        out = torch.cat([out, reduce(values[:, whole:], dim=-1, keepdim=True)], dim=1)
+    return out
+
+
+def _block_columns(block: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the columns of its chosen block ([rows, BLOCK], clamped into the vocabulary) and
+    which of them lie inside it (a tail block is shorter)."""
+    columns = block.unsqueeze(1) * BLOCK + torch.arange(BLOCK, device=block.device)
+    return columns.clamp(max=vocab - 1), columns < vocab
 
 
 def _first_past(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
