@@ -72,3 +72,10 @@ def keep_freed_memory() -> bool:
     the engine is built, so that loading's transient tensors were mapped and returned as usual and the
     process holds what serving needs at its peak, not what loading did."""
     return _set(((M_MMAP_THRESHOLD, LARGE_BLOCK_LIMIT), (M_TRIM_THRESHOLD, LARGE_BLOCK_LIMIT)))
+
+
+def return_freed_memory() -> bool:
+    """Hands the free pages inside malloc's heap back to the kernel (malloc_trim): after freeing many
+    blocks at once that the process will not allocate again (weights moved elsewhere)."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))

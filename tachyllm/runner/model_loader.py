@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tachyllm import huge_pages
 from tachyllm.backends.base import Backend
 from tachyllm.errors import ConfigError
 from tachyllm.kernels.linear import pack_linears, packing_available
@@ -80,15 +81,23 @@ def build_model(
         bf16_kernels = backend.bf16_linear_kernels()
         if packing_available(dtype, bf16_kernels):
             pack_linears(model, bf16_kernels, batch_invariant)
+        table = lookup_only_table(model)
+        huge_pages.move_weights(model, leave=[] if table is None else [table])  # before the fused layers take them
     if fuse_layers:
         model.fuse_layers(backend)
     return model.eval(), weight_bytes
 
 
-def lookup_only_bytes(model: LlamaForCausalLM) -> int:
-    """The embedding table's bytes when the LM head has weights of its own (untied, quantized from the
-    table, or cut to a shortlist): a decode step then reads one row of the table per token."""
+def lookup_only_table(model: LlamaForCausalLM) -> torch.Tensor | None:
+    """The embedding table when no LM head reads it (untied, quantized or packed apart from it, or cut
+    to a shortlist): a decode step then reads one row of it per token."""
     table = model.embed_tokens.weight
-    if getattr(model.lm_head, "weight", None) is table:
-        return 0
-    return table.numel() * table.element_size()
+    head = getattr(model.lm_head, "weight", None)
+    if head is not None and head.untyped_storage().data_ptr() == table.untyped_storage().data_ptr():
+        return None
+    return table
+
+
+def lookup_only_bytes(model: LlamaForCausalLM) -> int:
+    table = lookup_only_table(model)
+    return 0 if table is None else table.numel() * table.element_size()

@@ -1,0 +1,143 @@
+"""A CPU model's weights moved onto transparent huge pages (tachyllm/huge_pages.py): every tensor keeps
+its identity, value and sharing, the memory is marked for huge pages, the old memory goes back to the
+kernel, and an engine built this way generates exactly what one without it does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from tachyllm import LLM, SamplingParams, huge_pages
+
+pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this machine")
+
+
+def mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def on_huge_pages(tensor: torch.Tensor) -> bool:
+    return "hg" in mapping_flags(tensor.data_ptr())  # madvise(MADV_HUGEPAGE) sets VM_HUGEPAGE
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(256, 256)
+        self.second = nn.Linear(256, 256)
+        self.second.weight = self.first.weight  # tied: one Parameter in two modules
+        self.register_buffer("table", torch.randn(128, 256))
+        self.packed = torch.randint(0, 255, (300, 512), dtype=torch.uint8)  # a plain attribute
+        self.rows = self.packed[100:]  # a view into the same storage
+        self.parts = [torch.randn(64, 512, dtype=torch.bfloat16)]  # inside a list
+
+
+def test_weights_keep_identity_value_and_sharing():
+    model = Holder()
+    tensors = {
+        "weight": model.first.weight, "table": model.table, "packed": model.packed, "rows": model.rows,
+        "part": model.parts[0], "bias": model.first.bias,
+    }  # fmt: skip
+    values = {name: t.detach().clone() for name, t in tensors.items()}
+    x = torch.randn(3, 256)
+    expected = model.second(model.first(x))
+    old_bias_ptr = model.first.bias.data_ptr()
+
+    assert huge_pages.move_weights(model) >= 256 * 256 * 4 + 128 * 256 * 4 + 300 * 512 + 64 * 512 * 2
+
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, values[name]), name
+    assert model.first.weight is tensors["weight"] and model.second.weight is model.first.weight
+    assert model.table is tensors["table"] and model.packed is tensors["packed"] and model.rows is tensors["rows"]
+    assert isinstance(model.first.weight, nn.Parameter)
+    for name in ("weight", "table", "packed", "rows", "part"):
+        assert on_huge_pages(tensors[name]), name
+    # Below the size worth a copy: left where it was.
+    assert model.first.bias.data_ptr() == old_bias_ptr and not on_huge_pages(model.first.bias)
+    # The view still looks into the packed tensor's memory.
+    assert model.rows.data_ptr() == model.packed.data_ptr() + 100 * 512
+    model.packed[100, 0] = 7
+    assert model.rows[0, 0] == 7
+    assert torch.equal(model.second(model.first(x)), expected)
+
+
+def test_nothing_moves_without_huge_pages():
+    model = Holder()
+    pointer = model.first.weight.data_ptr()
+    with mock.patch.object(huge_pages, "available", return_value=False):
+        assert huge_pages.move_weights(model) == 0
+    assert model.first.weight.data_ptr() == pointer
+
+
+def test_old_memory_goes_back_to_the_kernel():
+    """Weights allocated from malloc's heap, each followed by a block that stays: once the weights move,
+    their freed blocks are holes inside the heap, which glibc keeps resident unless trimmed."""
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from tachyllm import huge_pages
+
+        def rss_mib():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * 4096 / 2**20
+
+        block = torch.empty(8 << 20, dtype=torch.uint8)
+        del block  # freeing a mapped block raises glibc's mmap threshold: later blocks come from the heap
+        layers, pins = [], []
+        for _ in range(32):  # 128 MiB of weights
+            layers.append(nn.Linear(1024, 1024, bias=False))
+            pins.append(torch.ones(64 << 10))
+        model = nn.Sequential(*layers)
+        before = rss_mib()
+        moved = huge_pages.move_weights(model) / 2**20
+        print(moved, rss_mib() - before)
+    """)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    moved, grown = (float(v) for v in out.stdout.split())
+    assert moved >= 128
+    assert grown < 0.25 * moved, f"RSS grew {grown:.0f} MiB moving {moved:.0f} MiB: the old blocks stayed resident"
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_engine_weights_on_huge_pages_generate_the_same(tiny_model_factory, tie):
+    path = tiny_model_factory("llama", tie=tie)
+    options = {"dtype": "bfloat16", "block_size": 4, "kv_cache_memory": 4 << 20, "max_model_len": 128}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [[5, 17, 42, 99, 7], [250, 3, 8]]
+    # The tiny model's tensors are below the size worth moving in a real model.
+    with mock.patch.object(huge_pages, "MIN_STORAGE_BYTES", 4096):
+        llm = LLM(str(path), **options)
+        with mock.patch.object(huge_pages, "available", return_value=False):
+            plain = LLM(str(path), **options)
+    model = llm.engine.model
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    if qkv is None:
+        pytest.skip("bf16 linears packed by oneDNN (no native kernels): opaque tensors, not moved")
+    assert on_huge_pages(qkv) and on_huge_pages(model.lm_head.weight)
+    # An untied table is only looked up (a row per token): left where it is.
+    assert on_huge_pages(model.embed_tokens.weight) == tie
+    assert not on_huge_pages(plain.engine.model.layers[0].self_attn.qkv_proj.weight)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    want = plain.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
