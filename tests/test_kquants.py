@@ -328,3 +328,33 @@ def test_a_layer_left_unloaded_must_be_replaced(tmp_path, monkeypatch):
     monkeypatch.setattr(model_loader, "gguf_layers_from_file", lambda *args: {"layers.0.mlp.gate_up_proj": keys})
     with pytest.raises(RuntimeError, match=r"not replaced by them: \['layers.0.mlp.gate_up_proj'\]"):
         _engine(path, quantization="gguf")
+
+
+@pytest.mark.parametrize("cache", ["miss", "hit"])
+def test_a_packed_start_parses_the_file_once(tmp_path, monkeypatch, cache):
+    """The GGUF's metadata (its whole vocabulary, seconds for a real one) is parsed once per packed
+    start: loading keeps the tensor table for the layers on the file's blocks. On a cache hit loading
+    does not parse the file, so the blocks' table is parsed there. Same logprobs either way."""
+    import tachyllm.loading.gguf as gguf_loading
+    import tachyllm.runner.model_loader as model_loader
+
+    monkeypatch.setenv("TACHY_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    if cache == "hit":
+        _engine(path)  # a dense start writes the cache entry
+    parses = []
+    reader = gguf_loading.GGUFReader
+
+    def counting(*args, **kwargs):
+        parses.append(args)
+        return reader(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_loading, "GGUFReader", counting)
+    packed = _engine(path, quantization="gguf")
+    assert len(parses) == 1
+    assert isinstance(packed.model.layers[0].self_attn.qkv_proj, GGUFLinear)
+    monkeypatch.setattr(gguf_loading, "GGUFReader", reader)
+    parse_again = model_loader.gguf_matrices  # as before: the blocks' table from a parse of their own
+    monkeypatch.setattr(model_loader, "gguf_matrices", lambda path, config, stored: parse_again(path, config))
+    ids = [(i * 37) % 250 + 3 for i in range(40)]
+    assert torch.equal(sequence_logprobs(packed, ids), sequence_logprobs(_engine(path, quantization="gguf"), ids))

@@ -403,6 +403,27 @@ def test_tp2_gguf_identical_to_tp1_fp32(tmp_path):
         tp.engine.shutdown()
 
 
+def test_tp2_gguf_ranks_do_not_load_their_packed_layers_dense(tmp_path, monkeypatch):
+    """As at TP=1, a rank leaves the tensors of its layers on the file's blocks out of its weight
+    stream (rank 0 builds in this process, so what it dequantizes is seen here)."""
+    import tachyllm.loading.gguf as gguf_loading
+
+    monkeypatch.setenv("TACHY_CACHE_DIR", "off")
+    path = str(write_mixed_gguf(tmp_path / "split.gguf", Q_SPLITTABLE, head=GGMLQuantizationType.Q6_K))
+    dequantized = []
+    to_torch = gguf_loading._to_torch
+    monkeypatch.setattr(gguf_loading, "_to_torch", lambda t, name, c: dequantized.append(name) or to_torch(t, name, c))
+    tp = LLM(path, tensor_parallel_size=2, dtype="float32", threads=2, quantization="gguf", max_model_len=128)
+    try:
+        if tp.engine.backend.block_kernels() is None:
+            pytest.skip("without the block kernels only Q4_0/Q4_1 run packed")
+        assert all(isinstance(m, GGUFLinear) for m in quantized_layers(tp))
+        assert not [n for n in dequantized if n.endswith("_proj.weight") or n == "lm_head.weight"]
+        assert "model.embed_tokens.weight" in dequantized
+    finally:
+        tp.engine.shutdown()
+
+
 def test_gguf_split_cutting_a_block_is_refused(tmp_path):
     """Q4_0 down_proj of 96 inputs (48 per rank) cannot be split in 32-wide blocks: one error
     naming the tensor, the block and the split, on any machine (aten's kernel takes Q4_0 too)."""
@@ -482,7 +503,7 @@ def test_shards_put_together_give_the_whole_tensor(heads, kv, size):
     }
     plans = [ShardPlan(cfg, r, size) for r in range(size)]
 
-    def source(select=None):
+    def source(select=None, leave_out=frozenset()):
         return ((name, select_part(select, name, t)) for name, t in full.items())
 
     parts = [dict(p.weights(source)) for p in plans]

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from tachyllm.config import EngineConfig, ModelConfig
 from tachyllm.distributed.group import TPGroup
@@ -157,9 +157,11 @@ class ShardPlan:
             return tensor
         return torch.cat([tensor, tensor.new_zeros(self.vocab_per_rank - tensor.shape[0], tensor.shape[1])])
 
-    def weights(self, source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
-        """The rank's parts of a checkpoint's tensors, read as parts."""
-        for name, tensor in source(self.index):
+    def weights(
+        self, source: WeightSource, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The rank's parts of a checkpoint's tensors, read as parts; `leave_out`: tensors not read."""
+        for name, tensor in source(self.index, leave_out):
             if name.removeprefix("model.") in ("embed_tokens.weight", "lm_head.weight"):
                 tensor = self.pad(tensor)
             yield name, tensor.contiguous()
@@ -240,7 +242,11 @@ def build_rank_model(
     """The rank's model, ready to run (its collectives included), and the bytes a decode step streams.
     Quantized layers are quantized (int4, int8) or cut from the file's blocks (gguf) per rank, from
     the rank's slices: the same groups, scales and blocks as the whole model's (quantization/apply.py)."""
-    shard = replace(ckpt, config=plan.config, weights=lambda: plan.weights(ckpt.weights))
+
+    def rank_weights(select: None = None, leave_out: frozenset[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
+        return plan.weights(ckpt.weights, leave_out)  # the plan picks the rank's parts itself
+
+    shard = replace(ckpt, config=plan.config, weights=rank_weights)
     rank = RankShard(plan.full, plan.rank, plan.size, group)
     model, weight_bytes = build_model(
         shard, config.resolve_dtype(), backend, max_model_len,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from gguf import ReaderTensor
 
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError, TachyError
@@ -41,6 +42,9 @@ class Checkpoint:
     format: Literal["gguf", "hf"]
     # A pre-quantized HF checkpoint's packed linears (its weights() yields them dequantized).
     prequantized: PrequantizedWeights | None = None
+    # A GGUF file's tensors as stored, (HF name, tensor), when loading parsed the file (not on a cache
+    # hit): the layers kept on the file's blocks read them without parsing its metadata again.
+    stored_tensors: list[tuple[str, ReaderTensor]] | None = None
 
 
 def load_checkpoint(path: str | None) -> Checkpoint:
@@ -74,10 +78,12 @@ def _load_gguf(source: str) -> Checkpoint:
         return Checkpoint(cached.config, cached.tokenizer, _guarded(cached.weights, source), source, "gguf")
     reader, config, weights = load_gguf(source)
     tokenizer = Tokenizer.from_gguf(reader)
+    # Only the tensor table is kept: the reader's parsed vocabulary is freed with it.
+    stored = list(raw_tensors(reader))
     if entry is not None:
-        shapes = [(name, tuple(int(d) for d in reversed(t.shape.tolist()))) for name, t in raw_tensors(reader)]
+        shapes = [(name, tuple(int(d) for d in reversed(t.shape.tolist()))) for name, t in stored]
         weights = cache.caching_weights(entry, weights, shapes, config, tokenizer)
-    return Checkpoint(config, tokenizer, _guarded(weights, source), source, "gguf")
+    return Checkpoint(config, tokenizer, _guarded(weights, source), source, "gguf", stored_tensors=stored)
 
 
 def _load_hf(directory: Path, source: str) -> Checkpoint:

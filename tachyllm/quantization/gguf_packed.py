@@ -16,12 +16,13 @@ caller logs which tensors those are.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from torch import nn
 
 from tachyllm.config import ModelConfig
@@ -107,10 +108,13 @@ def head_weight_name(config: ModelConfig) -> str:
     return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
 
 
-def gguf_matrices(path: str, config: ModelConfig) -> dict[str, GGUFBlocks]:
-    """HF weight name -> the file's blocks, for every 2-D tensor (nothing is copied yet)."""
+def gguf_matrices(
+    path: str, config: ModelConfig, stored: Iterable[tuple[str, ReaderTensor]] | None = None
+) -> dict[str, GGUFBlocks]:
+    """HF weight name -> the file's blocks, for every 2-D tensor (nothing is copied yet). `stored`: the
+    file's (HF name, tensor) table if the caller has it (Checkpoint.stored_tensors), else it is parsed."""
     out = {}
-    for name, tensor in raw_tensors(open_gguf(path)):
+    for name, tensor in raw_tensors(open_gguf(path)) if stored is None else stored:
         if len(tensor.shape) == 2:
             rows = int(tensor.shape[1])  # GGUF lists the fastest dimension (in_features) first
             raw = np.asarray(tensor.data).reshape(rows, -1)

@@ -45,10 +45,11 @@ def build_model(
     model = model.to_empty(device=device)
     from_file, blocks = {}, None
     if quantization == "gguf" and ckpt.format == "gguf":
-        blocks = gguf_matrices(ckpt.source, ckpt.config if shard is None else shard.full)
-    if blocks is not None and shard is None:
-        # Layers that will run on the file's blocks are not loaded dense first: a Q4_K_M 1.5B model's
-        # dense copy was 3.5 GB of bf16 written only to be replaced (docs/benchmarks.md, "Loading").
+        blocks = gguf_matrices(ckpt.source, ckpt.config if shard is None else shard.full, ckpt.stored_tensors)
+    if blocks is not None:
+        # Layers that will run on the file's blocks are not loaded dense first (a tensor-parallel rank's
+        # parts neither): a Q4_K_M 1.5B model's dense copy was 3.5 GB of bf16 written only to be
+        # replaced (docs/benchmarks.md, "Loading").
         from_file = gguf_layers_from_file(model, parse_skip(quant_skip), blocks, backend.block_kernels())
     left_out = frozenset(key for keys in from_file.values() for key in keys)
     weights = ckpt.weights(None, left_out) if left_out else ckpt.weights()
