@@ -343,17 +343,17 @@ def test_a_packed_start_parses_the_file_once(tmp_path, monkeypatch, cache):
     if cache == "hit":
         _engine(path)  # a dense start writes the cache entry
     parses = []
-    reader = gguf_loading.GGUFReader
+    reader = gguf_loading._Reader
 
     def counting(*args, **kwargs):
         parses.append(args)
         return reader(*args, **kwargs)
 
-    monkeypatch.setattr(gguf_loading, "GGUFReader", counting)
+    monkeypatch.setattr(gguf_loading, "_Reader", counting)
     packed = _engine(path, quantization="gguf")
     assert len(parses) == 1
     assert isinstance(packed.model.layers[0].self_attn.qkv_proj, GGUFLinear)
-    monkeypatch.setattr(gguf_loading, "GGUFReader", reader)
+    monkeypatch.setattr(gguf_loading, "_Reader", reader)
     parse_again = model_loader.gguf_matrices  # as before: the blocks' table from a parse of their own
     monkeypatch.setattr(model_loader, "gguf_matrices", lambda path, config, stored: parse_again(path, config))
     ids = [(i * 37) % 250 + 3 for i in range(40)]

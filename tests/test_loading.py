@@ -476,3 +476,24 @@ def test_unknown_file_type(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"\0" * 64)
     assert_load_error(path, "not a GGUF file")
+
+
+def test_gguf_reader_reads_what_the_gguf_package_reads(default_model_path):
+    """open_gguf's reader (plain ndarray views, for speed) yields exactly the gguf package's fields and
+    tensors on the real default model file."""
+    from tachyllm.loading.gguf import open_gguf
+
+    ours, theirs = open_gguf(default_model_path), GGUFReader(default_model_path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == (
+            b.name, b.tensor_type, b.n_elements, b.n_bytes, b.data_offset
+        )  # fmt: skip
+        assert np.array_equal(a.shape, b.shape) and np.array_equal(a.data, b.data), a.name

@@ -75,10 +75,25 @@ def load_gguf(path: str) -> tuple[GGUFReader, ModelConfig, Callable[[], Iterator
     return reader, config, gguf_weights(reader, config)
 
 
+class _Reader(GGUFReader):
+    """The gguf package's reader, reading the file through a plain ndarray view of its memory map.
+    It takes a few views per metadata value, and a numpy.memmap runs Python code for every view
+    (__getitem__, __array_finalize__): a 151k-token vocabulary took 6.5 s to parse that way, 2.0 s
+    this way. The same bytes and fields; tensor data are plain views of the same mapping."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:  # the first read: the constructor has just mapped the file
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        values = plain[offset : offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
+        return values.view(values.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: str) -> GGUFReader:
     """Parse the header and check every tensor lies inside the file (catches truncated downloads)."""
     try:
-        reader = GGUFReader(path)
+        reader = _Reader(path)
     except Exception as exc:  # the reader indexes past the end of damaged files: IndexError, ValueError...
         raise ModelLoadError(f"invalid or truncated GGUF file ({type(exc).__name__}: {exc})") from exc
     size = os.path.getsize(path)
