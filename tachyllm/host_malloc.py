@@ -29,6 +29,8 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 
+# Whether keep_freed_memory took effect in this process.
+_keeping = False
 # Larger than any tensor a step allocates; glibc takes blocks above it from mmap still.
 LARGE_BLOCK_LIMIT = 1 << 30
 USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -71,11 +73,15 @@ def keep_freed_memory() -> bool:
     """From now on large blocks come from the heap and freed memory stays there for reuse. Called once
     the engine is built, so that loading's transient tensors were mapped and returned as usual and the
     process holds what serving needs at its peak, not what loading did."""
-    return _set(((M_MMAP_THRESHOLD, LARGE_BLOCK_LIMIT), (M_TRIM_THRESHOLD, LARGE_BLOCK_LIMIT)))
+    global _keeping
+    _keeping = _set(((M_MMAP_THRESHOLD, LARGE_BLOCK_LIMIT), (M_TRIM_THRESHOLD, LARGE_BLOCK_LIMIT)))
+    return _keeping
 
 
 def return_freed_memory() -> bool:
     """Hands the free pages inside malloc's heap back to the kernel (malloc_trim): after freeing many
-    blocks at once that the process will not allocate again (weights moved elsewhere)."""
+    blocks at once that the process will not allocate again (weights moved elsewhere). Not once an
+    engine of this process keeps freed memory: whatever a later build frees, the serving engine's
+    steps would otherwise fault in again."""
     libc = _glibc()
-    return libc is not None and bool(libc.malloc_trim(0))
+    return libc is not None and not _keeping and not user_configured_malloc() and bool(libc.malloc_trim(0))

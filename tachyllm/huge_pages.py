@@ -8,15 +8,20 @@ a model's weights are final they move, storage by storage, into one anonymous ma
 MADV_HUGEPAGE (one mapping: small tensors share huge pages instead of each rounding up to one).
 Measured in docs/benchmarks.md ("Huge pages").
 
-Tensors keep their identity (`tensor.data` is replaced), so every holder of a weight sees the move;
-call it before anything keeps a weight's address (the backends' fused layers). Where the kernel has no
-transparent huge pages (another OS, `never`), nothing moves.
+Tensors keep their identity (`tensor.data` is replaced), so every holder of the tensor objects the
+modules hold sees the move; call it before anything keeps a weight's address (the backends' fused
+layers). A tensor made from a weight elsewhere (a view's base) keeps the old memory alive beside the
+moved copy. Nothing moves where the kernel has no transparent huge pages (another OS, `never`), with
+TACHY_HUGE_PAGES=0 (faulting in fresh huge pages is slow on some virtual machines: a start then takes
+longer), or when the mapping cannot be made.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
+import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
 
@@ -34,11 +39,12 @@ MIN_STORAGE_BYTES = 64 << 10
 ALIGNMENT = 64
 TRIM_EVERY_BYTES = 64 << 20
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_OFF = {"0", "off", "false", "no"}
 
 
 def available() -> bool:
-    """Transparent huge pages can back a mapping that asks for them."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
+    """Transparent huge pages can back a mapping that asks for them, and the user did not say no."""
+    if not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("TACHY_HUGE_PAGES", "").lower() in _OFF:
         return False
     try:
         setting = THP_SETTING.read_text()
@@ -70,30 +76,40 @@ def _movable(tensor: torch.Tensor) -> bool:
     )
 
 
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
 def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
     """Moves `model`'s CPU weight storages, but those of `leave` (tensors a step does not stream),
     onto huge pages; returns the bytes moved (0 where the kernel offers none). Tensors that shared a
     storage still share one."""
     if not available():
         return 0
-    by_storage: dict[int, list[torch.Tensor]] = {}
+    # Keyed by address and size: two storages may start at one address (views of one numpy buffer).
+    by_storage: dict[tuple[int, int], list[torch.Tensor]] = {}
     seen = {id(t) for t in leave}
-    left = {t.untyped_storage().data_ptr() for t in leave}
+    left = {_storage_key(t) for t in leave}
     for tensor in _module_tensors(model):
-        if id(tensor) not in seen and _movable(tensor) and tensor.untyped_storage().data_ptr() not in left:
+        if id(tensor) not in seen and _movable(tensor) and _storage_key(tensor) not in left:
             seen.add(id(tensor))
-            by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+            by_storage.setdefault(_storage_key(tensor), []).append(tensor)
     if not by_storage:
         return 0
-    sizes = {ptr: group[0].untyped_storage().nbytes() for ptr, group in by_storage.items()}
-    total = sum(-(-n // ALIGNMENT) * ALIGNMENT for n in sizes.values())
-    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # before the first write: pages are faulted in as huge pages
+    total = sum(-(-size // ALIGNMENT) * ALIGNMENT for _, size in by_storage)
+    try:
+        # 2 MiB of slack: only whole 2 MiB-aligned ranges of a mapping get huge pages.
+        region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)  # before the first write: pages are faulted in as huge pages
+    except OSError as exc:  # e.g. strict overcommit: the weights stay where they are
+        logger.info("weights left on 4 KiB pages: no huge-page mapping of %d MiB (%s)", total >> 20, exc)
+        return 0
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while a weight uses it
+    began = time.perf_counter()
     start = -arena.data_ptr() % HUGE_PAGE
     freed = 0
-    for ptr, group in by_storage.items():
-        size = sizes[ptr]
+    for (_, size), group in by_storage.items():
         old = torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage())
         arena[start : start + size].copy_(old)
         for tensor in group:
@@ -103,7 +119,7 @@ def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
             )
             tensor.data = moved
         start += -(-size // ALIGNMENT) * ALIGNMENT
-        del old  # the last reference to the old storage
+        del old  # frees the old storage unless something outside the modules still holds it
         freed += size
         if freed >= TRIM_EVERY_BYTES:
             # malloc keeps freed blocks inside its heap resident: untrimmed, the process would hold the
@@ -111,5 +127,8 @@ def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
             return_freed_memory()
             freed = 0
     return_freed_memory()
-    logger.info("weights on transparent huge pages: %.1f MiB in %d storages", total / 2**20, len(by_storage))
+    logger.info(
+        "weights on transparent huge pages: %.1f MiB in %d storages (%.1f s)",
+        total / 2**20, len(by_storage), time.perf_counter() - began,
+    )  # fmt: skip
     return total

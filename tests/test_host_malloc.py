@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -74,3 +75,19 @@ def test_malloc_settings_of_the_user_are_left_alone(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=1000000")
     assert host_malloc.user_configured_malloc()
+
+
+def test_freed_memory_is_trimmed_only_until_an_engine_keeps_it(monkeypatch):
+    """Moving weights frees their old blocks and trims the heap; once an engine of the process keeps
+    freed memory for its steps (keep_freed_memory), a later build must not hand that memory back."""
+    trims = []
+    monkeypatch.setattr(host_malloc, "_glibc", lambda: SimpleNamespace(malloc_trim=lambda pad: trims.append(pad) or 1))
+    for name in (*host_malloc.USER_SETTINGS, "GLIBC_TUNABLES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(host_malloc, "_keeping", False)
+    assert host_malloc.return_freed_memory() and trims == [0]
+    monkeypatch.setattr(host_malloc, "_keeping", True)
+    assert not host_malloc.return_freed_memory() and trims == [0]
+    monkeypatch.setattr(host_malloc, "_keeping", False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")  # the user's own settings are left alone
+    assert not host_malloc.return_freed_memory() and trims == [0]

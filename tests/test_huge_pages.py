@@ -16,7 +16,7 @@ from torch import nn
 
 from tachyllm import LLM, SamplingParams, huge_pages
 
-pytestmark = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this machine")
+needs_huge_pages = pytest.mark.skipif(not huge_pages.available(), reason="no transparent huge pages on this machine")
 
 
 def mapping_flags(address: int) -> list[str]:
@@ -49,6 +49,7 @@ class Holder(nn.Module):
         self.parts = [torch.randn(64, 512, dtype=torch.bfloat16)]  # inside a list
 
 
+@needs_huge_pages
 def test_weights_keep_identity_value_and_sharing():
     model = Holder()
     tensors = {
@@ -78,6 +79,30 @@ def test_weights_keep_identity_value_and_sharing():
     assert torch.equal(model.second(model.first(x)), expected)
 
 
+@pytest.mark.parametrize(
+    ("setting", "env", "expected"),
+    [
+        ("always [madvise] never\n", None, True),
+        ("[always] madvise never\n", None, True),
+        ("always madvise [never]\n", None, False),
+        (None, None, False),  # no such file: not Linux, or a kernel without transparent huge pages
+        ("always [madvise] never\n", "0", False),
+        ("always [madvise] never\n", "off", False),
+        ("always [madvise] never\n", "1", True),
+    ],
+)
+def test_available_reads_the_kernel_setting_and_the_opt_out(tmp_path, monkeypatch, setting, env, expected):
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting)
+    monkeypatch.setattr(huge_pages, "THP_SETTING", path)
+    if env is None:
+        monkeypatch.delenv("TACHY_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("TACHY_HUGE_PAGES", env)
+    assert huge_pages.available() == (expected and hasattr(huge_pages.mmap, "MADV_HUGEPAGE"))
+
+
 def test_nothing_moves_without_huge_pages():
     model = Holder()
     pointer = model.first.weight.data_ptr()
@@ -86,6 +111,20 @@ def test_nothing_moves_without_huge_pages():
     assert model.first.weight.data_ptr() == pointer
 
 
+def test_a_mapping_that_cannot_be_made_leaves_the_weights(caplog):
+    model = Holder()
+    pointer, value = model.first.weight.data_ptr(), model.first.weight.detach().clone()
+    with (
+        mock.patch.object(huge_pages, "available", return_value=True),
+        mock.patch.object(huge_pages.mmap, "mmap", side_effect=OSError(12, "Cannot allocate memory")),
+        caplog.at_level("INFO", logger="tachyllm"),
+    ):
+        assert huge_pages.move_weights(model) == 0
+    assert model.first.weight.data_ptr() == pointer and torch.equal(model.first.weight, value)
+    assert "weights left on 4 KiB pages" in caplog.text and "Cannot allocate memory" in caplog.text
+
+
+@needs_huge_pages
 def test_old_memory_goes_back_to_the_kernel():
     """Weights allocated from malloc's heap, each followed by a block that stays: once the weights move,
     their freed blocks are holes inside the heap, which glibc keeps resident unless trimmed."""
@@ -117,6 +156,7 @@ def test_old_memory_goes_back_to_the_kernel():
     assert grown < 0.25 * moved, f"RSS grew {grown:.0f} MiB moving {moved:.0f} MiB: the old blocks stayed resident"
 
 
+@needs_huge_pages
 @pytest.mark.parametrize("tie", [True, False])
 def test_engine_weights_on_huge_pages_generate_the_same(tiny_model_factory, tie):
     path = tiny_model_factory("llama", tie=tie)

@@ -30,7 +30,7 @@ from tachyllm.config import EngineConfig, ModelConfig
 from tachyllm.distributed.group import TPGroup
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint
-from tachyllm.loading.weights import WeightSource
+from tachyllm.loading.weights import Select, WeightSource
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.model_loader import build_model
 
@@ -243,8 +243,11 @@ def build_rank_model(
     Quantized layers are quantized (int4, int8) or cut from the file's blocks (gguf) per rank, from
     the rank's slices: the same groups, scales and blocks as the whole model's (quantization/apply.py)."""
 
-    def rank_weights(select: None = None, leave_out: frozenset[str] = frozenset()) -> Iterator[tuple[str, Tensor]]:
-        return plan.weights(ckpt.weights, leave_out)  # the plan picks the rank's parts itself
+    def rank_weights(
+        select: Select | None = None, leave_out: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[str, Tensor]]:
+        assert select is None, "a rank's weights are its plan's parts already"
+        return plan.weights(ckpt.weights, leave_out)
 
     shard = replace(ckpt, config=plan.config, weights=rank_weights)
     rank = RankShard(plan.full, plan.rank, plan.size, group)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +44,7 @@ class Checkpoint:
     prequantized: PrequantizedWeights | None = None
     # A GGUF file's tensors as stored, (HF name, tensor), when loading parsed the file (not on a cache
     # hit): the layers kept on the file's blocks read them without parsing its metadata again.
-    stored_tensors: list[tuple[str, ReaderTensor]] | None = None
+    stored_tensors: list[tuple[str, ReaderTensor]] | None = field(default=None, repr=False, compare=False)
 
 
 def load_checkpoint(path: str | None) -> Checkpoint:
