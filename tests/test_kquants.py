@@ -361,3 +361,19 @@ def test_a_packed_start_parses_the_file_once(tmp_path, monkeypatch, cache):
     monkeypatch.setattr(model_loader, "gguf_matrices", lambda path, config, stored: parse_again(path, config))
     ids = [(i * 37) % 250 + 3 for i in range(40)]
     assert torch.equal(sequence_logprobs(packed, ids), sequence_logprobs(_engine(path, quantization="gguf"), ids))
+
+
+def test_dequantizing_in_slices_of_rows_gives_the_gguf_packages_values(tmp_path, monkeypatch):
+    """Loading dequantizes a large tensor a slice of rows at a time (loading/gguf.py): the same values
+    as the gguf package dequantizing it whole, for every block type, slices that do not divide the rows."""
+    import tachyllm.loading.gguf as gguf_loading
+
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    monkeypatch.setattr(gguf_loading, "DEQUANTIZE_ROWS", 7)
+    types = set()
+    for tensor in GGUFReader(str(path)).tensors:
+        want = dequantize(tensor.data, tensor.tensor_type)
+        got = gguf_loading._dequantize(tensor.data, tensor.tensor_type)
+        assert got.shape == want.shape and np.array_equal(got, want), tensor.name
+        types.add(tensor.tensor_type)
+    assert {T.Q4_K, T.Q6_K, T.Q8_0, T.F32} <= types
