@@ -89,12 +89,15 @@ def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
         return 0
     # Keyed by address and size: two storages may start at one address (views of one numpy buffer).
     by_storage: dict[tuple[int, int], list[torch.Tensor]] = {}
-    seen = {id(t) for t in leave}
     left = {_storage_key(t) for t in leave}
+    seen: set[int] = set()
     for tensor in _module_tensors(model):
-        if id(tensor) not in seen and _movable(tensor) and _storage_key(tensor) not in left:
-            seen.add(id(tensor))
-            by_storage.setdefault(_storage_key(tensor), []).append(tensor)
+        if id(tensor) in seen or not _movable(tensor):
+            continue
+        seen.add(id(tensor))
+        key = _storage_key(tensor)
+        if key not in left:
+            by_storage.setdefault(key, []).append(tensor)
     if not by_storage:
         return 0
     total = sum(-(-size // ALIGNMENT) * ALIGNMENT for _, size in by_storage)

@@ -222,12 +222,11 @@ def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     rows = data.reshape(-1, data.shape[-1])
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) or len(rows) <= DEQUANTIZE_ROWS:
         return dequantize(data, qtype)
-    first = dequantize(rows[:DEQUANTIZE_ROWS], qtype)
-    out = np.empty((len(rows), first.shape[-1]), dtype=first.dtype)
-    out[:DEQUANTIZE_ROWS] = first
-    for start in range(DEQUANTIZE_ROWS, len(rows), DEQUANTIZE_ROWS):
+    block, size = GGML_QUANT_SIZES[qtype]
+    out = np.empty((len(rows), rows.shape[1] // size * block), dtype=np.float32)
+    for start in range(0, len(rows), DEQUANTIZE_ROWS):
         out[start : start + DEQUANTIZE_ROWS] = dequantize(rows[start : start + DEQUANTIZE_ROWS], qtype)
-    return out.reshape(*data.shape[:-1], first.shape[-1])
+    return out.reshape(*data.shape[:-1], out.shape[1])
 
 
 def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:

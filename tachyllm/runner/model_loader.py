@@ -46,7 +46,6 @@ def build_model(
     from_file, blocks = {}, None
     if quantization == "gguf" and ckpt.format == "gguf":
         blocks = gguf_matrices(ckpt.source, ckpt.config if shard is None else shard.full, ckpt.stored_tensors)
-    if blocks is not None:
         # Layers that will run on the file's blocks are not loaded dense first (a tensor-parallel rank's
         # parts neither): a Q4_K_M 1.5B model's dense copy was 3.5 GB of bf16 written only to be
         # replaced (docs/benchmarks.md, "Loading").
