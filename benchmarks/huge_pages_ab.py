@@ -7,6 +7,8 @@ process's AnonHugePages.
 
     .venv/bin/python benchmarks/huge_pages_ab.py --model /work/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
         --quantization gguf --batch-sizes 1,64 --rounds 4 [--order huge-first]
+    .venv/bin/python benchmarks/huge_pages_ab.py --model /work/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf \
+        --quantization gguf --packed-layers-only 60
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import time
 from unittest import mock
 
 import numpy as np
+import torch
+from torch import nn
 
 from tachyllm import LLM, SamplingParams, huge_pages
 from tachyllm.bench.datasets import random_token_ids
+from tachyllm.quantization.gguf_packed import GGUFLinear
 
 
 def anon_huge_mib() -> float:
@@ -29,6 +34,42 @@ def anon_huge_mib() -> float:
             if line.startswith("AnonHugePages:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def packed_layers_only(options: dict, pairs: int) -> None:
+    """Every GGUFLinear's one-row product on its packed weights where loading left them (4 KiB pages)
+    and on a copy moved onto huge pages, the whole model's layers in turn, alternated `pairs` times."""
+    with mock.patch.object(huge_pages, "available", return_value=False):
+        llm = LLM(**options)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, GGUFLinear)]
+    if not layers:
+        raise SystemExit("no GGUFLinear layers: use a GGUF model with --quantization gguf")
+    holder = nn.Module()
+    holder.copies = [layer.packed.clone() for layer in layers]
+    huge_pages.move_weights(holder)
+    inputs = [torch.randn(1, layer.in_features) for layer in layers]
+
+    def seconds(buffers: list[torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for layer, packed, x in zip(layers, buffers, inputs):
+            layer._gemv(x, packed, layer.layout, layer.activation_bits)
+        return time.perf_counter() - start
+
+    small, huge, ratios = [], [], []
+    for i in range(pairs):
+        if i % 2:
+            b, a = seconds(holder.copies), seconds([layer.packed for layer in layers])
+        else:
+            a, b = seconds([layer.packed for layer in layers]), seconds(holder.copies)
+        small.append(a)
+        huge.append(b)
+        ratios.append(a / b)
+    q = statistics.quantiles(ratios, n=10)
+    print(
+        f"{len(layers)} packed layers, one row: 4 KiB pages {statistics.median(small) * 1e3:.2f} ms, huge pages "
+        f"{statistics.median(huge) * 1e3:.2f} ms (medians); speed-up median {statistics.median(ratios):.3f}, "
+        f"p10 {q[0]:.3f}, p90 {q[-1]:.3f}"
+    )
 
 
 def main() -> None:
@@ -42,12 +83,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument("--order", choices=("small-first", "huge-first"), default="small-first")
+    parser.add_argument(
+        "--packed-layers-only", type=int, metavar="PAIRS", default=0,
+        help="instead: time the GGUF / int4 packed layers' one-row products alone, PAIRS alternations",
+    )  # fmt: skip
     args = parser.parse_args()
 
     options = dict(
         model=args.model, quantization=args.quantization, quant_activation_bits=args.quant_activation_bits,
         kv_cache_memory=args.kv_cache_memory, max_model_len=args.input_len + args.output_len + 16,
     )  # fmt: skip
+    if args.packed_layers_only:
+        packed_layers_only(options, args.packed_layers_only)
+        return
 
     def small_pages_engine() -> LLM:
         with mock.patch.object(huge_pages, "available", return_value=False):
