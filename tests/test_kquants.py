@@ -23,7 +23,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
 from tachyllm.quantization.apply import module_bytes
-from tachyllm.quantization.gguf_packed import GGUFLinear
+from tachyllm.quantization.gguf_packed import GGUFEmbedding, GGUFLinear
 
 ops = native.native_ops()
 pytestmark = pytest.mark.skipif(
@@ -185,9 +185,14 @@ Q4_K_M_LIKE = [
 ]  # fmt: skip
 
 
-def write_mixed_gguf(path: Path, layers: list[dict[str, GGMLQuantizationType]], head: GGMLQuantizationType) -> Path:
-    """A llama GGUF with each layer's matrices in the given types, a Q4_K token_embd and an
-    output.weight of type `head` (random valid blocks; F32 norms)."""
+def write_mixed_gguf(
+    path: Path,
+    layers: list[dict[str, GGMLQuantizationType]],
+    head: GGMLQuantizationType | None,
+    table: GGMLQuantizationType = T.Q4_K,
+) -> Path:
+    """A llama GGUF with each layer's matrices in the given types, a token_embd of type `table` and an
+    output.weight of type `head` (None: none, the head tied to token_embd); random valid blocks, F32 norms."""
     rng = np.random.default_rng(5)
     writer = GGUFWriter(path, "llama")
     add_llama_shape(writer, layers=len(layers), hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
@@ -202,9 +207,10 @@ def write_mixed_gguf(path: Path, layers: list[dict[str, GGMLQuantizationType]], 
         else:
             writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=kind)
 
-    matrix("token_embd.weight", T.Q4_K, vocab, HIDDEN)
+    matrix("token_embd.weight", table, vocab, HIDDEN)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    matrix("output.weight", head, vocab, HIDDEN)
+    if head is not None:
+        matrix("output.weight", head, vocab, HIDDEN)
     for i, types in enumerate(layers):
 
         def add(name: str, *shape: int, quantize: bool = True, types=types) -> None:
@@ -306,8 +312,9 @@ def test_layers_on_the_files_blocks_are_never_loaded_dense(tmp_path, monkeypatch
     packed = _engine(path, quantization="gguf")
     matrices = {n for n in dequantized if n.endswith("_proj.weight")}
     assert matrices == {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
-    assert "lm_head.weight" not in dequantized and "model.embed_tokens.weight" in dequantized
+    assert "lm_head.weight" not in dequantized and "model.embed_tokens.weight" not in dequantized
     assert not isinstance(packed.model.layers[0].mlp.gate_up_proj, GGUFLinear)
+    assert isinstance(packed.model.embed_tokens, GGUFEmbedding)
 
     dequantized.clear()
     monkeypatch.setattr(model_loader, "gguf_layers_from_file", lambda *args: {})  # load everything, as before

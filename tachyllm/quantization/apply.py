@@ -21,6 +21,7 @@ from tachyllm.quantization.fp8 import ALIGN, Fp8Linear, fp8_unavailable_reason
 from tachyllm.quantization.gguf_packed import (
     ATEN_TYPES,
     GGUFBlocks,
+    GGUFEmbedding,
     GGUFLinear,
     head_weight_name,
     int4_weight,
@@ -37,6 +38,7 @@ AWQ_WINDOWS, AWQ_SEQ_LEN = 8, 256  # ≈2k calibration tokens
 # Methods that name a pre-quantized checkpoint's format (quantization_config.quant_method, vLLM's names).
 PREQUANTIZED_METHODS = ("awq", "gptq", "compressed-tensors")
 
+TABLE = "model.embed_tokens.weight"  # the token embedding table's checkpoint name
 # Fused modules and the checkpoint weights stacked into them (gguf-native needs every part packed).
 _FUSED_PARTS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -67,6 +69,7 @@ class QuantizationResult:
     bytes_before: int = 0  # weight bytes of the quantized modules before / after
     bytes_after: int = 0
     head: str | None = None  # gguf: what the LM head runs on, when the file decides it
+    embedding: str | None = None  # gguf: what the embedding lookup reads, when not a dequantized table
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -246,7 +249,9 @@ def _gguf(
     (GGUFLinear), or, without those kernels, Q4_0/Q4_1 as Int4Linear (on the backend's quantized
     matmul kernels where it has them, else aten's int4 kernel on the CPU). The LM
     head (its own output.weight or the tied token_embd) runs on its blocks whenever the kernels take
-    its type. A layer with a part of another type stays dequantized: one log line names them.
+    its type. A layer with a part of another type stays dequantized: one log line names them. The
+    embedding lookup reads the table's blocks too (GGUFEmbedding) where the kernels take its type,
+    sharing a tied head's tiles; a tensor-parallel rank keeps its dequantized vocabulary shard.
 
     quant_skip under gguf names layers to dequantize to the model dtype instead, except the LM head.
     The default skip exists so that tachyllm does not round the head more coarsely than the
@@ -260,7 +265,7 @@ def _gguf(
     packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
     dtype = model.embed_tokens.weight.dtype
     head_source = head_weight_name(model.config)
-    head = matrices.get(head_source)
+    head, table = matrices.get(head_source), matrices.get(TABLE)
     kept_rows = getattr(model, "head_token_ids", None)
     if head is not None and kept_rows is not None:
         # A draft's vocabulary shortlist (keep_head_rows): its head is those rows of the file's blocks.
@@ -269,8 +274,15 @@ def _gguf(
         model.lm_head = GGUFLinear([rank_blocks(head, shard)], kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
-        shared = ", tied: the embedding lookup keeps its dequantized table" if model.config.tie_word_embeddings else ""
-        result.head = f"the file's {head.qtype.name} blocks ({head_source}{shared}), C++ kernel"
+        result.head = f"the file's {head.qtype.name} blocks ({head_source}), C++ kernel"
+    if _packs_embedding(table, packable, kernels, shard):
+        whole_table = model.config.tie_word_embeddings and kept_rows is None and isinstance(model.lm_head, GGUFLinear)
+        if whole_table:
+            model.embed_tokens = GGUFEmbedding.sharing(model.lm_head, dtype, kernels)
+            result.embedding = f"the file's {table.qtype.name} blocks, the tied LM head's tiles (one copy)"
+        else:
+            model.embed_tokens = GGUFEmbedding.from_blocks(table, dtype, kernels)
+            result.embedding = f"the file's {table.qtype.name} blocks, rows dequantized as looked up"
     out, unpacked = {}, {}
     for name in targets:
         parts = [matrices.get(k) for k in _file_keys(name, head_source)]
@@ -300,12 +312,17 @@ def _gguf(
 
 
 def gguf_layers_from_file(
-    model: nn.Module, skip: tuple[str, ...], matrices: dict[str, GGUFBlocks], kernels: ModuleType | None
+    model: nn.Module,
+    skip: tuple[str, ...],
+    matrices: dict[str, GGUFBlocks],
+    kernels: ModuleType | None,
+    shard: TensorShard | None = None,
 ) -> dict[str, list[str]]:
-    """Before the weights are loaded: the linear layers that quantize_model's gguf path will run on the
-    file's own blocks (as _gguf decides), each with the checkpoint tensors it is made of, so that
-    loading can leave those tensors out (not dequantized, and the layers' dense weights never
-    written). A tied head's table is not among them: the embedding lookup reads it."""
+    """Before the weights are loaded: the modules (linear layers, the embedding) that quantize_model's
+    gguf path will run on the file's own blocks (as _gguf decides), each with the checkpoint tensors
+    it is made of, so that loading can leave those tensors out (not dequantized, and the modules'
+    dense weights never written). A tied head's table is among them only if the lookup reads the
+    blocks too."""
     config = model.config
     packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
     head_source = head_weight_name(config)
@@ -313,10 +330,11 @@ def gguf_layers_from_file(
     targets, _ = select_linears(model, skip)
     if _packs_head(head, packable, kernels) and "lm_head" not in targets:
         targets.append("lm_head")  # packed whatever quant_skip says (see _gguf)
-    layers = {}
+    packs_table = _packs_embedding(matrices.get(TABLE), packable, kernels, shard)
+    layers = {"embed_tokens": [TABLE]} if packs_table else {}
     for name in targets:
         keys = _file_keys(name, head_source)
-        if not _lacking([matrices.get(k) for k in keys], packable) and "model.embed_tokens.weight" not in keys:
+        if not _lacking([matrices.get(k) for k in keys], packable) and (packs_table or TABLE not in keys):
             layers[name] = keys
     return layers
 
@@ -324,6 +342,14 @@ def gguf_layers_from_file(
 def _packs_head(head: GGUFBlocks | None, packable: frozenset, kernels: ModuleType | None) -> bool:
     """The LM head runs on the file's blocks whenever the block kernels take its type (quant_skip aside)."""
     return kernels is not None and head is not None and head.qtype in packable
+
+
+def _packs_embedding(
+    table: GGUFBlocks | None, packable: frozenset, kernels: ModuleType | None, shard: TensorShard | None
+) -> bool:
+    """The lookup reads the table's blocks where the block kernels take its type, except on a
+    tensor-parallel rank (VocabParallelEmbedding wraps a dense shard)."""
+    return shard is None and _packs_head(table, packable, kernels)
 
 
 def _file_keys(name: str, head_source: str) -> list[str]:
@@ -435,6 +461,8 @@ def _log(method: str, result: QuantizationResult, groups: dict[str, int]) -> Non
     logger.debug("quantized layers: %s", ", ".join(result.quantized))
     if result.head is not None:
         logger.info("lm_head: %s", result.head)
+    if result.embedding is not None:
+        logger.info("embed_tokens: %s", result.embedding)
     reasons: dict[str, list[str]] = {}
     for name, why in result.kept.items():
         reasons.setdefault(why, []).append(name)

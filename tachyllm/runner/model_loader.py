@@ -49,7 +49,7 @@ def build_model(
         # Layers that will run on the file's blocks are not loaded dense first (a tensor-parallel rank's
         # parts neither): a Q4_K_M 1.5B model's dense copy was 3.5 GB of bf16 written only to be
         # replaced (docs/benchmarks.md, "Loading").
-        from_file = gguf_layers_from_file(model, parse_skip(quant_skip), blocks, backend.block_kernels())
+        from_file = gguf_layers_from_file(model, parse_skip(quant_skip), blocks, backend.block_kernels(), shard)
     left_out = frozenset(key for keys in from_file.values() for key in keys)
     weights = ckpt.weights(None, left_out) if left_out else ckpt.weights()
     model.load_weights(weights, unloaded=frozenset(f"{name}.weight" for name in from_file))
@@ -74,7 +74,7 @@ def build_model(
             ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
         weight_bytes = quantized_weight_bytes(model) - lookup_only_bytes(model)
-    dense = [name for name in from_file if isinstance(model.get_submodule(name), nn.Linear)]
+    dense = [name for name in from_file if isinstance(model.get_submodule(name), nn.Linear | nn.Embedding)]
     if dense:
         raise RuntimeError(f"layers left unloaded for the GGUF blocks were not replaced by them: {dense}")
     if device.type == "cpu":
@@ -89,15 +89,23 @@ def build_model(
 
 
 def lookup_only_table(model: LlamaForCausalLM) -> torch.Tensor | None:
-    """The embedding table when no LM head reads it (untied, quantized or packed apart from it, or cut
-    to a shortlist): a decode step then reads one row of it per token."""
-    table = model.embed_tokens.weight
-    head = getattr(model.lm_head, "weight", None)
+    """The embedding table (a dense weight, or a GGUFEmbedding's tiles) when no LM head reads it
+    (untied, quantized or packed apart from it, or cut to a shortlist): a decode step then reads one
+    row of it per token."""
+    table = _stored(model.embed_tokens)
+    head = _stored(model.lm_head)
     if head is not None and head.untyped_storage().data_ptr() == table.untyped_storage().data_ptr():
         return None
     return table
 
 
+def _stored(module: nn.Module) -> torch.Tensor | None:
+    """What an embedding or head module keeps its matrix in: a weight, or packed tiles (GGUF blocks)."""
+    return getattr(module, "weight", getattr(module, "packed", None))
+
+
 def lookup_only_bytes(model: LlamaForCausalLM) -> int:
+    """The bytes of a lookup-only table among the model's parameters (a packed table is a buffer,
+    which the weight counts leave out already)."""
     table = lookup_only_table(model)
-    return 0 if table is None else table.numel() * table.element_size()
+    return table.numel() * table.element_size() if isinstance(table, nn.Parameter) else 0

@@ -882,6 +882,82 @@ std::vector<std::pair<int64_t, int64_t>> read_layout(const torch::Tensor& layout
   return out;
 }
 
+// -- rows ---------------------------------------------------------------------------------------
+// Keeps the compiler from fusing a product into the next addition (GCC contracts a * b + c into an
+// FMA by default): rows() must round every step as the gguf package's dequantization does.
+inline float rounded(float v) {
+  __asm__("" : "+x"(v));
+  return v;
+}
+
+// Row `row` of one matrix's tiles, dequantized to fp32 as the gguf package's dequantize_blocks
+// computes it (same operations, same order, so the same bits): Q4_0 / Q5_0 / Q8_0 d * (u - o);
+// Q4_1 d * u + m; Q4_K / Q5_K (d * sc) * u - (dmin * mn); Q6_K (d * sc) * (u - 32).
+template <Format F>
+void dequantize_row(const uint8_t* packed, int64_t nsb, int64_t row, float* out) {
+  const int64_t j = row % TILE;
+  const uint8_t* chunk = packed + row / TILE * nsb * chunk_bytes(F);
+  for (int64_t sb = 0; sb < nsb; ++sb, chunk += chunk_bytes(F)) {
+    const uint8_t* scales = chunk + scales_at(F);
+    const float d = is_k(F) ? float_at(scales + 4 * j) : half_to_float(scales + 2 * j);
+    for (int64_t b = 0; b < sub_blocks(F); ++b) {
+      const uint8_t* codes = chunk + codes_at(F) + b * code_bytes(F);
+      float* o = out + (sb * sub_blocks(F) + b) * QK;
+      for (int i = 0; i < QK; ++i) {
+        const float u = static_cast<float>(tile_code(F, codes, j, i));
+        if constexpr (F == Format::Q4_1) {
+          o[i] = rounded(d * u) + half_to_float(scales + 32 + 2 * j);
+        } else if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
+          const float dj = d * static_cast<float>(scales[sub_scales_at(F) + 16 * b + j]);
+          const float mj = float_at(scales + 64 + 4 * j) * static_cast<float>(scales[SUB_MINS_AT + 16 * b + j]);
+          o[i] = rounded(dj * u) - mj;
+        } else if constexpr (F == Format::Q6_K) {
+          const float sc = static_cast<float>(static_cast<int8_t>(scales[sub_scales_at(F) + 32 * b + 16 * (i / 16) + j]));
+          o[i] = (d * sc) * (u - 32.0f);
+        } else {
+          o[i] = d * (u - static_cast<float>(code_offset(F)));
+        }
+      }
+    }
+  }
+}
+
+// Rows `ids` of a packed matrix (one part), dequantized: the embedding lookup of a table kept as tiles.
+torch::Tensor gather_rows(const torch::Tensor& packed, const torch::Tensor& layout, const torch::Tensor& ids_in,
+                   int64_t in_features, at::ScalarType dtype) {
+  RECORD_FUNCTION("native::quant_rows", c10::ArrayRef<const c10::IValue>{});
+  TORCH_CHECK(packed.device().is_cpu() && ids_in.device().is_cpu(), "quant_rows: CPU tensors only");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_rows: packed weights must be contiguous uint8");
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt, "quant_rows: ids must be int64 or int32");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "quant_rows: dtype must be float32, bfloat16 or float16");
+  const std::vector<std::pair<int64_t, int64_t>> parts_layout = read_layout(layout);
+  TORCH_CHECK(parts_layout.size() == 1, "quant_rows: the layout must name one matrix");
+  int64_t n = 0;
+  const std::vector<Part> parts = make_parts(parts_layout, packed, in_features, n);
+  const Part& p = parts.front();
+  const torch::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t count = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "quant_rows: row id ", id[i], " is outside the matrix's ", n, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(in_features);
+  torch::Tensor out = torch::empty(shape, ids.options().dtype(dtype));
+  const int64_t nsb = in_features / super_weights(p.format);
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(in_features);
+    for (int64_t i = begin; i < end; ++i) {
+      with_format(p.format, [&](auto f) { dequantize_row<decltype(f)::value>(p.w, nsb, id[i], row.data()); });
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_rows", [&] {
+        scalar_t* o = out.data_ptr<scalar_t>() + i * in_features;
+        for (int64_t c = 0; c < in_features; ++c) o[c] = static_cast<scalar_t>(row[c]);
+      });
+    }
+  });
+  return out;
+}
+
 // -- packing ------------------------------------------------------------------------------------
 inline void put_half(uint8_t* p, float v) {
   const c10::Half h(v);
@@ -1074,6 +1150,11 @@ void register_quant_gemv(pybind11::module_& m) {
         "-> packed tiles of that format",
         pybind11::arg("block_format"), pybind11::arg("blocks"), pybind11::arg("in_features"));
   m.def("quant_gguf_formats", &gguf_formats, "the GGML block types the kernels multiply packed");
+  m.def("quant_rows", &gather_rows,
+        "rows `ids` (any shape) of one packed matrix (layout [[block type, out_features]]) dequantized to dtype: "
+        "[*ids.shape, in_features], the gguf package's values",
+        pybind11::arg("packed"), pybind11::arg("layout"), pybind11::arg("ids"), pybind11::arg("in_features"),
+        pybind11::arg("dtype"), ReleaseGil());
   m.def("quant_gemv", &quant_gemv,
         "x [..., K] float32/bfloat16 @ packed weights^T -> [..., sum of out_features] in x's dtype; layout int64 "
         "[parts, 2] lists the stacked matrices' (GGML block type, out_features); activations rounded per 32-block "
