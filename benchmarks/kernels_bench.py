@@ -16,7 +16,12 @@ kquant:    the C++ block kernels on each GGUF block type a Q4_K_M file holds (Q4
            Q5_0, Q8_0; Q4_1 for reference) vs the engine's bf16 linear (PackedLinear) on the
            dequantized weight, at Qwen2.5-1.5B's shapes (gate_up 17920 x 1536, down 1536 x 8960)
            and 1 / 5 (a 4-draft verification) / 16 / 64 rows, weights from DRAM as in quant. GB/s = tile
-           bytes / time.
+           bytes / time. --kquant-types / --kquant-rows / --kquant-no-bf16 narrow it, e.g. to time two
+           checkouts' kernels against each other (this script, run with PYTHONPATH=<checkout> from
+           inside that checkout: each builds its own kernels):
+
+    cd <checkout> && PYTHONPATH=. <this repo>/.venv/bin/python <this repo>/benchmarks/kernels_bench.py \
+        --threads 2 --kquant-types Q4_K,Q6_K --kquant-rows 1,5,64 --kquant-no-bf16 kquant
 sampling:  drawing a token per row from 64 x 49,152 probabilities: the sampler's CDF inversion vs
            the exponential race it replaced.
 bf16:      the C++ bf16 matrix-vector kernel (kernels/csrc/bf16_gemv.cpp) vs the oneDNN-prepacked
@@ -211,7 +216,13 @@ def bench_quant() -> None:
         print(f"| {out_f}x{in_f} Q8_0 head | {rows} | {t16:.0f}{gbs} | {t8:.0f} | - | {tb:.0f} | - | {tb / t16:.1f}x |")
 
 
-def bench_kquant() -> None:
+KQUANT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_1)
+KQUANT_ROWS = (1, 5, 16, 64)
+
+
+def bench_kquant(
+    kinds: tuple[T, ...] = KQUANT_TYPES, row_counts: tuple[int, ...] = KQUANT_ROWS, bf16: bool = True
+) -> None:
     ops = native_ops()
     if ops is None:
         print("\nkquant: C++ kernels unavailable, skipped")
@@ -222,23 +233,23 @@ def bench_kquant() -> None:
     )  # fmt: skip
     rng = np.random.default_rng(0)
     for out_f, in_f in [(17920, 1536), (1536, 8960)]:
-        packed = _bf16_linears(out_f, in_f)
-        for kind in (T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q8_0, T.Q4_1):
+        packed = _bf16_linears(out_f, in_f) if bf16 else None
+        for kind in kinds:
             block, size = GGML_QUANT_SIZES[kind]
             # Bytes below 0x3C: every fp16 scale finite and normal (the codes' values do not matter here).
             raw = torch.from_numpy(rng.integers(0, 0x3C, (out_f, in_f // block * size), dtype=np.uint8))
             tiles = _copies(ops.quant_pack_gguf(int(kind), raw, in_f))
             layout = torch.tensor([[int(kind), out_f]])
-            for rows in (1, 5, 16, 64):
+            for rows in row_counts:
                 x = torch.randn(rows, in_f, dtype=torch.bfloat16)
                 calls = 50 if rows == 1 else 10
                 t16, t8 = (
                     best_us([lambda t=t: ops.quant_gemv(x, t, layout, bits) for t in tiles], calls) for bits in (16, 8)
                 )
-                tb = best_us([lambda p=p: p(x) for p in packed], calls)
+                tb = best_us([lambda p=p: p(x) for p in packed], calls) if bf16 else float("nan")
                 gbs = f" ({tiles[0].numel() / t16 / 1e3:.0f} GB/s)" if rows == 1 else ""
                 name = f"{out_f}x{in_f} | {kind.name}"
-                print(f"| {name} | {rows} | {t16:.0f}{gbs} | {t8:.0f} | {tb:.0f} | {tb / t16:.1f}x |")
+                print(f"| {name} | {rows} | {t16:.0f}{gbs} | {t8:.0f} | {tb:.0f} | {tb / t16:.1f}x |", flush=True)
 
 
 BF16_ROWS = (1, 4, 16, 64, 512)
@@ -299,6 +310,9 @@ def bench_sampling() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--kquant-types", default=",".join(k.name for k in KQUANT_TYPES), help="kquant: block types")
+    ap.add_argument("--kquant-rows", default=",".join(map(str, KQUANT_ROWS)), help="kquant: activation row counts")
+    ap.add_argument("--kquant-no-bf16", action="store_true", help="kquant: skip the bf16 linear column")
     ap.add_argument("sections", nargs="*", help="linear, attention, quant, kquant, bf16 and/or sampling (default: all)")
     args = ap.parse_args()
     args.sections = args.sections or ["linear", "attention", "quant", "kquant", "bf16", "sampling"]
@@ -312,7 +326,8 @@ def main() -> None:
         if "quant" in args.sections:
             bench_quant()
         if "kquant" in args.sections:
-            bench_kquant()
+            kinds = tuple(T[name] for name in args.kquant_types.split(","))
+            bench_kquant(kinds, tuple(int(r) for r in args.kquant_rows.split(",")), not args.kquant_no_bf16)
         if "bf16" in args.sections:
             bench_bf16()
         if "sampling" in args.sections:

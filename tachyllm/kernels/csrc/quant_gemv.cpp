@@ -357,7 +357,13 @@ inline void store16(c10::BFloat16* y, __mmask16 mask, __m512 v) {
   _mm256_mask_storeu_epi16(y, mask, h);
 }
 
-inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(load_i32(p)); }
+// acc += the 16 rows' codes w . the 4 activations at x (the same 4 for every row): one VPDPBUSD that
+// reads x as an embedded broadcast. GCC has no pattern for that form and put a VPBROADCASTD before
+// every product instead, as many instructions again as the products themselves.
+inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int8_t(*)[4]>(x)));
+  return acc;
+}
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -415,14 +421,14 @@ template <bool FINE>
 inline void block_dot(const __m512i* w, const int8_t* x, const int8_t* x2, __m512i& lo, __m512i& hi) {
   __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
   for (int c = 0; c < 4; ++c) {
-    s0 = _mm512_dpbusd_epi32(s0, w[c], bcast4(x + 4 * c));
-    s1 = _mm512_dpbusd_epi32(s1, w[c + 4], bcast4(x + 16 + 4 * c));
+    s0 = dot4(s0, w[c], x + 4 * c);
+    s1 = dot4(s1, w[c + 4], x + 16 + 4 * c);
   }
   if constexpr (FINE) {
     __m512i f0 = _mm512_setzero_si512(), f1 = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
-      f0 = _mm512_dpbusd_epi32(f0, w[c], bcast4(x2 + 4 * c));
-      f1 = _mm512_dpbusd_epi32(f1, w[c + 4], bcast4(x2 + 16 + 4 * c));
+      f0 = dot4(f0, w[c], x2 + 4 * c);
+      f1 = dot4(f1, w[c + 4], x2 + 16 + 4 * c);
     }
     s0 = _mm512_add_epi32(_mm512_slli_epi32(s0, 8), f0);
     s1 = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), f1);
