@@ -1,7 +1,8 @@
 """A `--quantization gguf` start in two checkouts of tachyllm, alternating (A B A B ...), each in a fresh
 process: load time, peak and settled RSS, single-stream decode speed, and whether both give the same
 greedy tokens and log-probs. For changes to what a packed GGUF model holds in memory (session 23: the
-token embedding looked up on the file's blocks instead of a dequantized table).
+token embedding looked up on the file's blocks instead of a dequantized table). With --draft, the
+model runs with that draft model file (speculative decoding, 4 tokens a step).
 
     .venv/bin/python benchmarks/gguf_start_ab.py --a /work/base --b . --rounds 2 \\
         --model /work/models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
@@ -25,8 +26,10 @@ WORKER = r"""
 import json, sys, time
 t = time.perf_counter()
 from tachyllm import LLM, SamplingParams
-model, threads, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model=model, quantization="gguf", max_model_len=512, threads=threads, kv_cache_memory=1 << 28)
+model, threads, tokens, draft = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[5]
+spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4} if draft else None
+llm = LLM(model=model, quantization="gguf", max_model_len=512, threads=threads, kv_cache_memory=1 << 28,
+          speculative_config=spec)
 load = time.perf_counter() - t
 
 def status(key):
@@ -47,9 +50,9 @@ print(json.dumps({"load_s": load, "peak_gib": status("VmHWM:"), "settled_gib": s
 """
 
 
-def run(tree: Path, model: str, threads: int, tokens: int) -> dict:
+def run(tree: Path, model: str, threads: int, tokens: int, draft: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()), TACHY_CACHE_DIR="off")
-    args = [sys.executable, "-c", WORKER, model, str(threads), str(tokens), json.dumps(PROMPTS)]
+    args = [sys.executable, "-c", WORKER, model, str(threads), str(tokens), json.dumps(PROMPTS), draft]
     # In the tree's directory: `python -c` puts the working directory ahead of PYTHONPATH.
     out = subprocess.run(args, env=env, cwd=tree, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -63,11 +66,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per timed generation")
+    parser.add_argument("--draft", default="", help="a GGUF draft model file (speculative decoding, k = 4)")
     args = parser.parse_args()
     results: dict[str, list[dict]] = {"A": [], "B": []}
     for r in range(args.rounds):
         for name, tree in (("A", args.a), ("B", args.b)) if r % 2 == 0 else (("B", args.b), ("A", args.a)):
-            res = run(tree, args.model, args.threads, args.tokens)
+            res = run(tree, args.model, args.threads, args.tokens, args.draft)
             results[name].append(res)
             print(
                 f"round {r + 1} {name}: load {res['load_s']:.1f} s, peak RSS {res['peak_gib']:.2f} GiB, "
