@@ -17,6 +17,7 @@ from torch import nn
 
 import tachyllm.quantization.apply as apply
 from tachyllm.backends.cpu_backend import CpuBackend
+from tachyllm.errors import ModelLoadError
 from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
 from tachyllm.loading import load_checkpoint
@@ -140,6 +141,15 @@ def test_a_table_without_a_kernel_stays_dense(tmp_path, caplog):
         model = _engine(path, quantization="gguf").model
     assert type(model.embed_tokens) is nn.Embedding and isinstance(model.lm_head, GGUFLinear)
     assert "embed_tokens:" not in caplog.text
+
+
+def test_a_table_of_another_size_than_the_vocabulary_is_refused(tmp_path):
+    """A malformed file: the packed lookup refuses it as loading a dense table does."""
+    path = write_mixed_gguf(tmp_path / "bad.gguf", Q4_K_M_LIKE, head=None, table_rows=16 * 30)
+    with pytest.raises(ModelLoadError, match=r"'model.embed_tokens.weight' has 480 rows, expected the vocabulary's"):
+        _engine(path, quantization="gguf")
+    with pytest.raises(ModelLoadError, match=r"embed_tokens.weight. has shape \(480, 256\)"):
+        _engine(path)
 
 
 def test_without_gguf_quantization_the_table_is_dequantized(tmp_path):

@@ -167,11 +167,22 @@ def test_engine_weights_on_huge_pages_generate_the_same(tiny_model_factory, tie)
     options = {"dtype": "bfloat16", "block_size": 4, "kv_cache_memory": 4 << 20, "max_model_len": 128}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = [[5, 17, 42, 99, 7], [250, 3, 8]]
+    moved = []
+    move_weights = huge_pages.move_weights
+
+    def recording(*args, **kwargs):
+        moved.append(move_weights(*args, **kwargs))
+        return moved[-1]
+
     # The tiny model's tensors are below the size worth moving in a real model.
-    with mock.patch.object(huge_pages, "MIN_STORAGE_BYTES", 4096):
+    with (
+        mock.patch.object(huge_pages, "MIN_STORAGE_BYTES", 4096),
+        mock.patch.object(huge_pages, "move_weights", recording),
+    ):
         llm = LLM(str(path), **options)
         with mock.patch.object(huge_pages, "available", return_value=False):
             plain = LLM(str(path), **options)
+    assert moved[0] > 0 and moved[1] == 0  # the plain engine's weights stayed where they were loaded
     model = llm.engine.model
     qkv = model.layers[0].self_attn.qkv_proj.weight
     if qkv is None:
@@ -181,7 +192,6 @@ def test_engine_weights_on_huge_pages_generate_the_same(tiny_model_factory, tie)
     # by the flag: malloc memory of this process was seen on huge-page-flagged ranges too, after other
     # test files had run in it.)
     assert same_mapping(model.embed_tokens.weight, qkv) == tie
-    assert not same_mapping(plain.engine.model.layers[0].self_attn.qkv_proj.weight, qkv)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     want = plain.generate([{"prompt_token_ids": p} for p in prompts], params)
     for a, b in zip(got, want):

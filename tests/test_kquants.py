@@ -190,9 +190,11 @@ def write_mixed_gguf(
     layers: list[dict[str, GGMLQuantizationType]],
     head: GGMLQuantizationType | None,
     table: GGMLQuantizationType = T.Q4_K,
+    table_rows: int | None = None,
 ) -> Path:
     """A llama GGUF with each layer's matrices in the given types, a token_embd of type `table` and an
-    output.weight of type `head` (None: none, the head tied to token_embd); random valid blocks, F32 norms."""
+    output.weight of type `head` (None: none, the head tied to token_embd); random valid blocks, F32 norms.
+    `table_rows`: token_embd's rows if not the vocabulary's (a malformed file)."""
     rng = np.random.default_rng(5)
     writer = GGUFWriter(path, "llama")
     add_llama_shape(writer, layers=len(layers), hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
@@ -207,7 +209,7 @@ def write_mixed_gguf(
         else:
             writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=kind)
 
-    matrix("token_embd.weight", table, vocab, HIDDEN)
+    matrix("token_embd.weight", table, table_rows or vocab, HIDDEN)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     if head is not None:
         matrix("output.weight", head, vocab, HIDDEN)

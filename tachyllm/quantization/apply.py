@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES
 from torch import nn
 
 from tachyllm.config import ModelConfig
-from tachyllm.errors import ConfigError
+from tachyllm.errors import ConfigError, ModelLoadError
 from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
@@ -276,6 +276,11 @@ def _gguf(
         targets = [n for n in targets if n != "lm_head"]
         result.head = f"the file's {head.qtype.name} blocks ({head_source}), C++ kernel"
     if _packs_embedding(table, packable, kernels, shard):
+        if table.raw.shape[0] != model.config.vocab_size:  # the check a dense table gets from load_weights
+            raise ModelLoadError(
+                f"checkpoint tensor {TABLE!r} has {table.raw.shape[0]} rows, expected the vocabulary's "
+                f"{model.config.vocab_size}"
+            )
         whole_table = model.config.tie_word_embeddings and kept_rows is None and isinstance(model.lm_head, GGUFLinear)
         if whole_table:
             model.embed_tokens = GGUFEmbedding.sharing(model.lm_head, dtype, kernels)

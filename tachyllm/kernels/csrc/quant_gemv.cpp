@@ -889,16 +889,12 @@ std::vector<std::pair<int64_t, int64_t>> read_layout(const torch::Tensor& layout
 }
 
 // -- rows ---------------------------------------------------------------------------------------
-// Keeps the compiler from fusing a product into the next addition (GCC contracts a * b + c into an
-// FMA by default): rows() must round every step as the gguf package's dequantization does.
-inline float rounded(float v) {
-  __asm__("" : "+x"(v));
-  return v;
-}
-
 // Row `row` of one matrix's tiles, dequantized to fp32 as the gguf package's dequantize_blocks
-// computes it (same operations, same order, so the same bits): Q4_0 / Q5_0 / Q8_0 d * (u - o);
-// Q4_1 d * u + m; Q4_K / Q5_K (d * sc) * u - (dmin * mn); Q6_K (d * sc) * (u - 32).
+// computes it: Q4_0 / Q5_0 / Q8_0 d * (u - o); Q4_1 d * u + m; Q4_K / Q5_K (d * sc) * u - (dmin * mn);
+// Q6_K (d * sc) * (u - 32). The same bits whether or not the compiler fuses a product into the
+// addition after it (GCC makes FMAs by default): every product before an addition is exact in fp32
+// (an fp16 d or dmin, 11 significant bits, times integers of at most 6 + 5 bits), so the addition is
+// the only rounding either way.
 template <Format F>
 void dequantize_row(const uint8_t* packed, int64_t nsb, int64_t row, float* out) {
   const int64_t j = row % TILE;
@@ -912,11 +908,11 @@ void dequantize_row(const uint8_t* packed, int64_t nsb, int64_t row, float* out)
       for (int i = 0; i < QK; ++i) {
         const float u = static_cast<float>(tile_code(F, codes, j, i));
         if constexpr (F == Format::Q4_1) {
-          o[i] = rounded(d * u) + half_to_float(scales + 32 + 2 * j);
+          o[i] = d * u + half_to_float(scales + 32 + 2 * j);
         } else if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
           const float dj = d * static_cast<float>(scales[sub_scales_at(F) + 16 * b + j]);
           const float mj = float_at(scales + 64 + 4 * j) * static_cast<float>(scales[SUB_MINS_AT + 16 * b + j]);
-          o[i] = rounded(dj * u) - mj;
+          o[i] = dj * u - mj;
         } else if constexpr (F == Format::Q6_K) {
           const float sc = static_cast<float>(static_cast<int8_t>(scales[sub_scales_at(F) + 32 * b + 16 * (i / 16) + j]));
           o[i] = (d * sc) * (u - 32.0f);
