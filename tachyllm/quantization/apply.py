@@ -20,6 +20,7 @@ from tachyllm.quantization.calibration import calibration_windows
 from tachyllm.quantization.fp8 import ALIGN, Fp8Linear, fp8_unavailable_reason
 from tachyllm.quantization.gguf_packed import (
     ATEN_TYPES,
+    TABLE,
     GGUFBlocks,
     GGUFEmbedding,
     GGUFLinear,
@@ -38,7 +39,6 @@ AWQ_WINDOWS, AWQ_SEQ_LEN = 8, 256  # ≈2k calibration tokens
 # Methods that name a pre-quantized checkpoint's format (quantization_config.quant_method, vLLM's names).
 PREQUANTIZED_METHODS = ("awq", "gptq", "compressed-tensors")
 
-TABLE = "model.embed_tokens.weight"  # the token embedding table's checkpoint name
 # Fused modules and the checkpoint weights stacked into them (gguf-native needs every part packed).
 _FUSED_PARTS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

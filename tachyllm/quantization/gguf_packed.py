@@ -103,9 +103,12 @@ def int4_weight(blocks: GGUFBlocks) -> Int4Weight:
     return Int4Weight(*fix, GGUF_GROUP_SIZE)
 
 
+TABLE = "model.embed_tokens.weight"  # the token embedding table's checkpoint name
+
+
 def head_weight_name(config: ModelConfig) -> str:
     """The file tensor the LM head reads: its own output.weight, or the tied token_embd."""
-    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+    return TABLE if config.tie_word_embeddings else "lm_head.weight"
 
 
 def gguf_matrices(
@@ -142,9 +145,8 @@ class GGUFLinear(nn.Module):
         if any(p.in_features != self.in_features for p in parts):
             raise ValueError(f"GGUFLinear: parts {[p.name for p in parts]} have different in_features")
         self.out_features = sum(p.raw.shape[0] for p in parts)
-        self.register_buffer(
-            "packed", torch.cat([kernels.quant_pack_gguf(int(p.qtype), p.rows(), p.in_features) for p in parts])
-        )
+        tiles = [kernels.quant_pack_gguf(int(p.qtype), p.rows(), p.in_features) for p in parts]
+        self.register_buffer("packed", tiles[0] if len(tiles) == 1 else torch.cat(tiles))  # cat copies even one
         # (GGML block type, rows) per part: a few bytes, not a buffer (weight byte counts skip it).
         self.layout = torch.tensor([[int(p.qtype), p.raw.shape[0]] for p in parts], dtype=torch.int64)
         self.block_types = "+".join(p.qtype.name for p in parts)
@@ -184,13 +186,12 @@ class GGUFEmbedding(nn.Module):
 
     @classmethod
     def from_blocks(cls, blocks: GGUFBlocks, dtype: torch.dtype, kernels: ModuleType) -> GGUFEmbedding:
-        packed = kernels.quant_pack_gguf(int(blocks.qtype), blocks.rows(), blocks.in_features)
-        layout = torch.tensor([[int(blocks.qtype), blocks.raw.shape[0]]], dtype=torch.int64)
-        return cls(packed, layout, blocks.in_features, dtype, kernels)
+        """The lookup on tiles of its own (packed as a one-part GGUFLinear's)."""
+        return cls.sharing(GGUFLinear([blocks], kernels), dtype, kernels)
 
     @classmethod
     def sharing(cls, head: GGUFLinear, dtype: torch.dtype, kernels: ModuleType) -> GGUFEmbedding:
-        """The lookup of a tied model whose head runs on the whole table's blocks."""
+        """The lookup on a one-part GGUFLinear's tiles: a tied model's head on the whole table."""
         return cls(head.packed, head.layout, head.in_features, dtype, kernels)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
