@@ -18,6 +18,7 @@ from conftest import build_tokenizer, first_layers, make_tiny_model
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_files import add_layer_tensors, add_llama_shape, finish
 from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
+from test_quantization import BLOCK_KERNELS
 from test_server import running_server
 
 from tachyllm import SamplingParams
@@ -223,6 +224,24 @@ def test_gguf_draft_file_under_gguf_quantization(tmp_path, caplog):
     assert "1 layers, quantization gguf" in caplog.text
     assert token_ids(run(llm, prompts, params)) == expected
     assert_speculated(llm)
+
+
+@pytest.mark.skipif(BLOCK_KERNELS is None, reason="activation bits are a mode of the C++ block kernels")
+def test_draft_activation_bits_follow_its_own_format_unless_given(tmp_path):
+    """Under the packed target's default 8-bit activations an int4 draft keeps int4's 16 (it runs
+    tachyllm's own int4, not the file's blocks); --quant-activation-bits, when given, sets both."""
+    target, draft = write_gguf(tmp_path / "target.gguf", 3), write_gguf(tmp_path / "draft.gguf", 1)
+
+    def bits(model: torch.nn.Module) -> set[int]:
+        return {m.activation_bits for m in model.modules() if hasattr(m, "activation_bits")}
+
+    for given, expected_target, expected_draft in ((None, {8}, {16}), (8, {8}, {8}), (16, {16}, {16})):
+        llm = tiny_llm(
+            target, quantization="gguf", quant_activation_bits=given, max_model_len=128,
+            speculative_config=draft_spec(draft, quantization="int4"),
+        )  # fmt: skip
+        assert bits(llm.engine.model) == expected_target
+        assert bits(llm.engine.speculator.proposer.runner.model) == expected_draft
 
 
 def test_gguf_draft_head_over_a_vocabulary_shortlist(tmp_path, monkeypatch):

@@ -80,7 +80,7 @@ def build_draft_model(
     draft, weight_bytes = build_model(
         draft_ckpt, dtype, backend, max_len, method,
         config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
-        "none" if method else None, config.quant_activation_bits if blocks else 16, batch_invariant=invariant,
+        "none" if method else None, config.quant_activation_bits if blocks else None, batch_invariant=invariant,
         head_token_ids=shortlist,
     )  # fmt: skip
     logger.info(
