@@ -247,7 +247,7 @@ def main() -> None:
         type=int,
         default=None,
         choices=[8, 16],
-        help="the target's and drafts' (default: the engine's, 8 for the packed target, 16 for an int4 draft)",
+        help="the target's and drafts' (default: each one's method's: 8 for gguf, 16 for int4)",
     )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -229,7 +229,8 @@ def test_gguf_draft_file_under_gguf_quantization(tmp_path, caplog):
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="activation bits are a mode of the C++ block kernels")
 def test_draft_activation_bits_follow_its_own_format_unless_given(tmp_path):
     """Under the packed target's default 8-bit activations an int4 draft keeps int4's 16 (it runs
-    tachyllm's own int4, not the file's blocks); --quant-activation-bits, when given, sets both."""
+    tachyllm's own int4, not the file's blocks), and so does a self:int4 draft, though it runs a GGUF
+    file's own blocks; --quant-activation-bits, when given, sets target and draft alike."""
     target, draft = write_gguf(tmp_path / "target.gguf", 3), write_gguf(tmp_path / "draft.gguf", 1)
 
     def bits(model: torch.nn.Module) -> set[int]:
@@ -242,6 +243,11 @@ def test_draft_activation_bits_follow_its_own_format_unless_given(tmp_path):
         )  # fmt: skip
         assert bits(llm.engine.model) == expected_target
         assert bits(llm.engine.speculator.proposer.runner.model) == expected_draft
+        self_draft = tiny_llm(
+            target, quantization="gguf", quant_activation_bits=given, max_model_len=128,
+            speculative_config=draft_spec("self:int4"),
+        )  # fmt: skip
+        assert bits(self_draft.engine.speculator.proposer.runner.model) == {given or 16}
 
 
 def test_gguf_draft_head_over_a_vocabulary_shortlist(tmp_path, monkeypatch):

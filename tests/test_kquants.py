@@ -273,7 +273,7 @@ def test_gguf_rounds_activations_to_8_bits_unless_told(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         default = _engine(path, quantization="gguf")
     assert bits(default) == {8}
-    assert "activations rounded to 8 bits per 32 inputs (llama.cpp's Q8_1) in 9 layers (gguf's default" in caplog.text
+    assert "activations rounded to 8 bits per 32 inputs, as llama.cpp rounds them, in 9 layers (gguf's" in caplog.text
     fine = _engine(path, quantization="gguf", quant_activation_bits=16)
     assert bits(fine) == {16}
     assert bits(_engine(path, quantization="int4")) == {16}
@@ -283,6 +283,15 @@ def test_gguf_rounds_activations_to_8_bits_unless_told(tmp_path, caplog):
     coarse, close = ((sequence_logprobs(e, ids) - lp_ref).abs().mean() for e in (default, fine))
     assert close < coarse
     assert (sequence_logprobs(default, ids).argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.9
+    # Without the block kernels (the torch backend) nothing is rounded: silent unless bits were given.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        _engine(path, quantization="gguf", backend="torch")
+    assert "activations rounded" not in caplog.text and "has no effect" not in caplog.text
+    for given in (8, 16):
+        with caplog.at_level(logging.INFO, logger="tachyllm"):
+            _engine(path, quantization="gguf", backend="torch", quant_activation_bits=given)
+        assert f"quant_activation_bits {given} has no effect: no layer runs the C++ block kernels" in caplog.text
 
 
 def test_fused_decode_layer_runs_the_block_kernels(tmp_path, monkeypatch):

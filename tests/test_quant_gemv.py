@@ -209,7 +209,7 @@ def test_gguf_q8_0_head_whatever_quant_skip_says(tmp_path, monkeypatch, caplog):
     assert "lm_head: model.embed_tokens.weight (Q8_0 in the file) dequantized to torch.bfloat16" in caplog.text
     lp = sequence_logprobs(engines[None], ids)
     assert (lp.argmax(-1) == lp_plain.argmax(-1)).float().mean() >= 0.9
-    assert (lp.exp() * (lp - lp_plain)).sum(-1).max() < 0.01  # measured 5e-4
+    assert (lp.exp() * (lp - lp_plain)).sum(-1).max() < 0.01  # measured 5e-4 (16-bit activations)
 
 
 @needs_simd

@@ -195,10 +195,11 @@ def _set_activation_bits(model: nn.Module, bits: int, explicit: bool) -> None:
         m.activation_bits = bits
     if block_layers and bits != ACTIVATION_BITS:
         logger.info(
-            "activations rounded to 8 bits per 32 inputs (llama.cpp's Q8_1) in %d layers%s",
-            len(block_layers), "" if explicit else " (gguf's default; --quant-activation-bits 16: closer to unrounded)",
+            "activations rounded to %d bits per 32 inputs, as llama.cpp rounds them, in %d layers%s",
+            bits, len(block_layers),
+            "" if explicit else " (gguf's default; --quant-activation-bits 16: closer to unrounded)",
         )  # fmt: skip
-    elif explicit and not block_layers and bits != ACTIVATION_BITS:
+    elif explicit and not block_layers:
         logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
 
