@@ -294,9 +294,10 @@ def test_gguf_rounds_activations_to_8_bits_unless_told(tmp_path, caplog):
         assert f"quant_activation_bits {given} has no effect: no layer runs the C++ block kernels" in caplog.text
 
 
-def test_fused_decode_layer_runs_the_block_kernels(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_fused_decode_layer_runs_the_block_kernels(tmp_path, monkeypatch, bits):
     """In bf16, decode steps run each layer as one DecodeLayer call over the mixed-type linears:
-    the same tokens and log-probs as the module path."""
+    the same tokens and log-probs as the module path, at either activation rounding."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     prompts = ["hello hello hello", "def add(a, b):", "x"]
@@ -304,7 +305,9 @@ def test_fused_decode_layer_runs_the_block_kernels(tmp_path, monkeypatch):
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(CpuBackend, "fused_decoder_layer", lambda self, layer, rotary: None)
-        llm = LLM(model=str(path), dtype="bfloat16", quantization="gguf", kv_cache_memory=1 << 22)
+        llm = LLM(
+            model=str(path), dtype="bfloat16", quantization="gguf", quant_activation_bits=bits, kv_cache_memory=1 << 22
+        )
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs.append([(o.outputs[0].token_ids, [sorted(d.items()) for d in o.outputs[0].logprobs]) for o in outs])
         if fused:
