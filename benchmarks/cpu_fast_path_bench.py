@@ -2,8 +2,7 @@
 
 For each of bf16 weights and the GGUF's own Q4_1 weights (`--quantization gguf`), with the C++
 kernels (tachyllm/kernels/csrc) and with the pure-PyTorch path (what TACHY_NATIVE=0 gives), and
-for the Q4_1 weights with 8-bit activations (`--quant-activation-bits 8`, gguf's default since session 24;
-the `gguf` rows pass 16, the default when this benchmark was written):
+for the Q4_1 weights with the kernels' opt-in 8-bit activations (`--quant-activation-bits 8`):
   - single stream: 32-token prompt, 128 new tokens, decode tokens/s (median of --repeats) and the
     achieved weight bandwidth (weight bytes read per step x steps/s) against a measured copy;
   - offline batch: 64 prompts x 128 tokens, 128 new tokens each, output tokens/s (prefill included).

@@ -9,11 +9,11 @@ drifts across all of them alike:
   over the wall time, prefill included (`tachy bench throughput`; llama.cpp's `llama-batched-bench`
   with that many parallel sequences: pl x tg / t).
 
-tachyllm configurations: `gguf` (the file's blocks packed, the engine's default activation rounding:
-8 bits per 32 inputs since session 24, llama.cpp's own), `gguf-a16` (`--quant-activation-bits 16`, the
-default before), `gguf-a8` (8 bits, given explicitly) and `bf16` (the file dequantized). llama.cpp is
-not a dependency: build `llama-bench` and `llama-batched-bench` from the llama.cpp sources vendored in
-llama-cpp-python's sdist (docs/benchmarks.md says how) and pass their folder with `--llama-bin`.
+tachyllm configurations: `gguf` (the file's blocks packed, 16-bit activations: the default),
+`gguf-a8` (`--quant-activation-bits 8`, llama.cpp's own rounding of activations) and `bf16` (the file
+dequantized). llama.cpp is not a dependency: build `llama-bench` and `llama-batched-bench` from the
+llama.cpp sources vendored in llama-cpp-python's sdist (docs/benchmarks.md says how) and pass their
+folder with `--llama-bin`.
 
     python benchmarks/gguf_vs_llamacpp.py --model MODEL.gguf --llama-bin DIR [--rounds 2] [--threads 2]
 """
@@ -30,7 +30,6 @@ from pathlib import Path
 
 TACHY_CONFIGS = {
     "gguf": ["--quantization", "gguf"],
-    "gguf-a16": ["--quantization", "gguf", "--quant-activation-bits", "16"],
     "gguf-a8": ["--quantization", "gguf", "--quant-activation-bits", "8"],
     "bf16": ["--dtype", "bfloat16"],
 }
@@ -92,7 +91,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--configs", default="gguf,gguf-a16,bf16", help="tachyllm configurations, in run order")
+    parser.add_argument("--configs", default="gguf,gguf-a8,bf16", help="tachyllm configurations, in run order")
     parser.add_argument("--skip", default="", help="comma list among single,batch")
     args = parser.parse_args()
     configs = args.configs.split(",")

@@ -37,7 +37,6 @@ def none_or(kind: Callable[[str], Any]) -> Callable[[str], Any]:
         return None if text.strip().lower() == "none" else kind(text)
 
     parse.__name__ = getattr(kind, "__name__", "value")
-    parse.unsets = True
     return parse
 
 

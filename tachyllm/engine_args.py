@@ -58,10 +58,8 @@ def add_engine_args(parser: argparse.ArgumentParser, repeatable: dict[str, str] 
         if hints[field.name] is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:
-            options["type"] = parse = _value_parser(field, hints[field.name])
-            choices = field.metadata.get("choices")
-            # "none" unsets an optional number (its default), whatever values it may otherwise take.
-            options["choices"] = (*choices, None) if choices and getattr(parse, "unsets", False) else choices
+            options["type"] = _value_parser(field, hints[field.name])
+            options["choices"] = field.metadata.get("choices")
         group.add_argument(flag, **options)
 
 

@@ -227,27 +227,20 @@ def test_gguf_draft_file_under_gguf_quantization(tmp_path, caplog):
 
 
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="activation bits are a mode of the C++ block kernels")
-def test_draft_activation_bits_follow_its_own_format_unless_given(tmp_path):
-    """Under the packed target's default 8-bit activations an int4 draft keeps int4's 16 (it runs
-    tachyllm's own int4, not the file's blocks), and so does a self:int4 draft, though it runs a GGUF
-    file's own blocks; --quant-activation-bits, when given, sets target and draft alike."""
+def test_draft_activation_bits_follow_the_option(tmp_path):
+    """--quant-activation-bits reaches the draft as well as the packed target: an int4 draft file, and a
+    self:int4 draft (the GGUF file's own blocks), whose bits were fixed at 16 before."""
     target, draft = write_gguf(tmp_path / "target.gguf", 3), write_gguf(tmp_path / "draft.gguf", 1)
 
     def bits(model: torch.nn.Module) -> set[int]:
         return {m.activation_bits for m in model.modules() if hasattr(m, "activation_bits")}
 
-    for given, expected_target, expected_draft in ((None, {8}, {16}), (8, {8}, {8}), (16, {16}, {16})):
-        llm = tiny_llm(
-            target, quantization="gguf", quant_activation_bits=given, max_model_len=128,
-            speculative_config=draft_spec(draft, quantization="int4"),
-        )  # fmt: skip
-        assert bits(llm.engine.model) == expected_target
-        assert bits(llm.engine.speculator.proposer.runner.model) == expected_draft
-        self_draft = tiny_llm(
-            target, quantization="gguf", quant_activation_bits=given, max_model_len=128,
-            speculative_config=draft_spec("self:int4"),
-        )  # fmt: skip
-        assert bits(self_draft.engine.speculator.proposer.runner.model) == {given or 16}
+    for given in (8, 16):
+        for spec in (draft_spec(draft, quantization="int4"), draft_spec("self:int4")):
+            llm = tiny_llm(
+                target, quantization="gguf", quant_activation_bits=given, max_model_len=128, speculative_config=spec
+            )
+            assert bits(llm.engine.model) == bits(llm.engine.speculator.proposer.runner.model) == {given}
 
 
 def test_gguf_draft_head_over_a_vocabulary_shortlist(tmp_path, monkeypatch):

@@ -24,7 +24,6 @@ from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
 from tachyllm.quantization.apply import module_bytes
 from tachyllm.quantization.gguf_packed import GGUFEmbedding, GGUFLinear
-from tachyllm.quantization.int4 import Int4Linear
 
 ops = native.native_ops()
 pytestmark = pytest.mark.skipif(
@@ -237,7 +236,7 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
     log-probs of the same file dequantized to fp32 within the 16-bit activation rounding."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        packed = _engine(path, quantization="gguf", quant_activation_bits=16)
+        packed = _engine(path, quantization="gguf")
     model = packed.model
     assert "lm_head: the file's Q6_K blocks (lm_head.weight), C++ kernel" in caplog.text
     assert "no packed kernel" not in caplog.text
@@ -261,37 +260,33 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
     assert (lp - lp_ref).abs().max() < 2e-3
 
 
-def test_gguf_rounds_activations_to_8_bits_unless_told(tmp_path, caplog):
-    """Unset, quant_activation_bits is the format's own: a GGUF file's blocks run with llama.cpp's 8-bit
-    activations (logged, with the way back), tachyllm's int4 with 16; given, it applies to either. 8
-    bits stray further from the fp32 reference than 16 but keep its top tokens."""
+def test_gguf_activations_are_16_bits_unless_told(tmp_path, caplog):
+    """The K-quant blocks round activations to 16 bits by default and to 8 (llama.cpp's rounding) when
+    told, logged; 8 bits stray further from the fp32 reference than 16 but keep its top tokens. Without
+    the block kernels (the torch backend) nothing is rounded, and 8 bits asked for say so."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
 
     def bits(engine: LLMEngine) -> set[int]:
-        return {m.activation_bits for m in engine.model.modules() if isinstance(m, GGUFLinear | Int4Linear)}
+        return {m.activation_bits for m in engine.model.modules() if isinstance(m, GGUFLinear)}
 
-    with caplog.at_level(logging.INFO, logger="tachyllm"):
-        default = _engine(path, quantization="gguf")
-    assert bits(default) == {8}
-    assert "activations rounded to 8 bits per 32 inputs, as llama.cpp rounds them, in 9 layers (gguf's" in caplog.text
-    fine = _engine(path, quantization="gguf", quant_activation_bits=16)
+    fine = _engine(path, quantization="gguf")
     assert bits(fine) == {16}
-    assert bits(_engine(path, quantization="int4")) == {16}
-    assert bits(_engine(path, quantization="int4", quant_activation_bits=8)) == {8}
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        coarse_engine = _engine(path, quantization="gguf", quant_activation_bits=8)
+    assert bits(coarse_engine) == {8}
+    assert "quant_activation_bits 8: 9 layers round activations to int8 per 32 inputs, as llama.cpp does" in caplog.text
     ids = [(i * 37) % 250 + 3 for i in range(40)]
     lp_ref = sequence_logprobs(_engine(path), ids)
-    coarse, close = ((sequence_logprobs(e, ids) - lp_ref).abs().mean() for e in (default, fine))
+    coarse, close = ((sequence_logprobs(e, ids) - lp_ref).abs().mean() for e in (coarse_engine, fine))
     assert close < coarse
-    assert (sequence_logprobs(default, ids).argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.9
-    # Without the block kernels (the torch backend) nothing is rounded: silent unless bits were given.
+    assert (sequence_logprobs(coarse_engine, ids).argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.9
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         _engine(path, quantization="gguf", backend="torch")
-    assert "activations rounded" not in caplog.text and "has no effect" not in caplog.text
-    for given in (8, 16):
-        with caplog.at_level(logging.INFO, logger="tachyllm"):
-            _engine(path, quantization="gguf", backend="torch", quant_activation_bits=given)
-        assert f"quant_activation_bits {given} has no effect: no layer runs the C++ block kernels" in caplog.text
+    assert "round activations" not in caplog.text and "has no effect" not in caplog.text
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        _engine(path, quantization="gguf", backend="torch", quant_activation_bits=8)
+    assert "quant_activation_bits 8 has no effect: no layer runs the C++ block kernels" in caplog.text
 
 
 @pytest.mark.parametrize("bits", [8, 16])

@@ -275,12 +275,10 @@ def test_tiny_qwen2_with_bias_quantizes(tiny_model_factory):
 # Default model. Plain int4 here re-rounds weights that already went through Q4_1 (group 32) onto
 # groups of 64/128, so greedy text drifts early (~15% position-wise agreement measured with fp32,
 # AWQ ~40%); those are judged teacher-forced against the bf16 engine (measured: int8 ~96%, int4
-# ~70%, awq ~79%, gguf ~97% against fp32; against the bf16 engine in session 24 gguf 96.6% at its
-# default 8-bit activations, 97.9% at 16). Greedy text is required to match for int8 and gguf,
-# which measured ~89% and ~99% (gguf at 16-bit activations; in session 24: 91% at its new default
-# 8, 89% at 16). int8's bar leaves room for one early flip: at "Water boils at" + 2 tokens its top
-# two logits tie (log-probs -1.749 and -1.749), so which one greedy picks follows the last bits of
-# the attention kernel (74% with session 5's bf16-pair kernel, 88% before).
+# ~70%, awq ~79%, gguf ~97% against fp32). Greedy text is required to match for int8 and gguf,
+# which measured ~89% and ~99%. int8's bar leaves room for one early flip: at "Water boils at" + 2
+# tokens its top two logits tie (log-probs -1.749 and -1.749), so which one greedy picks follows the
+# last bits of the attention kernel (74% with session 5's bf16-pair kernel, 88% before).
 REAL_TOP1 = {"int8": 0.9, "int4": 0.6, "awq": 0.7, "gguf": 0.93}
 REAL_GREEDY = {"int8": 0.7, "gguf": 0.85}
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]
@@ -304,8 +302,8 @@ def test_default_model_quantized_agrees(method):
     BLOCK_KERNELS is None, reason="8-bit activations are a mode of the C++ block kernels (AVX-512 VNNI)"
 )
 def test_default_model_8bit_activations_cost_little_top1():
-    """gguf's default 8-bit activations against the bf16 engine, beside 16 bits
-    (quant_activation_bits=16) on the same windows: measurably further from it (mean KL against fp32 measured
+    """The opt-in 8-bit activations (quant_activation_bits=8) against the bf16 engine, beside the
+    default 16 bits on the same windows: measurably further from it (mean KL against fp32 measured
     0.0044 vs 0.0012 with `tachy eval quality`), still agreeing on the top token almost always."""
     ref = eval_engine(EngineConfig(threads=2), 128)
     windows = heldout_windows(ref, 128, 6)
@@ -326,12 +324,10 @@ def test_default_model_8bit_activations_cost_little_top1():
 def test_gguf_native_matches_dequantize_then_int4(default_model_path):
     """Q4_1 blocks loaded packed vs the same weights dequantized and re-rounded to int4 group 32:
     re-rounding a Q4_1 block recovers its codes (RTN hits the block's own min and max), so the
-    two models differ only by float rounding of the scales (both rounding activations to gguf's
-    default 8 bits; int4's own default is 16)."""
+    two models differ only by float rounding of the scales."""
     ids = [1, 504, 3458, 282, 4649, 314, 7042, 30, 198, 504, 1678, 282] * 4
     native = sequence_logprobs(engine_for(None, quantization="gguf"), ids)
-    requant = engine_for(None, quantization="int4", quant_group_size=32, quant_activation_bits=8)
-    requant = sequence_logprobs(requant, ids)
+    requant = sequence_logprobs(engine_for(None, quantization="int4", quant_group_size=32), ids)
     assert (native.argmax(-1) == requant.argmax(-1)).float().mean() >= 0.95
     kl = (native.exp() * (native - requant)).sum(-1)
     assert kl.max() < 0.02

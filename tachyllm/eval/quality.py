@@ -20,7 +20,6 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, sequence_batch, token_windows
-from tachyllm.quantization.int4 import ACTIVATION_BITS, activation_bits_for
 
 DEFAULT_SEQ_LEN = 128
 
@@ -52,9 +51,8 @@ class QualityReport:
 def describe(config: EngineConfig, quantization: str | None = None) -> str:
     """`quantization`: what the engine resolved (a pre-quantized checkpoint's own), if not the option."""
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
+    bits = f" (activations {config.quant_activation_bits}-bit)" if config.quant_activation_bits != 16 else ""
     weights = quantization or config.quantization or "unquantized"
-    activation_bits = activation_bits_for(weights, config.quant_activation_bits)
-    bits = f" (activations {activation_bits}-bit)" if activation_bits != ACTIVATION_BITS else ""
     return f"{dtype}, weights {weights}{bits}, kv {config.kv_cache_dtype}"
 
 
@@ -133,7 +131,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     config = engine_config(args)
     ref_config = replace(
         config, model=args.reference_model or config.model, dtype=args.reference_dtype, quantization=None,
-        quant_group_size=None, quant_skip=None, quant_activation_bits=None, kv_cache_dtype="auto",
+        quant_group_size=None, quant_skip=None, quant_activation_bits=16, kv_cache_dtype="auto",
     )  # fmt: skip
     reference = eval_engine(ref_config, args.seq_len)
     engine = eval_engine(config, args.seq_len)

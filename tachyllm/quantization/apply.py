@@ -28,7 +28,7 @@ from tachyllm.quantization.gguf_packed import (
     int4_weight,
     kernel_types,
 )
-from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight, activation_bits_for
+from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
 from tachyllm.quantization.int8 import Int8Linear, row_amax
 from tachyllm.quantization.policy import select_linears
 from tachyllm.quantization.prequantized import build, read_parts
@@ -101,14 +101,13 @@ def quantize_model(
     skip: tuple[str, ...],
     tokenizer=None,
     gguf_blocks: dict[str, GGUFBlocks] | None = None,
-    activation_bits: int | None = None,
+    activation_bits: int = ACTIVATION_BITS,
     kernels: ModuleType | None = None,
     prequantized: PrequantizedWeights | None = None,
     matmul: ModuleType | None = None,
     shard: TensorShard | None = None,
 ) -> QuantizationResult:
     """`gguf_blocks`: for gguf, the model file's matrices as stored (gguf_packed.gguf_matrices).
-    `activation_bits`: the block kernels' activation rounding; None: the method's own (activation_bits_for).
     `kernels`: the backend's block kernels (Backend.block_kernels) that int4 / GGUF block layers pack
     their weights for, or None (aten's int4 layout on the CPU, dequantized matmuls elsewhere).
     `prequantized`: a pre-quantized checkpoint's packed linears, run as stored (`method` is its format).
@@ -179,28 +178,28 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         result.quantized.append(name)
-    _set_activation_bits(model, activation_bits_for(method, activation_bits), explicit=activation_bits is not None)
+    _set_activation_bits(model, activation_bits)
     _log(method, result, groups)
     return result
 
 
-def _set_activation_bits(model: nn.Module, bits: int, explicit: bool) -> None:
+def _set_activation_bits(model: nn.Module, bits: int) -> None:
     """Activation rounding of every layer on the C++ block kernels (int4/awq layers, the GGUF blocks
-    of gguf); the other kernels take the activations as they are, so bits someone asked for are only
-    logged there."""
+    of gguf); the other kernels take the activations as they are, so other bits are only logged."""
     block_layers = [
         m for m in model.modules() if isinstance(m, GGUFLinear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")
     ]
     for m in block_layers:
         m.activation_bits = bits
-    if block_layers and bits != ACTIVATION_BITS:
-        logger.info(
-            "activations rounded to %d bits per 32 inputs, as llama.cpp rounds them, in %d layers%s",
-            bits, len(block_layers),
-            "" if explicit else " (gguf's default; --quant-activation-bits 16: closer to unrounded)",
-        )  # fmt: skip
-    elif explicit and not block_layers:
-        logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
+    if bits != ACTIVATION_BITS:
+        if block_layers:
+            logger.info(
+                "quant_activation_bits %d: %d layers round activations to int8 per 32 inputs, as llama.cpp does",
+                bits,
+                len(block_layers),
+            )
+        else:
+            logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
 
 def _int8(linear: nn.Module, name: str, matmul: ModuleType | None, shard: TensorShard | None) -> Int8Linear:

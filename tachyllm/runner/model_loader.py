@@ -28,7 +28,7 @@ def build_model(
     quantization: str | None = None,
     quant_group_size: int | None = None,
     quant_skip: str | None = None,
-    quant_activation_bits: int | None = None,
+    quant_activation_bits: int = 16,
     batch_invariant: bool = False,
     fuse_layers: bool = True,
     shard: TensorShard | None = None,
@@ -63,7 +63,7 @@ def build_model(
         quantization = quantization or ckpt.prequantized.format.method
         if quant_group_size is not None:
             raise ConfigError("quant_group_size does not apply to a pre-quantized checkpoint (its groups are stored)")
-    elif quantization is None and quant_activation_bits not in (None, 16):
+    elif quantization is None and quant_activation_bits != 16:
         raise ConfigError("quant_activation_bits applies to quantized weights; set quantization (int4, awq, gguf)")
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).

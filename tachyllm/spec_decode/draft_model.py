@@ -33,7 +33,6 @@ from tachyllm.core.sequence import Sequence
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint, Tokenizer, load_checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
-from tachyllm.quantization.int4 import ACTIVATION_BITS
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
@@ -68,13 +67,9 @@ def build_draft_model(
         # target only by rounding), a pre-quantized checkpoint keeps its own codes (None: the
         # checkpoint's method); other checkpoints are quantized round-to-nearest.
         method = "gguf" if ckpt.format == "gguf" else None if ckpt.prequantized is not None else "int4"
-        # 16-bit activations unless given, as int4's, even on a GGUF file's blocks: on the default
-        # model the draft's tokens were accepted more often than at gguf's 8 bits, in the same time
-        # (docs/benchmarks.md, session 24).
-        bits = ACTIVATION_BITS if config.quant_activation_bits is None else config.quant_activation_bits
         draft, _ = build_model(
-            ckpt, dtype, backend, max_len, method, None, "none", bits, batch_invariant=invariant,
-            head_token_ids=shortlist,
+            ckpt, dtype, backend, max_len, method, None, "none", config.quant_activation_bits,
+            batch_invariant=invariant, head_token_ids=shortlist,
         )  # fmt: skip
         return draft
     draft_ckpt = load_checkpoint(spec.model)
@@ -87,7 +82,7 @@ def build_draft_model(
     draft, weight_bytes = build_model(
         draft_ckpt, dtype, backend, max_len, method,
         config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
-        "none" if method else None, config.quant_activation_bits if blocks else None, batch_invariant=invariant,
+        "none" if method else None, config.quant_activation_bits if blocks else 16, batch_invariant=invariant,
         head_token_ids=shortlist,
     )  # fmt: skip
     logger.info(
