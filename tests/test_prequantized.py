@@ -318,3 +318,22 @@ def test_modules_are_built_on_the_model_device(checkpoints):
     assert built.module.inner.kernel == "dequantize" and built.module.inner.packed.device == meta
     eight = load_checkpoint(str(checkpoints("gptq8-sym")[0])).prequantized
     assert build([eight.read("model.layers.0.mlp.down_proj")], None, BLOCK_KERNELS, meta).module is None
+
+
+@pytest.mark.skipif(BLOCK_KERNELS is None, reason="activation bits are a mode of the C++ block kernels")
+def test_a_prequantized_draft_file_runs_its_own_codes_with_the_given_activation_bits(checkpoints, base, caplog):
+    """A pre-quantized checkpoint as the draft of an int4 target: unset, its quantization is its own (as
+    for a target; the target's int4 used to be applied to it and refused), and --quant-activation-bits
+    reaches its block kernels as it reaches the target's."""
+    quantized, _, _ = checkpoints("gptq4-sym")
+    spec = {"method": "draft_model", "model": str(quantized), "num_speculative_tokens": 2, "adaptive": False}
+    for given in (8, 16):
+        with caplog.at_level(logging.INFO, logger="tachyllm"):
+            llm = engine(base, quantization="int4", quant_activation_bits=given, speculative_config=spec)
+        assert "quantization gptq" in caplog.text
+        draft = llm.speculator.proposer.runner.model
+        layers = [m for m in draft.modules() if isinstance(m, Int4Linear)]
+        assert layers and {m.activation_bits for m in layers} == {given}
+        assert greedy_tokens(llm, PROMPTS[:1], 8) == greedy_tokens(
+            engine(base, quantization="int4", quant_activation_bits=given), PROMPTS[:1], 8
+        )

@@ -74,9 +74,10 @@ def build_draft_model(
         return draft
     draft_ckpt = load_checkpoint(spec.model)
     check_same_vocabulary(ckpt.tokenizer, draft_ckpt.tokenizer, spec.model)
-    method = draft_quantization(spec.quantization, config.quantization, draft_ckpt.format, spec.model)
+    own = draft_ckpt.prequantized.format.method if draft_ckpt.prequantized is not None else None
+    method = draft_quantization(spec.quantization, config.quantization, draft_ckpt.format, spec.model, own is not None)
     # The methods whose kernels round activations: all but int8 / fp8 and a dense draft.
-    blocks = method not in ("int8", "fp8") and (method is not None or draft_ckpt.prequantized is not None)
+    blocks = method not in ("int8", "fp8") and (method or own) is not None
     if shortlist is not None:
         shortlist = shortlist[shortlist < draft_ckpt.config.vocab_size]
     draft, weight_bytes = build_model(
@@ -87,7 +88,7 @@ def build_draft_model(
     )  # fmt: skip
     logger.info(
         "draft model %s: %s, %d layers, quantization %s, LM head over %s tokens, %.1f MiB of weights per step",
-        spec.model, draft_ckpt.config.architecture, draft_ckpt.config.num_layers, method or "none",
+        spec.model, draft_ckpt.config.architecture, draft_ckpt.config.num_layers, method or own or "none",
         "all" if shortlist is None else f"{len(shortlist)} of {draft_ckpt.config.vocab_size}", weight_bytes / 2**20,
     )  # fmt: skip
     return draft
@@ -102,16 +103,18 @@ def draft_vocabulary(tokenizer: Tokenizer, vocab_size: int, size: int, eos_token
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-def draft_quantization(requested: str | None, target: str | None, draft_format: str, name: str) -> str | None:
+def draft_quantization(
+    requested: str | None, target: str | None, draft_format: str, name: str, prequantized: bool
+) -> str | None:
     """speculative_config's 'quantization' for a draft file, or unset the target's --quantization
-    ('gguf' only where the draft is a GGUF file too)."""
+    ('gguf' only where the draft is a GGUF file too; a pre-quantized draft's own, as for a target)."""
     if requested == "none":
         return None
     if requested == "gguf" and draft_format != "gguf":
         raise ConfigError(f"speculative_config quantization 'gguf' needs a GGUF draft file; {name} is not one")
     if requested is not None:
         return requested
-    if target == "gguf" and draft_format != "gguf":
+    if prequantized or (target == "gguf" and draft_format != "gguf"):
         return None
     return target
 
