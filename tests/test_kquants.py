@@ -289,6 +289,16 @@ def test_gguf_activations_are_16_bits_unless_told(tmp_path, caplog):
     assert "quant_activation_bits 8 has no effect: no layer runs the C++ block kernels" in caplog.text
 
 
+def test_a_quantized_kv_cache_calibrates_with_the_table_on_its_blocks(tmp_path):
+    """KV-scale calibration runs the model before any request: with the embedding table on the
+    file's blocks (no dense weight to take the dtype from) it calibrates and the engine generates."""
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    llm = LLM(str(path), quantization="gguf", kv_cache_dtype="int8", max_model_len=128, threads=1)
+    assert isinstance(llm.engine.model.embed_tokens, GGUFEmbedding)
+    out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
+
+
 @pytest.mark.parametrize("bits", [8, 16])
 def test_fused_decode_layer_runs_the_block_kernels(tmp_path, monkeypatch, bits):
     """In bf16, decode steps run each layer as one DecodeLayer call over the mixed-type linears:

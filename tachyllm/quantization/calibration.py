@@ -47,7 +47,7 @@ def sequence_batch(token_ids: list[int], block_size: int) -> StepBatch:
 
 def scratch_kv_caches(model: nn.Module, num_tokens: int) -> list[LayerKV]:
     """Plain model-dtype caches of one num_tokens block per layer."""
-    w = model.embed_tokens.weight
+    w = _dense_weight(model)
     return TorchBackend(w.device).allocate_kv_cache(model.config, 1, num_tokens, w.dtype)
 
 
@@ -58,8 +58,14 @@ def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches: list[Lay
     It runs the portable backend's step whatever backend the model was built for: attention over
     the fresh K/V in the Python modules, so that calibration hooks on them see every layer.
     """
-    w = model.embed_tokens.weight
+    w = _dense_weight(model)
     block_size = kv_caches[0][0].shape[1]
     builder = TorchBackend(w.device).metadata_builder(kv_caches, block_size)
     input_ids, positions, meta = builder.prepare(sequence_batch(token_ids, block_size))
     return model(input_ids, positions, kv_caches, meta)
+
+
+def _dense_weight(model: nn.Module) -> torch.Tensor:
+    """A weight with the model's dtype and device: the final norm's (the embedding may be a GGUF
+    file's packed blocks, which have no dense weight)."""
+    return model.norm.weight
