@@ -242,7 +242,10 @@ def main() -> None:
     ap.add_argument("--fp32-check", type=int, default=0, help="prompts for the float32 identity check (0: none)")
     ap.add_argument("--fp32-tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--quant-activation-bits", type=int, default=16, choices=[8, 16], help="the target's and drafts'")
+    ap.add_argument(
+        "--quant-activation-bits", type=int, default=None, choices=[8, 16],
+        help="the target's and drafts' (default: unset, the engine's rule: the target checks 8 bits, drafts 16)",
+    )  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     draft, target = qwen_coder_pair(args.cache_dir)

@@ -9,9 +9,10 @@ drifts across all of them alike:
   over the wall time, prefill included (`tachy bench throughput`; llama.cpp's `llama-batched-bench`
   with that many parallel sequences: pl x tg / t).
 
-tachyllm configurations: `gguf` (the file's blocks packed, 16-bit activations: the default),
-`gguf-a8` (`--quant-activation-bits 8`, llama.cpp's own rounding of activations) and `bf16` (the file
-dequantized). llama.cpp is not a dependency: build `llama-bench` and `llama-batched-bench` from the
+tachyllm configurations: `gguf` (the file's blocks packed, activations rounded as the load-time check
+decides: 8 bits where they keep the model within its KL bound, else 16; the default), `gguf-a16` and
+`gguf-a8` (`--quant-activation-bits 16` / `8`; 8 is llama.cpp's own rounding of activations) and `bf16`
+(the file dequantized). llama.cpp is not a dependency: build `llama-bench` and `llama-batched-bench` from the
 llama.cpp sources vendored in llama-cpp-python's sdist (docs/benchmarks.md says how) and pass their
 folder with `--llama-bin`.
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 TACHY_CONFIGS = {
     "gguf": ["--quantization", "gguf"],
+    "gguf-a16": ["--quantization", "gguf", "--quant-activation-bits", "16"],
     "gguf-a8": ["--quantization", "gguf", "--quant-activation-bits", "8"],
     "bf16": ["--dtype", "bfloat16"],
 }
@@ -91,7 +93,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--configs", default="gguf,gguf-a8,bf16", help="tachyllm configurations, in run order")
+    parser.add_argument("--configs", default="gguf,gguf-a16,bf16", help="tachyllm configurations, in run order")
     parser.add_argument("--skip", default="", help="comma list among single,batch")
     args = parser.parse_args()
     configs = args.configs.split(",")

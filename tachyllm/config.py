@@ -150,12 +150,14 @@ class EngineConfig:
     quant_skip: str | None = option(
         None, "layers kept unquantized, comma list: lm_head, attn, mlp, name fragments, or none (default: lm_head)"
     )
-    # Activation rounding of the C++ int4/Q8_0 kernels, per 32 inputs: 16 (default) or 8 (llama.cpp's
-    # Q8_1: higher batched throughput, lower fidelity; measurements: docs/design_measurements.md#activation-bits).
-    quant_activation_bits: int = option(
-        16,
-        "activation rounding of the int4/gguf C++ kernels: 16, or 8 (llama.cpp's Q8_1: faster batches, lower fidelity)"
-        " (default: 16)",
+    # Activation rounding of the C++ block kernels, per 32 inputs. Unset: a GGUF file's blocks (gguf) take
+    # llama.cpp's 8 bits when a check at load finds the model's next-token distributions within KL 0.01
+    # of 16 bits', else 16; other formats 16 (quantization/activation_bits.py).
+    quant_activation_bits: int | None = option(
+        None,
+        "activation rounding of the int4/gguf C++ kernels, per 32 inputs: 8 (llama.cpp's: faster batches) or 16"
+        " (closer to unrounded) (default: gguf 8 where a check at load measures mean KL <= 0.01 vs 16 on"
+        " calibration text, else 16; other formats 16)",
         choices=QUANT_ACTIVATION_BITS,
     )
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8")
@@ -243,10 +245,10 @@ class EngineConfig:
             )
         if self.quant_group_size is not None and self.quantization not in ("int4", "awq"):
             raise ConfigError(f"quant_group_size applies to quantization int4 or awq, not {self.quantization!r}")
-        if self.quant_activation_bits not in QUANT_ACTIVATION_BITS:
+        if self.quant_activation_bits not in (None, *QUANT_ACTIVATION_BITS):
             raise ConfigError(f"quant_activation_bits must be 8 or 16, got {self.quant_activation_bits!r}")
         # Unset quantization may still mean a pre-quantized checkpoint's (checked once it is read).
-        if self.quant_activation_bits != 16 and self.quantization in ("int8", "fp8"):
+        if self.quant_activation_bits == 8 and self.quantization in ("int8", "fp8"):
             raise ConfigError(
                 f"quant_activation_bits applies to quantization int4, awq, gguf, gptq or compressed-tensors, "
                 f"not {self.quantization!r}"

@@ -23,6 +23,7 @@ from test_server import running_server
 
 from tachyllm import SamplingParams
 from tachyllm.errors import ConfigError
+from tachyllm.quantization import activation_bits
 from tachyllm.speculative_config import SpeculativeConfig
 
 # hidden 128: int4 groups divide every layer of a quantized draft
@@ -241,6 +242,27 @@ def test_draft_activation_bits_follow_the_option(tmp_path):
                 target, quantization="gguf", quant_activation_bits=given, max_model_len=128, speculative_config=spec
             )
             assert bits(llm.engine.model) == bits(llm.engine.speculator.proposer.runner.model) == {given}
+
+
+def test_an_unset_activation_rounding_leaves_drafts_at_16_bits_unchecked(tmp_path, monkeypatch):
+    """Unset, the gguf target checks 8 bits at load (here made to pass), and its drafts, whose rounding
+    costs acceptance and never output, keep 16 bits without a check of their own: a GGUF draft file on
+    its blocks and self:int4."""
+    target, draft = write_gguf(tmp_path / "target.gguf", 3), write_gguf(tmp_path / "draft.gguf", 1)
+    monkeypatch.setattr(activation_bits, "KL_BOUND", float("inf"))
+    checked = []
+    real = activation_bits.check_8_bits
+    monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, tok: checked.append(model) or real(model, tok))
+
+    def bits(model: torch.nn.Module) -> set[int]:
+        return {m.activation_bits for m in model.modules() if hasattr(m, "activation_bits")}
+
+    for spec in (draft_spec(draft), draft_spec("self:int4")):
+        checked.clear()
+        llm = tiny_llm(target, quantization="gguf", max_model_len=128, speculative_config=spec)
+        assert checked == [llm.engine.model]
+        assert bits(llm.engine.model) == {8}
+        assert bits(llm.engine.speculator.proposer.runner.model) == {16}
 
 
 def test_gguf_draft_head_over_a_vocabulary_shortlist(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ model end to end against the same file dequantized to fp32."""
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,9 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
+from tachyllm.quantization import activation_bits
 from tachyllm.quantization.apply import module_bytes
+from tachyllm.quantization.calibration import calibration_windows, next_token_kl
 from tachyllm.quantization.gguf_packed import GGUFEmbedding, GGUFLinear
 
 ops = native.native_ops()
@@ -236,7 +239,7 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
     log-probs of the same file dequantized to fp32 within the 16-bit activation rounding."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        packed = _engine(path, quantization="gguf")
+        packed = _engine(path, quantization="gguf", quant_activation_bits=16)
     model = packed.model
     assert "lm_head: the file's Q6_K blocks (lm_head.weight), C++ kernel" in caplog.text
     assert "no packed kernel" not in caplog.text
@@ -260,20 +263,21 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
     assert (lp - lp_ref).abs().max() < 2e-3
 
 
-def test_gguf_activations_are_16_bits_unless_told(tmp_path, caplog):
-    """The K-quant blocks round activations to 16 bits by default and to 8 (llama.cpp's rounding) when
-    told, logged; 8 bits stray further from the fp32 reference than 16 but keep its top tokens. Without
-    the block kernels (the torch backend) nothing is rounded, and 8 bits asked for say so."""
+def _bits(engine: LLMEngine) -> set[int]:
+    return {m.activation_bits for m in engine.model.modules() if isinstance(m, GGUFLinear)}
+
+
+def test_gguf_activation_bits_given_are_used_and_logged(tmp_path, caplog, monkeypatch):
+    """Given bits are used without the load-time check and logged; 8 bits stray further from the fp32
+    reference than 16 but keep its top tokens. Without the block kernels (the torch backend) nothing
+    is rounded or checked, and 8 bits asked for say so."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
-
-    def bits(engine: LLMEngine) -> set[int]:
-        return {m.activation_bits for m in engine.model.modules() if isinstance(m, GGUFLinear)}
-
-    fine = _engine(path, quantization="gguf")
-    assert bits(fine) == {16}
+    monkeypatch.setattr(activation_bits, "check_8_bits", lambda *args: pytest.fail("checked although given"))
+    fine = _engine(path, quantization="gguf", quant_activation_bits=16)
+    assert _bits(fine) == {16}
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         coarse_engine = _engine(path, quantization="gguf", quant_activation_bits=8)
-    assert bits(coarse_engine) == {8}
+    assert _bits(coarse_engine) == {8}
     assert "quant_activation_bits 8: 9 layers round activations to int8 per 32 inputs, as llama.cpp does" in caplog.text
     ids = [(i * 37) % 250 + 3 for i in range(40)]
     lp_ref = sequence_logprobs(_engine(path), ids)
@@ -283,10 +287,56 @@ def test_gguf_activations_are_16_bits_unless_told(tmp_path, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         _engine(path, quantization="gguf", backend="torch")
-    assert "round activations" not in caplog.text and "has no effect" not in caplog.text
+    assert "activations rounded" not in caplog.text and "has no effect" not in caplog.text
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         _engine(path, quantization="gguf", backend="torch", quant_activation_bits=8)
     assert "quant_activation_bits 8 has no effect: no layer runs the C++ block kernels" in caplog.text
+
+
+def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
+    """The check's per-window KL is KL(16-bit || 8-bit) of the engines' own next-token distributions
+    on the calibration windows, and the model is left at the bits it decided."""
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    engines = {bits: _engine(path, quantization="gguf", quant_activation_bits=bits) for bits in (8, 16)}
+    model = engines[16].model
+    check = activation_bits.check_8_bits(model, engines[16].tokenizer)
+    assert _bits(engines[16]) == {16}
+    tokenizer = engines[16].tokenizer
+    windows = calibration_windows(model, tokenizer, activation_bits.CHECK_TOKENS, activation_bits.CHECK_WINDOWS)
+    assert len(check.window_kls) == len(windows) >= 2 and check.tokens == sum(len(w) - 1 for w in windows)
+    for ids, kl in zip(windows, check.window_kls):
+        lp16, lp8 = (sequence_logprobs(engines[b], ids)[:-1] for b in (16, 8))
+        assert kl == pytest.approx(
+            float(next_token_kl(lp16, lp8).mean()), rel=0.1
+        )  # torch vs C++ attention: some roundings flip
+    assert check.kl == statistics.median(check.window_kls) > 0
+    assert check.bits == (8 if check.kl <= activation_bits.KL_BOUND else 16)
+
+
+@pytest.mark.parametrize("bound, expected", [(0.0, 16), (float("inf"), 8)])
+def test_unset_gguf_activation_bits_follow_the_check(tmp_path, caplog, monkeypatch, bound, expected):
+    """Unset, a GGUF file's blocks take 8 bits when the check's KL is within the bound, else 16: every
+    block layer, the fused decode layers included (the same tokens as the module path), logged with
+    the measured KL. Other formats keep 16 unchecked."""
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    monkeypatch.setattr(activation_bits, "KL_BOUND", bound)
+    options = dict(quantization="gguf", dtype="bfloat16", max_model_len=128, threads=1)
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        checked = LLM(str(path), **options)
+    assert _bits(checked.engine) == {expected}
+    within = "within" if expected == 8 else "above"
+    assert f"activations rounded to {expected} bits per 32 inputs in 9 layers" in caplog.text
+    assert "calibration windows" in caplog.text and f"{within} the {bound:.2f} bound" in caplog.text
+    # Decode steps run the fused layers, built after the check: the same log-probs as given bits.
+    given = LLM(str(path), **options, quant_activation_bits=expected)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = ["def add(a, b):", "hello hello"]
+    runs = [[o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (checked, given)]
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert [o.logprobs for o in runs[0]] == [o.logprobs for o in runs[1]]
+
+    monkeypatch.setattr(activation_bits, "check_8_bits", lambda *args: pytest.fail("checked"))
+    assert _bits(_engine(path, quantization="int4")) <= {16}
 
 
 def test_a_quantized_kv_cache_calibrates_with_the_table_on_its_blocks(tmp_path):

@@ -234,7 +234,8 @@ def test_default_model_gguf_with_and_without_kernels(monkeypatch):
     """Q4_1 layers and the Q8_0 head on the C++ kernels vs aten int4 and the dequantized bf16 head.
     Measured against the fp32 engine on 6 held-out windows of 128 tokens: mean KL 0.0012 (kernels,
     16-bit activations) vs 0.0015 (aten, bf16 activations); 8-bit activations measured 0.0044."""
-    engine = LLMEngine(EngineConfig(quantization="gguf", max_num_seqs=4, max_model_len=256, threads=2))
+    options = dict(quantization="gguf", quant_activation_bits=16, max_num_seqs=4, max_model_len=256, threads=2)
+    engine = LLMEngine(EngineConfig(**options))
     assert isinstance(engine.model.lm_head, GGUFLinear)
     assert isinstance(engine.model.layers[0].self_attn.qkv_proj, GGUFLinear)
     # 66 MB of Q4_1 layers + 30 MB of Q8_0 head (the bf16 table is only gathered from).
@@ -245,7 +246,7 @@ def test_default_model_gguf_with_and_without_kernels(monkeypatch):
     assert "Paris" in engine.tokenizer.decode(text[0])
     with monkeypatch.context() as m:
         m.setattr(native, "native_ops", lambda: None)
-        plain = LLMEngine(EngineConfig(quantization="gguf", max_num_seqs=4, max_model_len=256, threads=2))
+        plain = LLMEngine(EngineConfig(**options))
         assert plain.model.layers[0].self_attn.qkv_proj.kernel == "aten"
         lp_plain = sequence_logprobs(plain, ids)
         text_plain = greedy_tokens(plain, PROMPTS, 24)

@@ -384,7 +384,7 @@ def test_tp2_gguf_identical_to_tp1_fp32(tmp_path):
     dequantized): greedy tokens are TP=1's in fp32."""
     path = str(write_mixed_gguf(tmp_path / "split.gguf", Q_SPLITTABLE, head=GGMLQuantizationType.Q6_K))
     quant = dict(dtype="float32", threads=1, quantization="gguf", max_model_len=128)
-    single = LLM(path, **quant)
+    single = LLM(path, **quant, quant_activation_bits=16)
     batch = prompts(single.engine.model_config.vocab_size)
     expected = greedy(single, batch)
     tp = LLM(path, tensor_parallel_size=2, **{**quant, "threads": 2})
@@ -395,6 +395,8 @@ def test_tp2_gguf_identical_to_tp1_fp32(tmp_path):
             assert [m.block_types for m in layers[:4]] == ["Q4_K+Q4_K+Q6_K", "Q8_0", "Q4_K+Q4_K", "Q6_K"]
             assert (layers[1].in_features, layers[3].in_features) == (128, 256)
             assert tp.engine.model.lm_head.inner.out_features == 129
+            # Ranks keep 16 bits unless told (no load-time check): so does this TP=1 reference.
+            assert {m.activation_bits for m in layers} == {16}
         else:  # layer 1's Q4_0 o_proj and Q4_0+Q4_1 gate_up
             assert [type(m) for m in layers[5:7]] == [Int4Linear, Int4Linear]
             assert (layers[5].in_features, layers[6].out_features) == (128, 512)

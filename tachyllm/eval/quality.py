@@ -19,7 +19,8 @@ import torch
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
-from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, sequence_batch, token_windows
+from tachyllm.quantization.activation_bits import activation_bits
+from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, next_token_kl, sequence_batch, token_windows
 
 DEFAULT_SEQ_LEN = 128
 
@@ -48,11 +49,12 @@ class QualityReport:
     worst: list[SequenceScore] = field(default_factory=list)
 
 
-def describe(config: EngineConfig, quantization: str | None = None) -> str:
-    """`quantization`: what the engine resolved (a pre-quantized checkpoint's own), if not the option."""
+def describe(config: EngineConfig, engine: LLMEngine) -> str:
+    """The configuration as `engine` resolved it: a pre-quantized checkpoint's own quantization, 8-bit
+    activations however they were chosen (given, or gguf's load-time check)."""
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
-    bits = f" (activations {config.quant_activation_bits}-bit)" if config.quant_activation_bits != 16 else ""
-    weights = quantization or config.quantization or "unquantized"
+    bits = " (activations 8-bit)" if activation_bits(engine.model) == 8 else ""
+    weights = engine.quantization or "unquantized"
     return f"{dtype}, weights {weights}{bits}, kv {config.kv_cache_dtype}"
 
 
@@ -86,7 +88,7 @@ def compare(
         target = torch.tensor(ids[1:]).unsqueeze(1)
         nll_ref -= float(lp_ref.gather(1, target).sum())
         nll_cfg -= float(lp_cfg.gather(1, target).sum())
-        kl = (lp_ref.exp() * (lp_ref - lp_cfg)).sum(dim=-1)
+        kl = next_token_kl(lp_ref, lp_cfg)
         same = (lp_ref.argmax(-1) == lp_cfg.argmax(-1)).sum().item()
         agree, tokens = agree + same, tokens + len(ids) - 1
         preview = reference.tokenizer.decode(ids[:24]).replace("\n", " ")
@@ -131,12 +133,12 @@ def cmd_quality(args: argparse.Namespace) -> int:
     config = engine_config(args)
     ref_config = replace(
         config, model=args.reference_model or config.model, dtype=args.reference_dtype, quantization=None,
-        quant_group_size=None, quant_skip=None, quant_activation_bits=16, kv_cache_dtype="auto",
+        quant_group_size=None, quant_skip=None, quant_activation_bits=None, kv_cache_dtype="auto",
     )  # fmt: skip
     reference = eval_engine(ref_config, args.seq_len)
     engine = eval_engine(config, args.seq_len)
     windows = heldout_windows(engine, args.seq_len, args.max_sequences)
-    labels = (describe(config, engine.quantization), describe(ref_config, reference.quantization))
+    labels = (describe(config, engine), describe(ref_config, reference))
     if args.reference_model:
         labels = (labels[0], f"{labels[1]}, model {args.reference_model}")
     report = compare(engine, reference, windows, labels, args.worst)

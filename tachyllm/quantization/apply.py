@@ -28,7 +28,7 @@ from tachyllm.quantization.gguf_packed import (
     int4_weight,
     kernel_types,
 )
-from tachyllm.quantization.int4 import ACTIVATION_BITS, GROUP_SIZES, Int4Linear, Int4Weight
+from tachyllm.quantization.int4 import GROUP_SIZES, Int4Linear, Int4Weight
 from tachyllm.quantization.int8 import Int8Linear, row_amax
 from tachyllm.quantization.policy import select_linears
 from tachyllm.quantization.prequantized import build, read_parts
@@ -101,7 +101,6 @@ def quantize_model(
     skip: tuple[str, ...],
     tokenizer=None,
     gguf_blocks: dict[str, GGUFBlocks] | None = None,
-    activation_bits: int = ACTIVATION_BITS,
     kernels: ModuleType | None = None,
     prequantized: PrequantizedWeights | None = None,
     matmul: ModuleType | None = None,
@@ -178,28 +177,8 @@ def quantize_model(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         result.quantized.append(name)
-    _set_activation_bits(model, activation_bits)
     _log(method, result, groups)
     return result
-
-
-def _set_activation_bits(model: nn.Module, bits: int) -> None:
-    """Activation rounding of every layer on the C++ block kernels (int4/awq layers, the GGUF blocks
-    of gguf); the other kernels take the activations as they are, so other bits are only logged."""
-    block_layers = [
-        m for m in model.modules() if isinstance(m, GGUFLinear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")
-    ]
-    for m in block_layers:
-        m.activation_bits = bits
-    if bits != ACTIVATION_BITS:
-        if block_layers:
-            logger.info(
-                "quant_activation_bits %d: %d layers round activations to int8 per 32 inputs, as llama.cpp does",
-                bits,
-                len(block_layers),
-            )
-        else:
-            logger.warning("quant_activation_bits %d has no effect: no layer runs the C++ block kernels here", bits)
 
 
 def _int8(linear: nn.Module, name: str, matmul: ModuleType | None, shard: TensorShard | None) -> Int8Linear:

@@ -65,6 +65,11 @@ def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches: list[Lay
     return model(input_ids, positions, kv_caches, meta)
 
 
+def next_token_kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) in nats at each position, from log-probabilities [n, vocab]."""
+    return (reference.exp() * (reference - other)).sum(dim=-1)
+
+
 def _dense_weight(model: nn.Module) -> torch.Tensor:
     """A weight with the model's dtype and device: the final norm's (the embedding may be a GGUF
     file's packed blocks, which have no dense weight)."""

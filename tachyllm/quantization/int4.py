@@ -20,12 +20,12 @@ GROUP_SIZES = (32, 64, 128)
 # Block size of tachyllm's C++ kernels (kernels/csrc/quant_gemv.cpp): GGUF's 32 weights.
 BLOCK = 32
 # Activation rounding of those kernels, per 32-block (EngineConfig.quant_activation_bits): 16 = two
-# int8 parts (x ≈ s/256 * (256 q + q2)), the default, or 8 = llama.cpp's Q8_1. One decode token
-# costs the same either way (the weights' bytes set the time); batched steps cost more dot products
-# at 16. 8 bits strays further from the fp32 engine's distributions and agrees less often with the
-# bf16 engine's greedy text, so it is opt-in, for throughput (measurements:
-# docs/design_measurements.md#activation-bits). One setting for every row count keeps a row's
-# result independent of the batch it runs in (prefill, decode, speculative verification).
+# int8 parts (x ≈ s/256 * (256 q + q2)), or 8 = llama.cpp's Q8_1. One decode token costs the same
+# either way (the weights' bytes set the time); batched steps cost more dot products at 16. 8 bits
+# strays further from the fp32 engine's distributions, by how much depends on the model, so 16 is
+# the layers' own default and 8 is taken where asked for or where gguf's load-time check allows it
+# (quantization/activation_bits.py). One setting for every row count keeps a row's result
+# independent of the batch it runs in (prefill, decode, speculative verification).
 ACTIVATION_BITS = 16
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernels take (and return)
 

@@ -15,8 +15,10 @@ from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.quantization import quantize_model, quantized_weight_bytes
+from tachyllm.quantization.activation_bits import resolve_activation_bits
 from tachyllm.quantization.apply import TensorShard, gguf_layers_from_file
 from tachyllm.quantization.gguf_packed import gguf_matrices
+from tachyllm.quantization.int4 import ACTIVATION_BITS
 from tachyllm.quantization.policy import parse_skip
 
 
@@ -28,7 +30,7 @@ def build_model(
     quantization: str | None = None,
     quant_group_size: int | None = None,
     quant_skip: str | None = None,
-    quant_activation_bits: int = 16,
+    quant_activation_bits: int | None = None,
     batch_invariant: bool = False,
     fuse_layers: bool = True,
     shard: TensorShard | None = None,
@@ -38,7 +40,8 @@ def build_model(
     (docs/determinism.md). `fuse_layers`: give the layers the backend's fused form (not for a
     tensor-parallel shard, whose layers join collectives the fused call has no place for).
     `shard`: the tensor-parallel rank `ckpt` is the share of, whose layers quantize as the whole model's.
-    `head_token_ids`: the vocabulary rows the LM head keeps (LlamaForCausalLM.keep_head_rows); None: all."""
+    `head_token_ids`: the vocabulary rows the LM head keeps (LlamaForCausalLM.keep_head_rows); None: all.
+    `quant_activation_bits`: the block kernels' activation rounding; None: quantization/activation_bits.py's rule."""
     device = backend.device
     with torch.device("meta"):
         model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
@@ -63,16 +66,17 @@ def build_model(
         quantization = quantization or ckpt.prequantized.format.method
         if quant_group_size is not None:
             raise ConfigError("quant_group_size does not apply to a pre-quantized checkpoint (its groups are stored)")
-    elif quantization is None and quant_activation_bits != 16:
+    elif quantization is None and quant_activation_bits not in (None, ACTIVATION_BITS):
         raise ConfigError("quant_activation_bits applies to quantized weights; set quantization (int4, awq, gguf)")
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
         skip = parse_skip(quant_skip)
         kernels = backend.block_kernels()
         quantize_model(
-            model, quantization, quant_group_size, skip, ckpt.tokenizer, blocks, quant_activation_bits, kernels,
-            ckpt.prequantized, backend.quantized_matmul_kernels(), shard,
+            model, quantization, quant_group_size, skip, ckpt.tokenizer, blocks, kernels, ckpt.prequantized,
+            backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
+        resolve_activation_bits(model, quantization, quant_activation_bits, ckpt.tokenizer, shard is not None)
         weight_bytes = quantized_weight_bytes(model) - lookup_only_bytes(model)
     dense = [name for name in from_file if isinstance(model.get_submodule(name), nn.Linear | nn.Embedding)]
     if dense:

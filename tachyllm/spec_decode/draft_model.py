@@ -33,6 +33,7 @@ from tachyllm.core.sequence import Sequence
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint, Tokenizer, load_checkpoint
 from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.quantization.int4 import ACTIVATION_BITS
 from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
@@ -56,6 +57,9 @@ def build_draft_model(
     output tokens, and the head is a large part of a small model's step."""
     spec = config.speculative_config
     invariant = config.deterministic
+    # A draft's rounding costs acceptance, never output: unset, it keeps 16 bits without the target's
+    # check (8 bits saved no time in measurements; docs/benchmarks.md, session 24).
+    bits = config.quant_activation_bits or ACTIVATION_BITS
     if spec.model.startswith("self:layers="):
         return _truncated(target, int(spec.model.removeprefix("self:layers=")))
     shortlist = None
@@ -68,7 +72,7 @@ def build_draft_model(
         # checkpoint's method); other checkpoints are quantized round-to-nearest.
         method = "gguf" if ckpt.format == "gguf" else None if ckpt.prequantized is not None else "int4"
         draft, _ = build_model(
-            ckpt, dtype, backend, max_len, method, None, "none", config.quant_activation_bits,
+            ckpt, dtype, backend, max_len, method, None, "none", bits,
             batch_invariant=invariant, head_token_ids=shortlist,
         )  # fmt: skip
         return draft
@@ -83,7 +87,7 @@ def build_draft_model(
     draft, weight_bytes = build_model(
         draft_ckpt, dtype, backend, max_len, method,
         config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
-        "none" if method else None, config.quant_activation_bits if blocks else 16, batch_invariant=invariant,
+        "none" if method else None, bits if blocks else ACTIVATION_BITS, batch_invariant=invariant,
         head_token_ids=shortlist,
     )  # fmt: skip
     logger.info(
