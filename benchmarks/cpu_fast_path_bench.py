@@ -2,7 +2,8 @@
 
 For each of bf16 weights and the GGUF's own Q4_1 weights (`--quantization gguf`), with the C++
 kernels (tachyllm/kernels/csrc) and with the pure-PyTorch path (what TACHY_NATIVE=0 gives), and
-for the Q4_1 weights with the kernels' opt-in 8-bit activations (`--quant-activation-bits 8`):
+for the Q4_1 weights with the kernels' 8-bit activations (`--quant-activation-bits 8`; gguf's
+load-time check picks 8 for this model, so the 16-bit rows are `--quant-activation-bits 16`):
   - single stream: 32-token prompt, 128 new tokens, decode tokens/s (median of --repeats) and the
     achieved weight bandwidth (weight bytes read per step x steps/s) against a measured copy;
   - offline batch: 64 prompts x 128 tokens, 128 new tokens each, output tokens/s (prefill included).

@@ -36,6 +36,7 @@ from qwen_coder_models import DEFAULT_CACHE, qwen_coder_pair
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.loading import load_checkpoint
+from tachyllm.quantization.activation_bits import model_activation_bits
 from tachyllm.spec_decode.speculator import Speculator
 from tachyllm.speculative_config import SpeculativeConfig
 
@@ -263,7 +264,8 @@ def main() -> None:
         str(target), quantization="gguf", quant_activation_bits=args.quant_activation_bits, threads=args.threads,
         max_model_len=2048, kv_cache_memory=512 << 20,
     )  # fmt: skip
-    print(f"loaded the target in {time.perf_counter() - t0:.0f} s", flush=True)
+    bits = model_activation_bits(llm.engine.model)
+    print(f"loaded the target in {time.perf_counter() - t0:.0f} s, activations rounded to {bits} bits", flush=True)
     specs = configs(draft)
     speculators = {name: attach(llm, target, specs[name]) for name in args.configs.split(",")}
     step_times = StepTimes(llm)

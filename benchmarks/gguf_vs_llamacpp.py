@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -37,11 +38,14 @@ TACHY_CONFIGS = {
 }
 
 
-def run(cmd: list[str]) -> str:
+ROUNDING = re.compile(r"activations rounded to \d+ bits[^\n]*|quant_activation_bits \d+: [^\n]*")
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return done.stdout
+    return done
 
 
 def tachy(args: argparse.Namespace, sub: str, flags: list[str], extra: list[str]) -> dict:
@@ -49,7 +53,11 @@ def tachy(args: argparse.Namespace, sub: str, flags: list[str], extra: list[str]
         result = Path(tmp) / "r.json"
         cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "bench", sub, "--model", args.model]
         cmd += ["--threads", str(args.threads), "--max-model-len", str(args.max_model_len)]
-        run(cmd + flags + extra + ["--result-json", str(result)])
+        done = run(cmd + flags + extra + ["--result-json", str(result)])
+        # Which rounding the engine ran (gguf unset: its load-time check's choice), from its log.
+        rounding = ROUNDING.search(done.stdout + done.stderr)
+        if rounding:
+            print(f"  tachyllm {' '.join(flags)}: {rounding.group(0)}", flush=True)
         return json.loads(result.read_text())["result"]
 
 
@@ -68,7 +76,7 @@ def tachy_batch(args: argparse.Namespace, flags: list[str]) -> float:
 def llama_single(args: argparse.Namespace) -> float:
     cmd = [str(Path(args.llama_bin) / "llama-bench"), "-m", args.model, "-t", str(args.threads), "-p", "0"]
     cmd += ["-n", str(args.single_tokens), "-r", "3", "-o", "json"]
-    rows = json.loads(run(cmd))
+    rows = json.loads(run(cmd).stdout)
     return next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
 
 
@@ -77,7 +85,7 @@ def llama_batch(args: argparse.Namespace) -> float:
     cmd = [str(Path(args.llama_bin) / "llama-batched-bench"), "-m", args.model, "-t", str(args.threads)]
     cmd += ["-c", str(ctx), "-npp", str(args.input_len), "-ntg", str(args.output_len), "-npl", str(args.num_prompts)]
     cmd += ["--output-format", "jsonl"]
-    line = next(ln for ln in run(cmd).splitlines() if ln.startswith("{"))
+    line = next(ln for ln in run(cmd).stdout.splitlines() if ln.startswith("{"))
     row = json.loads(line)
     return row["pl"] * row["tg"] / row["t"]
 

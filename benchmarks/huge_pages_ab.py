@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--quant-activation-bits", type=int, default=16)
+    parser.add_argument("--quant-activation-bits", type=int, default=None, help="default: the engine's rule")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=32)

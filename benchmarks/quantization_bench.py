@@ -112,7 +112,7 @@ def main() -> None:
         report = compare(engine, reference, windows, (name, "fp32"))
         blocks = build(extra, kv_cache_memory=KV_MEMORY, max_num_seqs=1, max_model_len=256).block_manager.num_blocks
         rows.append(Row(
-            name, describe(engine.config, engine), engine.weight_bytes / 2**20, b1, b32, report.ppl_config,
+            name, describe(engine), engine.weight_bytes / 2**20, b1, b32, report.ppl_config,
             report.top1_agreement, report.kl_mean, report.kl_p99, report.kl_max, agree, blocks,
             blocks * engine.config.block_size // LONG_SEQ,
         ))  # fmt: skip

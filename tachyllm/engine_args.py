@@ -59,7 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser, repeatable: dict[str, str] 
             options["action"] = argparse.BooleanOptionalAction
         else:
             options["type"] = _value_parser(field, hints[field.name])
-            options["choices"] = field.metadata.get("choices")
+            choices = field.metadata.get("choices")
+            # An optional field unset by "none" (a Ray Serve YAML's null) must pass its choices too.
+            options["choices"] = (*choices, None) if choices is not None and field.default is None else choices
         group.add_argument(flag, **options)
 
 

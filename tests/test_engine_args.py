@@ -116,6 +116,9 @@ def test_kv_cache_memory_takes_byte_sizes(text, size):
 def test_optional_numbers_take_none_and_strings_keep_it():
     args = parse("--max-model-len", "none", "--threads", "None", "--max-decode-slowdown", "NONE")
     assert args.max_model_len is None and args.threads is None and args.max_decode_slowdown is None
+    # An optional option with choices (a Ray Serve YAML's null reaches it as "none").
+    assert parse("--quant-activation-bits", "none").quant_activation_bits is None
+    assert parse("--quant-activation-bits", "8").quant_activation_bits == 8
     args = parse("--max-model-len", "512", "--quant-skip", "none")
     assert args.max_model_len == 512 and args.quant_skip == "none"  # its own meaning: no layer is kept unquantized
 

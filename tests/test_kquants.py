@@ -21,12 +21,13 @@ from tachyllm import LLM, SamplingParams
 from tachyllm.backends.cpu_backend import CpuBackend
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.eval.quality import sequence_logprobs
+from tachyllm.eval.quality import describe, sequence_logprobs
 from tachyllm.kernels import native
 from tachyllm.quantization import activation_bits
 from tachyllm.quantization.apply import module_bytes
 from tachyllm.quantization.calibration import calibration_windows, next_token_kl
 from tachyllm.quantization.gguf_packed import GGUFEmbedding, GGUFLinear
+from tachyllm.quantization.int4 import Int4Linear
 
 ops = native.native_ops()
 pytestmark = pytest.mark.skipif(
@@ -284,6 +285,8 @@ def test_gguf_activation_bits_given_are_used_and_logged(tmp_path, caplog, monkey
     coarse, close = ((sequence_logprobs(e, ids) - lp_ref).abs().mean() for e in (coarse_engine, fine))
     assert close < coarse
     assert (sequence_logprobs(coarse_engine, ids).argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.9
+    assert describe(coarse_engine) == "float32, weights gguf (activations 8-bit), kv auto"
+    assert describe(fine) == "float32, weights gguf, kv auto"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         _engine(path, quantization="gguf", backend="torch")
@@ -295,7 +298,7 @@ def test_gguf_activation_bits_given_are_used_and_logged(tmp_path, caplog, monkey
 
 def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
     """The check's per-window KL is KL(16-bit || 8-bit) of the engines' own next-token distributions
-    on the calibration windows, and the model is left at the bits it decided."""
+    on the calibration windows; it leaves the model at 16 bits (the caller sets what it decides)."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     engines = {bits: _engine(path, quantization="gguf", quant_activation_bits=bits) for bits in (8, 16)}
     model = engines[16].model
@@ -309,8 +312,16 @@ def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
         assert kl == pytest.approx(
             float(next_token_kl(lp16, lp8).mean()), rel=0.1
         )  # torch vs C++ attention: some roundings flip
-    assert check.kl == statistics.median(check.window_kls) > 0
-    assert check.bits == (8 if check.kl <= activation_bits.KL_BOUND else 16)
+    assert check.kl > 0
+
+
+def test_one_outlying_window_does_not_decide_the_rounding():
+    """The median window decides: a few tokens of one window (Qwen2.5-Coder-0.5B's measured 0.034 beside
+    0.002s) do not cost a model its 8 bits, a model off in most windows (Gemma-3-270M's) keeps 16."""
+    one_outlier = activation_bits.ActivationCheck([0.0024, 0.0341, 0.0021, 0.0018], 508, 1.0)
+    assert statistics.mean(one_outlier.window_kls) > activation_bits.KL_BOUND
+    assert one_outlier.bits == 8
+    assert activation_bits.ActivationCheck([0.0112, 0.0178, 0.0130, 0.0415], 508, 1.0).bits == 16
 
 
 @pytest.mark.parametrize("bound, expected", [(0.0, 16), (float("inf"), 8)])
@@ -336,7 +347,8 @@ def test_unset_gguf_activation_bits_follow_the_check(tmp_path, caplog, monkeypat
     assert [o.logprobs for o in runs[0]] == [o.logprobs for o in runs[1]]
 
     monkeypatch.setattr(activation_bits, "check_8_bits", lambda *args: pytest.fail("checked"))
-    assert _bits(_engine(path, quantization="int4")) <= {16}
+    int4_layers = [m for m in _engine(path, quantization="int4").model.modules() if isinstance(m, Int4Linear)]
+    assert int4_layers and {m.activation_bits for m in int4_layers} == {16}
 
 
 def test_a_quantized_kv_cache_calibrates_with_the_table_on_its_blocks(tmp_path):

@@ -18,7 +18,7 @@ from tachyllm.eval.greedy import agreement
 from tachyllm.eval.greedy import greedy_tokens as greedy
 from tachyllm.eval.quality import compare, eval_engine, heldout_windows, sequence_logprobs
 from tachyllm.loading.gguf import open_gguf, raw_tensors
-from tachyllm.quantization.activation_bits import activation_bits
+from tachyllm.quantization.activation_bits import model_activation_bits
 from tachyllm.quantization.awq import awq_linear, output_error, search_scale
 from tachyllm.quantization.gguf_packed import decode_q4_0, decode_q4_1
 from tachyllm.quantization.int4 import (
@@ -313,7 +313,7 @@ def test_default_model_8bit_activations_cost_little_top1():
     windows = heldout_windows(ref, 128, 6)
     engines = [eval_engine(EngineConfig(threads=2, quantization="gguf", quant_activation_bits=16), 128)]
     engines.append(eval_engine(EngineConfig(threads=2, quantization="gguf"), 128))
-    assert [activation_bits(e.model) for e in engines] == [16, 8]
+    assert [model_activation_bits(e.model) for e in engines] == [16, 8]
     fine, coarse = (compare(e, ref, windows, ("gguf", "bf16")) for e in engines)
     assert coarse.top1_agreement >= REAL_TOP1["gguf"] - 0.03
     assert fine.kl_mean < coarse.kl_mean < 10 * fine.kl_mean

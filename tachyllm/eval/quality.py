@@ -19,7 +19,7 @@ import torch
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
-from tachyllm.quantization.activation_bits import activation_bits
+from tachyllm.quantization.activation_bits import model_activation_bits
 from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, next_token_kl, sequence_batch, token_windows
 
 DEFAULT_SEQ_LEN = 128
@@ -49,11 +49,12 @@ class QualityReport:
     worst: list[SequenceScore] = field(default_factory=list)
 
 
-def describe(config: EngineConfig, engine: LLMEngine) -> str:
+def describe(engine: LLMEngine) -> str:
     """The configuration as `engine` resolved it: a pre-quantized checkpoint's own quantization, 8-bit
     activations however they were chosen (given, or gguf's load-time check)."""
+    config = engine.config
     dtype = "bfloat16" if config.dtype == "auto" else config.dtype
-    bits = " (activations 8-bit)" if activation_bits(engine.model) == 8 else ""
+    bits = " (activations 8-bit)" if model_activation_bits(engine.model) == 8 else ""
     weights = engine.quantization or "unquantized"
     return f"{dtype}, weights {weights}{bits}, kv {config.kv_cache_dtype}"
 
@@ -138,7 +139,7 @@ def cmd_quality(args: argparse.Namespace) -> int:
     reference = eval_engine(ref_config, args.seq_len)
     engine = eval_engine(config, args.seq_len)
     windows = heldout_windows(engine, args.seq_len, args.max_sequences)
-    labels = (describe(config, engine), describe(ref_config, reference))
+    labels = (describe(engine), describe(reference))
     if args.reference_model:
         labels = (labels[0], f"{labels[1]}, model {args.reference_model}")
     report = compare(engine, reference, windows, labels, args.worst)

@@ -5,13 +5,16 @@ check at load for a GGUF file's blocks.
 int8 parts), so batched steps and prefill run faster; a decode token costs the same. What it costs
 in fidelity depends on the model, not on the format: KL(16-bit || 8-bit) of the next-token
 distributions on the shipped calibration text, median of four 128-token windows, is 0.002 for
-Qwen2.5-Coder-0.5B, 0.004 for Qwen2.5-Coder-1.5B (both Q4_K_M), 0.005 for SmolLM2-135M Q4_1 and 0.015 for
-Gemma-3-270M Q4_K_M (docs/quantization.md). So a GGUF file's blocks (gguf: the format llama.cpp's and
-vLLM's GGUF kernels run at 8 bits) measure it at load and take 8 bits where it is at most KL_BOUND, 16
-otherwise. int4/awq and pre-quantized checkpoints keep 16, as
-their reference kernels (vLLM's W4A16) do. A tensor-parallel rank keeps 16 unless told: it holds
-part of the model, and run together over their collectives two ranks measured different KLs (0.00023
-and 0.00029 on a tiny model's first window), so they could decide differently.
+Qwen2.5-Coder-0.5B, 0.004 for Qwen2.5-Coder-1.5B (both Q4_K_M), 0.005 for SmolLM2-135M Q4_1 and 0.015
+for Gemma-3-270M Q4_K_M (docs/quantization.md). So a GGUF file's blocks (gguf: the format llama.cpp's
+and vLLM's GGUF kernels run at 8 bits) measure it at load and take 8 bits where it is at most
+KL_BOUND, 16 otherwise. int4/awq and pre-quantized checkpoints keep 16, as their reference kernels
+(vLLM's W4A16) do.
+
+A tensor-parallel rank keeps 16 unless told: it is built without its collectives (they are added
+once every rank has its part), so it cannot run the model alone; run after they were added, two
+ranks measured different KLs (0.00023 and 0.00029 on a tiny model's first window), so they could
+decide differently. The windows are cut to --max-model-len when it is shorter than 128.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def set_activation_bits(model: nn.Module, bits: int) -> int:
     return len(layers)
 
 
-def activation_bits(model: nn.Module) -> int | None:
+def model_activation_bits(model: nn.Module) -> int | None:
     """The model's block layers' rounding, or None without such layers."""
     return next((m.activation_bits for m in block_layers(model)), None)
 
@@ -121,8 +124,9 @@ def resolve_activation_bits(model: nn.Module, method: str, bits: int | None, tok
     set_activation_bits(model, check.bits)
     logger.info(
         "activations rounded to %d bits per 32 inputs in %d layers: 8 bits (llama.cpp's rounding, faster batches) "
-        "move the next-token distributions by KL %.4f per token (median of %d calibration windows, %d tokens; "
+        "move the next-token distributions by KL %.4f per token (median of %d calibration windows of %d tokens; "
         "largest %.4f), %s the %.2f bound (checked in %.1f s; --quant-activation-bits 8 or 16 skips the check)",
-        check.bits, count, check.kl, len(check.window_kls), check.tokens, max(check.window_kls),
+        check.bits, count, check.kl, len(check.window_kls), check.tokens // len(check.window_kls) + 1,
+        max(check.window_kls),
         "within" if check.bits == 8 else "above", KL_BOUND, check.seconds,
     )  # fmt: skip

@@ -152,7 +152,7 @@ class GGUFLinear(nn.Module):
         self.block_types = "+".join(p.qtype.name for p in parts)
         self._gemv = kernels.quant_gemv
         self.bias = bias
-        self.activation_bits = int4.ACTIVATION_BITS  # quantize_model sets it
+        self.activation_bits = int4.ACTIVATION_BITS  # resolve_activation_bits (activation_bits.py) sets it
 
     def native_spec(self) -> tuple:
         """This layer for the fused C++ decode layer (kernels/csrc/decode_layer.cpp)."""

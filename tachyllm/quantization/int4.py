@@ -132,7 +132,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("mins", weight.mins.to(torch.bfloat16))
         self.bias = bias
         self.input_scale = None if input_scale is None else input_scale.to(torch.bfloat16)
-        self.activation_bits = ACTIVATION_BITS  # the block kernels' activation rounding; quantize_model sets it
+        self.activation_bits = ACTIVATION_BITS  # the block kernels' rounding; resolve_activation_bits sets it
 
     @classmethod
     def from_linear(

@@ -57,11 +57,11 @@ def build_draft_model(
     output tokens, and the head is a large part of a small model's step."""
     spec = config.speculative_config
     invariant = config.deterministic
-    # A draft's rounding costs acceptance, never output: unset, it keeps 16 bits without the target's
-    # check (8 bits saved no time in measurements; docs/benchmarks.md, session 24).
-    bits = config.quant_activation_bits or ACTIVATION_BITS
     if spec.model.startswith("self:layers="):
         return _truncated(target, int(spec.model.removeprefix("self:layers=")))
+    # A draft's rounding costs acceptance, never output: unset, it keeps 16 bits without the target's
+    # check (8 bits saved no time in measurements; docs/benchmarks.md, session 24).
+    bits = ACTIVATION_BITS if config.quant_activation_bits is None else config.quant_activation_bits
     shortlist = None
     if spec.draft_vocab_size is not None and spec.draft_vocab_size < target.config.vocab_size:
         shortlist = draft_vocabulary(ckpt.tokenizer, target.config.vocab_size, spec.draft_vocab_size,
