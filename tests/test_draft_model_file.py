@@ -250,6 +250,7 @@ def test_an_unset_activation_rounding_leaves_drafts_at_16_bits_unchecked(tmp_pat
     its blocks and self:int4."""
     target, draft = write_gguf(tmp_path / "target.gguf", 3), write_gguf(tmp_path / "draft.gguf", 1)
     monkeypatch.setattr(activation_bits, "KL_BOUND", float("inf"))
+    monkeypatch.setenv("TACHY_CACHE_DIR", "off")  # every start checks (the second would read the first's)
     checked = []
     real = activation_bits.check_8_bits
     monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, tok: checked.append(model) or real(model, tok))

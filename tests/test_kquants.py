@@ -5,7 +5,9 @@ model end to end against the same file dequantized to fp32."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import statistics
 from pathlib import Path
 
@@ -313,6 +315,37 @@ def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
             float(next_token_kl(lp16, lp8).mean()), rel=0.1
         )  # torch vs C++ attention: some roundings flip
     assert check.kl > 0
+
+
+def test_the_check_is_kept_between_starts(tmp_path, monkeypatch, caplog):
+    """A file's check is measured once and kept in the cache directory: a second start reads it (and
+    says so), a changed file, another dtype or a damaged entry is measured again, and with the cache
+    off every start measures."""
+    path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
+    monkeypatch.setenv("TACHY_CACHE_DIR", str(tmp_path / "cache"))
+    runs = []
+    real = activation_bits.check_8_bits
+    monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, tok: runs.append(1) or real(model, tok))
+    first = _engine(path, quantization="gguf")
+    with caplog.at_level(logging.INFO, logger="tachyllm"):
+        second = _engine(path, quantization="gguf")
+    assert len(runs) == 1 and _bits(second) == _bits(first)
+    assert "at an earlier start, kept in" in caplog.text
+    entry = activation_bits.stored_check_path(str(path), second.model)
+    assert entry.is_file() and entry.parent.parent == tmp_path / "cache"
+    entry.write_text("{not json")
+    _engine(path, quantization="gguf")
+    assert len(runs) == 2 and len(json.loads(entry.read_text())["window_kls"]) == activation_bits.CHECK_WINDOWS
+    _engine(path, quantization="gguf", dtype="bfloat16")
+    assert len(runs) == 3
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    _engine(path, quantization="gguf")
+    assert len(runs) == 4
+    monkeypatch.setenv("TACHY_CACHE_DIR", "off")
+    _engine(path, quantization="gguf")
+    _engine(path, quantization="gguf")
+    assert len(runs) == 6
 
 
 def test_one_outlying_window_does_not_decide_the_rounding():

@@ -18,7 +18,8 @@ special tokens, chat template) as JSON in the file's metadata.
 - Anything wrong with an entry (unreadable, truncated, wrong key or layout) makes it a miss: it is
   deleted and rebuilt. Failing to write (read-only or full disk) only logs a warning.
 
-A float32 entry takes 4 bytes per parameter (~540 MB for SmolLM2-135M).
+A float32 entry takes 4 bytes per parameter (~540 MB for SmolLM2-135M). The same directory holds
+gguf's load-time activation checks (activation_checks/, quantization/activation_bits.py).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ distributions on the shipped calibration text, median of four 128-token windows,
 Qwen2.5-Coder-0.5B, 0.004 for Qwen2.5-Coder-1.5B (both Q4_K_M), 0.005 for SmolLM2-135M Q4_1 and 0.015
 for Gemma-3-270M Q4_K_M (docs/quantization.md). So a GGUF file's blocks (gguf: the format llama.cpp's
 and vLLM's GGUF kernels run at 8 bits) measure it at load and take 8 bits where it is at most
-KL_BOUND, 16 otherwise. int4/awq and pre-quantized checkpoints keep 16, as their reference kernels
-(vLLM's W4A16) do.
+KL_BOUND, 16 otherwise; the measurement is kept between starts (stored_check_path). int4/awq and
+pre-quantized checkpoints keep 16, as their reference kernels (vLLM's W4A16) do.
 
 A tensor-parallel rank keeps 16 unless told: it is built without its collectives (they are added
 once every rank has its part), so it cannot run the model alone; run after they were added, two
@@ -19,14 +19,21 @@ decide differently. The windows are cut to --max-model-len when it is shorter th
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from tachyllm.kernels import native
+from tachyllm.loading.cache import cache_dir
 from tachyllm.quantization.calibration import (
     calibration_windows,
     forward_sequence,
@@ -100,9 +107,61 @@ def check_8_bits(model: nn.Module, tokenizer) -> ActivationCheck:
     return ActivationCheck(window_kls, sum(len(ids) - 1 for ids in windows), time.perf_counter() - t0)
 
 
-def resolve_activation_bits(model: nn.Module, method: str, bits: int | None, tokenizer, sharded: bool) -> None:
+def stored_check_path(source: str, model: nn.Module) -> Path | None:
+    """Where a file's check is kept between starts (in the checkpoint cache's directory), keyed by the
+    file's identity, the model's dtype and all that computes the check (tachyllm's code and data, the
+    C++ kernels' build); None with the cache off (TACHY_CACHE_DIR=off) or a file that cannot be read."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    try:
+        real = os.path.realpath(source)
+        stat = os.stat(real)
+    except OSError:
+        return None
+    key = json.dumps(
+        {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(model.norm.weight.dtype),
+         "code": _code_fingerprint()},
+        sort_keys=True,
+    )  # fmt: skip
+    return directory / "activation_checks" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+
+
+@functools.cache
+def _code_fingerprint() -> str:
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1]
+    for path in sorted([*package.rglob("*.py"), *(package / "data").glob("*.txt")]):
+        digest.update(path.read_bytes())
+    digest.update(native.build_key().encode())
+    return digest.hexdigest()
+
+
+def _load_check(path: Path) -> ActivationCheck | None:
+    """A stored check, or None (absent or unreadable: measured again and rewritten)."""
+    try:
+        data = json.loads(path.read_text())
+        return ActivationCheck([float(kl) for kl in data["window_kls"]], int(data["tokens"]), float(data["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _store_check(path: Path, check: ActivationCheck) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+        partial.write_text(json.dumps(asdict(check)))
+        os.replace(partial, path)  # a concurrent start reads the old entry or this one, never a partial one
+    except OSError as exc:
+        logger.warning("activation check: could not keep it in %s (%s); the next start measures again", path, exc)
+
+
+def resolve_activation_bits(
+    model: nn.Module, method: str, bits: int | None, tokenizer, sharded: bool, source: str | None = None
+) -> None:
     """Sets the block layers' rounding: `bits` if given, else the module docstring's rule; logged.
-    `sharded`: `model` is a tensor-parallel rank's."""
+    `sharded`: `model` is a tensor-parallel rank's. `source`: the model file, whose check is kept
+    between starts (stored_check_path)."""
     if bits is not None:
         count = set_activation_bits(model, bits)
         if bits != ACTIVATION_BITS:
@@ -120,13 +179,21 @@ def resolve_activation_bits(model: nn.Module, method: str, bits: int | None, tok
     if sharded:
         logger.info("activations rounded to 16 bits: tensor-parallel ranks do not run the 8-bit check")
         return
-    check = check_8_bits(model, tokenizer)
+    stored = stored_check_path(source, model) if source is not None else None
+    check = _load_check(stored) if stored is not None else None
+    if check is not None:
+        when = f"measured in {check.seconds:.1f} s at an earlier start, kept in {stored}"
+    else:
+        check = check_8_bits(model, tokenizer)
+        when = f"checked in {check.seconds:.1f} s"
+        if stored is not None:
+            _store_check(stored, check)
     set_activation_bits(model, check.bits)
     logger.info(
         "activations rounded to %d bits per 32 inputs in %d layers: 8 bits (llama.cpp's rounding, faster batches) "
         "move the next-token distributions by KL %.4f per token (median of %d calibration windows of %d tokens; "
-        "largest %.4f), %s the %.2f bound (checked in %.1f s; --quant-activation-bits 8 or 16 skips the check)",
+        "largest %.4f), %s the %.2f bound (%s; --quant-activation-bits 8 or 16 skips the check)",
         check.bits, count, check.kl, len(check.window_kls), check.tokens // len(check.window_kls) + 1,
         max(check.window_kls),
-        "within" if check.bits == 8 else "above", KL_BOUND, check.seconds,
+        "within" if check.bits == 8 else "above", KL_BOUND, when,
     )  # fmt: skip

@@ -76,7 +76,9 @@ def build_model(
             model, quantization, quant_group_size, skip, ckpt.tokenizer, blocks, kernels, ckpt.prequantized,
             backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
-        resolve_activation_bits(model, quantization, quant_activation_bits, ckpt.tokenizer, sharded=shard is not None)
+        resolve_activation_bits(
+            model, quantization, quant_activation_bits, ckpt.tokenizer, sharded=shard is not None, source=ckpt.source
+        )
         weight_bytes = quantized_weight_bytes(model) - lookup_only_bytes(model)
     dense = [name for name in from_file if isinstance(model.get_submodule(name), nn.Linear | nn.Embedding)]
     if dense:
