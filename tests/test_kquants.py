@@ -318,34 +318,42 @@ def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
 
 
 def test_the_check_is_kept_between_starts(tmp_path, monkeypatch, caplog):
-    """A file's check is measured once and kept in the cache directory: a second start reads it (and
-    says so), a changed file, another dtype or a damaged entry is measured again, and with the cache
-    off every start measures."""
+    """A file's check is measured once and kept in the cache directory: a later start decides from the
+    stored KLs (and says so); a changed file, another dtype, other layers on blocks (--quant-skip),
+    shorter windows (--max-model-len) or a damaged entry are measured again, and with the cache off
+    every start measures."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     monkeypatch.setenv("TACHY_CACHE_DIR", str(tmp_path / "cache"))
     runs = []
     real = activation_bits.check_8_bits
     monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, tok: runs.append(1) or real(model, tok))
     first = _engine(path, quantization="gguf")
-    with caplog.at_level(logging.INFO, logger="tachyllm"):
-        second = _engine(path, quantization="gguf")
-    assert len(runs) == 1 and _bits(second) == _bits(first)
-    assert "at an earlier start, kept in" in caplog.text
-    entry = activation_bits.stored_check_path(str(path), second.model)
-    assert entry.is_file() and entry.parent.parent == tmp_path / "cache"
-    entry.write_text("{not json")
-    _engine(path, quantization="gguf")
-    assert len(runs) == 2 and len(json.loads(entry.read_text())["window_kls"]) == activation_bits.CHECK_WINDOWS
-    _engine(path, quantization="gguf", dtype="bfloat16")
+    entry = activation_bits.stored_check_path(str(path), first.model, first.tokenizer)
+    assert len(runs) == 1 and entry.is_file() and entry.parent.parent == tmp_path / "cache"
+    for stored_kl, expected in ((0.5, 16), (0.0, 8)):
+        entry.write_text(json.dumps({"window_kls": [stored_kl] * activation_bits.CHECK_WINDOWS, "tokens": 508,
+                                     "seconds": 1.0}))  # fmt: skip
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tachyllm"):
+            assert _bits(_engine(path, quantization="gguf")) == {expected}
+        assert "at an earlier start, kept in" in caplog.text and len(runs) == 1
+    for damaged in ("{not json", json.dumps({"window_kls": [], "tokens": 0, "seconds": 0})):
+        entry.write_text(damaged)
+        _engine(path, quantization="gguf")
+        assert len(json.loads(entry.read_text())["window_kls"]) == activation_bits.CHECK_WINDOWS
     assert len(runs) == 3
+    for other in (dict(dtype="bfloat16"), dict(quant_skip="mlp"), dict(max_model_len=48)):
+        _engine(path, quantization="gguf", **other)
+    assert len(runs) == 6
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     _engine(path, quantization="gguf")
-    assert len(runs) == 4
+    assert len(runs) == 7
+    assert len(list(entry.parent.glob("*.json"))) == 1  # a file's stale entries are dropped
     monkeypatch.setenv("TACHY_CACHE_DIR", "off")
     _engine(path, quantization="gguf")
     _engine(path, quantization="gguf")
-    assert len(runs) == 6
+    assert len(runs) == 9
 
 
 def test_one_outlying_window_does_not_decide_the_rounding():

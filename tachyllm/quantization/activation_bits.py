@@ -23,8 +23,10 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,9 +54,11 @@ CHECK_WINDOWS, CHECK_TOKENS = 4, 128
 def block_layers(model: nn.Module) -> list[nn.Module]:
     """The layers on the C++ block kernels (int4/awq layers, a GGUF file's blocks): the ones whose
     activations are rounded."""
-    return [
-        m for m in model.modules() if isinstance(m, GGUFLinear) or (isinstance(m, Int4Linear) and m.kernel == "blocks")
-    ]
+    return [m for m in model.modules() if _on_blocks(m)]
+
+
+def _on_blocks(module: nn.Module) -> bool:
+    return isinstance(module, GGUFLinear) or (isinstance(module, Int4Linear) and module.kernel == "blocks")
 
 
 def set_activation_bits(model: nn.Module, bits: int) -> int:
@@ -107,24 +111,33 @@ def check_8_bits(model: nn.Module, tokenizer) -> ActivationCheck:
     return ActivationCheck(window_kls, sum(len(ids) - 1 for ids in windows), time.perf_counter() - t0)
 
 
-def stored_check_path(source: str, model: nn.Module) -> Path | None:
-    """Where a file's check is kept between starts (in the checkpoint cache's directory), keyed by the
-    file's identity, the model's dtype and all that computes the check (tachyllm's code and data, the
-    C++ kernels' build); None with the cache off (TACHY_CACHE_DIR=off) or a file that cannot be read."""
+def stored_check_path(source: str, model: nn.Module, tokenizer) -> Path | None:
+    """Where a file's check is kept between starts (in the checkpoint cache's directory), keyed by all
+    that the measurement depends on: the file's identity, the model's dtype, which layers run on blocks
+    of which types (--quant-skip), the windows' token ids (--max-model-len cuts them, the tokenizer
+    makes them), tachyllm's code and the C++ kernels' build. None with the cache off
+    (TACHY_CACHE_DIR=off) or when any of it cannot be read."""
     directory = cache_dir()
     if directory is None:
         return None
     try:
         real = os.path.realpath(source)
         stat = os.stat(real)
+        code = _code_fingerprint()
     except OSError:
         return None
+    blocks = [(name, getattr(m, "block_types", type(m).__name__)) for name, m in model.named_modules() if _on_blocks(m)]
     key = json.dumps(
-        {"path": real, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(model.norm.weight.dtype),
-         "code": _code_fingerprint()},
+        {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(model.norm.weight.dtype), "blocks": blocks,
+         "windows": calibration_windows(model, tokenizer, CHECK_TOKENS, CHECK_WINDOWS), "code": code},
         sort_keys=True,
     )  # fmt: skip
-    return directory / "activation_checks" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+    # The path's digest groups the entries of one file, so that storing one drops its stale versions.
+    return directory / "activation_checks" / f"{_digest(real)}-{_digest(key)}.json"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @functools.cache
@@ -138,22 +151,37 @@ def _code_fingerprint() -> str:
 
 
 def _load_check(path: Path) -> ActivationCheck | None:
-    """A stored check, or None (absent or unreadable: measured again and rewritten)."""
+    """A stored check, or None (absent, unreadable or malformed: measured again and rewritten)."""
     try:
         data = json.loads(path.read_text())
-        return ActivationCheck([float(kl) for kl in data["window_kls"]], int(data["tokens"]), float(data["seconds"]))
+        check = ActivationCheck([float(kl) for kl in data["window_kls"]], int(data["tokens"]), float(data["seconds"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    valid = len(check.window_kls) == CHECK_WINDOWS and all(math.isfinite(kl) and kl >= 0 for kl in check.window_kls)
+    return check if valid and check.tokens > 0 else None
 
 
 def _store_check(path: Path, check: ActivationCheck) -> None:
+    partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-        partial.write_text(json.dumps(asdict(check)))
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(check), f)
         os.replace(partial, path)  # a concurrent start reads the old entry or this one, never a partial one
+        partial = None
+        family = path.name.split("-")[0]
+        for stale in path.parent.glob(f"{family}-*.json"):
+            if stale != path:
+                stale.unlink(missing_ok=True)
     except OSError as exc:
-        logger.warning("activation check: could not keep it in %s (%s); the next start measures again", path, exc)
+        logger.warning(
+            "activation check: could not keep it in %s (%s); the next start measures again (TACHY_CACHE_DIR=off: "
+            "no cache)", path, exc,
+        )  # fmt: skip
+    finally:
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
 
 
 def resolve_activation_bits(
@@ -179,7 +207,7 @@ def resolve_activation_bits(
     if sharded:
         logger.info("activations rounded to 16 bits: tensor-parallel ranks do not run the 8-bit check")
         return
-    stored = stored_check_path(source, model) if source is not None else None
+    stored = stored_check_path(source, model, tokenizer) if source is not None else None
     check = _load_check(stored) if stored is not None else None
     if check is not None:
         when = f"measured in {check.seconds:.1f} s at an earlier start, kept in {stored}"
