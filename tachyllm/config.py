@@ -156,8 +156,8 @@ class EngineConfig:
     quant_activation_bits: int | None = option(
         None,
         "activation rounding of the int4/gguf C++ kernels, per 32 inputs: 8 (llama.cpp's: faster batches) or 16"
-        " (closer to unrounded) (default: gguf 8 where a check at load measures mean KL <= 0.01 vs 16 on"
-        " calibration text, else 16; other formats 16)",
+        " (closer to unrounded) (default: gguf 8 where a check at load measures KL(16 || 8) <= 0.01 on"
+        " calibration text, median of 4 windows, kept between starts; else 16; other formats 16)",
         choices=QUANT_ACTIVATION_BITS,
     )
     kv_cache_dtype: str = option("auto", "KV cache storage: auto (model dtype), fp8 (= fp8_e4m3), fp8_e5m2, int8")
