@@ -253,7 +253,7 @@ def test_an_unset_activation_rounding_leaves_drafts_at_16_bits_unchecked(tmp_pat
     monkeypatch.setenv("TACHY_CACHE_DIR", "off")  # every start checks (the second would read the first's)
     checked = []
     real = activation_bits.check_8_bits
-    monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, tok: checked.append(model) or real(model, tok))
+    monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, ids: checked.append(model) or real(model, ids))
 
     def bits(model: torch.nn.Module) -> set[int]:
         return {m.activation_bits for m in model.modules() if hasattr(m, "activation_bits")}

@@ -304,10 +304,11 @@ def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     engines = {bits: _engine(path, quantization="gguf", quant_activation_bits=bits) for bits in (8, 16)}
     model = engines[16].model
-    check = activation_bits.check_8_bits(model, engines[16].tokenizer)
-    assert _bits(engines[16]) == {16}
     tokenizer = engines[16].tokenizer
     windows = calibration_windows(model, tokenizer, activation_bits.CHECK_TOKENS, activation_bits.CHECK_WINDOWS)
+    assert activation_bits.check_windows(model, tokenizer) == windows
+    check = activation_bits.check_8_bits(model, windows)
+    assert _bits(engines[16]) == {16}
     assert len(check.window_kls) == len(windows) >= 2 and check.tokens == sum(len(w) - 1 for w in windows)
     for ids, kl in zip(windows, check.window_kls):
         lp16, lp8 = (sequence_logprobs(engines[b], ids)[:-1] for b in (16, 8))
@@ -326,9 +327,10 @@ def test_the_check_is_kept_between_starts(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TACHY_CACHE_DIR", str(tmp_path / "cache"))
     runs = []
     real = activation_bits.check_8_bits
-    monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, tok: runs.append(1) or real(model, tok))
+    monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, windows: runs.append(1) or real(model, windows))
     first = _engine(path, quantization="gguf")
-    entry = activation_bits.stored_check_path(str(path), first.model, first.tokenizer)
+    windows = activation_bits.check_windows(first.model, first.tokenizer)
+    entry = activation_bits.stored_check_path(str(path), first.model, windows)
     assert len(runs) == 1 and entry.is_file() and entry.parent.parent == tmp_path / "cache"
     for stored_kl, expected in ((0.5, 16), (0.0, 8)):
         entry.write_text(json.dumps({"window_kls": [stored_kl] * activation_bits.CHECK_WINDOWS, "tokens": 508,

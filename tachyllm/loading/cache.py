@@ -95,7 +95,7 @@ class CacheEntry:
         )
         stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(real).stem)[:80]
         # The path hash groups every version of one file (for pruning); the key hash picks one.
-        name = f"{stem}-{_digest(real)}-{_digest(key)}{_ENTRY_SUFFIX}"
+        name = f"{stem}-{short_digest(real)}-{short_digest(key)}{_ENTRY_SUFFIX}"
         return cls(directory / name, key)
 
     @property
@@ -343,7 +343,7 @@ def _loader_fingerprint() -> str:
     return digest.hexdigest()[:16]
 
 
-def _digest(text: str) -> str:
+def short_digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tachyllm.kernels import native
-from tachyllm.loading.cache import cache_dir
+from tachyllm.loading.cache import cache_dir, short_digest
 from tachyllm.quantization.calibration import (
     calibration_windows,
     forward_sequence,
@@ -92,12 +92,16 @@ class ActivationCheck:
         return 8 if self.kl <= KL_BOUND else 16
 
 
+def check_windows(model: nn.Module, tokenizer) -> list[list[int]]:
+    """The calibration text's windows the check runs (cut to the model's rotary table, --max-model-len)."""
+    return calibration_windows(model, tokenizer, CHECK_TOKENS, CHECK_WINDOWS)
+
+
 @torch.inference_mode()
-def check_8_bits(model: nn.Module, tokenizer) -> ActivationCheck:
-    """What 8-bit rounding moves the model's next-token distributions on the calibration text, each
-    window run at 16 and at 8 bits; leaves the model at 16."""
+def check_8_bits(model: nn.Module, windows: list[list[int]]) -> ActivationCheck:
+    """What 8-bit rounding moves the model's next-token distributions on the windows (check_windows),
+    each run at 16 and at 8 bits; leaves the model at 16."""
     t0 = time.perf_counter()
-    windows = calibration_windows(model, tokenizer, CHECK_TOKENS, CHECK_WINDOWS)
     caches = scratch_kv_caches(model, max(map(len, windows)))
     window_kls = []
     for ids in windows:
@@ -111,7 +115,7 @@ def check_8_bits(model: nn.Module, tokenizer) -> ActivationCheck:
     return ActivationCheck(window_kls, sum(len(ids) - 1 for ids in windows), time.perf_counter() - t0)
 
 
-def stored_check_path(source: str, model: nn.Module, tokenizer) -> Path | None:
+def stored_check_path(source: str, model: nn.Module, windows: list[list[int]]) -> Path | None:
     """Where a file's check is kept between starts (in the checkpoint cache's directory), keyed by all
     that the measurement depends on: the file's identity, the model's dtype, which layers run on blocks
     of which types (--quant-skip), the windows' token ids (--max-model-len cuts them, the tokenizer
@@ -129,15 +133,11 @@ def stored_check_path(source: str, model: nn.Module, tokenizer) -> Path | None:
     blocks = [(name, getattr(m, "block_types", type(m).__name__)) for name, m in model.named_modules() if _on_blocks(m)]
     key = json.dumps(
         {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(model.norm.weight.dtype), "blocks": blocks,
-         "windows": calibration_windows(model, tokenizer, CHECK_TOKENS, CHECK_WINDOWS), "code": code},
+         "windows": windows, "code": code},
         sort_keys=True,
     )  # fmt: skip
     # The path's digest groups the entries of one file, so that storing one drops its stale versions.
-    return directory / "activation_checks" / f"{_digest(real)}-{_digest(key)}.json"
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return directory / "activation_checks" / f"{short_digest(real)}-{short_digest(key)}.json"
 
 
 @functools.cache
@@ -207,12 +207,13 @@ def resolve_activation_bits(
     if sharded:
         logger.info("activations rounded to 16 bits: tensor-parallel ranks do not run the 8-bit check")
         return
-    stored = stored_check_path(source, model, tokenizer) if source is not None else None
+    windows = check_windows(model, tokenizer)
+    stored = stored_check_path(source, model, windows) if source is not None else None
     check = _load_check(stored) if stored is not None else None
     if check is not None:
         when = f"measured in {check.seconds:.1f} s at an earlier start, kept in {stored}"
     else:
-        check = check_8_bits(model, tokenizer)
+        check = check_8_bits(model, windows)
         when = f"checked in {check.seconds:.1f} s"
         if stored is not None:
             _store_check(stored, check)
