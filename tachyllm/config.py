@@ -200,6 +200,18 @@ class EngineConfig:
         " built, else torch",
         choices=BACKENDS,
     )
+    # Structured outputs (docs/structured_outputs.md): what one request's constraint may cost.
+    max_constraint_bytes: int = option(
+        256 << 10,
+        "structured outputs: largest constraint (JSON schema, regex, grammar, choices, tools' grammar) in bytes,"
+        " e.g. 1M; a larger one is refused (default: 256K)",
+        parse=byte_size,
+    )
+    constraint_compile_timeout: float = option(
+        10.0,
+        "structured outputs: seconds a request waits for its constraint to compile; past it the request is refused"
+        " (the compile finishes in the background and is cached) (default: 10)",
+    )
     # vLLM's flag name. Graphs need a CUDA device and a backend whose step metadata they can capture.
     enforce_eager: bool = option(
         False,
@@ -277,6 +289,10 @@ class EngineConfig:
             raise ConfigError(f"tp_all_reduce must be shm or gloo (or unset), got {self.tp_all_reduce!r}")
         if self.tp_all_reduce is not None and self.device.startswith("cuda"):
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
+        if self.max_constraint_bytes < 1:
+            raise ConfigError(f"max_constraint_bytes must be >= 1, got {self.max_constraint_bytes}")
+        if not self.constraint_compile_timeout > 0:
+            raise ConfigError(f"constraint_compile_timeout must be > 0 seconds, got {self.constraint_compile_timeout}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

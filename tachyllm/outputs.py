@@ -24,8 +24,11 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # "stop" | "length" | "abort" | "error" | "rejected" | None while running. "rejected": the request's own
+    # input failed once it ran (a structured-output constraint that broke at a token; RequestOutput.error
+    # says why), as opposed to "error", a failure of the engine.
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (rejected: why)
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
 
@@ -86,8 +89,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    # Set when this request failed: refused (e.g. prompt too long; outputs is then empty), or the
-    # engine failed while running it (finish_reason "error").
+    # Set when this request failed: refused (e.g. prompt too long; outputs is then empty), rejected once it
+    # ran (finish_reason "rejected"), or the engine failed while running it (finish_reason "error").
     error: str | None = None
     num_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: every prompt token's, once the prefill is done (a DELTA output

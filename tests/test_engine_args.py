@@ -55,6 +55,8 @@ NON_DEFAULTS = [
     (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
     (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
     (["--max-decode-slowdown", "2.5"], "max_decode_slowdown", 2.5),
+    (["--max-constraint-bytes", "1M"], "max_constraint_bytes", 1 << 20),
+    (["--constraint-compile-timeout", "2.5"], "constraint_compile_timeout", 2.5),
     (["--seed", "7"], "seed", 7),
     (["--threads", "3"], "threads", 3),
     (["--quantization", "int4"], "quantization", "int4"),

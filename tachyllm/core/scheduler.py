@@ -306,12 +306,19 @@ class Scheduler:
 
     def _advance_grammar(self, seq: Sequence, token: int) -> bool:
         """Advances the sequence's grammar past its new token; True when that ended the sequence: the
-        grammar is complete ("stop", before any length limit the same token reached) or has failed."""
+        grammar is complete ("stop", before any length limit the same token reached) or has failed
+        ("rejected", the reason in stop_reason)."""
         grammar = seq.grammar
         # The masks allow only grammatical tokens; a matcher can still fail on its own limits (then
-        # only EOS was allowed): an output cut short must not pass for a complete one.
+        # only EOS was allowed): an output cut short must not pass for a complete one. Such a failure is
+        # the constraint's (GrammarCompiler finds most at compile time), so the request is rejected, every
+        # sample of it: they share the constraint.
         if not grammar.accept(token) or grammar.error:
-            self.finish(seq, "error", f"structured outputs: {grammar.error or f'token {token} outside the grammar'}")
+            kind = seq.params.structured_outputs.kind
+            reason = grammar.error or f"token {token} outside the grammar"
+            message = f"structured outputs ({kind}): at output token {seq.num_output_tokens}: {reason}"
+            for sample in seq.request.seqs:
+                self.finish(sample, "rejected", message)
             return True
         if grammar.is_terminated:
             self.finish(seq, "stop", token if token in self.eos_token_ids else None)

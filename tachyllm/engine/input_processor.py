@@ -14,7 +14,7 @@ from typing import Any
 from tachyllm.errors import RequestError
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.structured_output.compiler import CompiledGrammar, GrammarCompiler, GrammarError
+from tachyllm.structured_output.compiler import CompiledGrammar, ConstraintLimits, GrammarCompiler, GrammarError
 
 
 @dataclass(frozen=True)
@@ -86,14 +86,21 @@ def chat_prompt_ids(
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, limits: InputLimits, eos_token_ids: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: InputLimits,
+        eos_token_ids: list[int] | None = None,
+        constraint_limits: ConstraintLimits | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
-        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids or [])
+        self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids or [], constraint_limits)
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
         """The compiled grammar of the request's structured outputs (None without them); compiled once
-        per constraint, then cached. Raises RequestError for a constraint that cannot be compiled."""
+        per constraint, then cached. Raises RequestError for a constraint that cannot be compiled, fails at
+        its first token, or is beyond the constraint limits (its size, its compile time)."""
         if params.structured_outputs is None:
             return None
         try:

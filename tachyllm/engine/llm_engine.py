@@ -32,6 +32,7 @@ from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
+from tachyllm.structured_output.compiler import ConstraintLimits
 
 logger = logging.getLogger("tachyllm")
 
@@ -162,7 +163,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(
             mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
             config.enable_chunked_prefill,
-        ), eos)  # fmt: skip
+        ), eos, ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout))  # fmt: skip
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
             self.block_manager,

@@ -41,6 +41,12 @@ def request_aborted() -> APIError:
     )
 
 
+def request_rejected(out: RequestOutput, param: str) -> APIError:
+    """The request's own input failed once it ran (finish_reason "rejected": its constraint, carried by
+    `param`, broke at a token): bad input, answered as a constraint refused at compile time is."""
+    return bad_request(f"{param}: {out.error}", param=param)
+
+
 def request_failed(out: RequestOutput) -> APIError:
     message = out.error or "the engine failed while running this request"
     return APIError(500, message, "internal_error", code="engine_error")

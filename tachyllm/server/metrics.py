@@ -157,7 +157,7 @@ class ServerMetrics:
                 "request %s finished: %s, prompt %d tokens, output %d tokens, ttft %s, tpot %s",
                 out.request_id, reason, prompt_len, output_len, ttft, tpot,
             )  # fmt: skip
-        if reason in ("abort", "error"):  # a cut-short request would skew the distributions
+        if reason in ("abort", "error", "rejected"):  # a cut-short request would skew the distributions
             return
         # Per sample, as vLLM counts the samples of an n > 1 request (and request_success counts them).
         samples = m.sample_output_tokens or [output_len]

@@ -101,15 +101,17 @@ class ChoiceUpdate:
     progress: ChoiceProgress  # already counting this update as sent
 
 
-def choice_updates(out: RequestOutput, progress: list[ChoiceProgress], first_index: int) -> Iterator[ChoiceUpdate]:
+def choice_updates(
+    out: RequestOutput, progress: list[ChoiceProgress], first_index: int, constraint_param: str
+) -> Iterator[ChoiceUpdate]:
     """The choices of `out` with something to send (new text, or their end); the choice of engine index i
-    is the response's choice first_index + i."""
+    is the response's choice first_index + i. Raises as finish_reason does (`constraint_param`: its)."""
     for c in out.outputs:
         index = first_index + c.index
         pg = progress[index]
         if pg.finished:
             continue
-        reason = finish_reason(out, c)
+        reason = finish_reason(out, c, constraint_param)
         if pg.pending is not None:
             held, pg.pending = pg.pending, None
             held.extend(c)

@@ -13,15 +13,19 @@ from tachyllm.engine.input_processor import Prompt
 from tachyllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from tachyllm.server import protocol as p
 from tachyllm.server.async_engine import EngineDeadError
-from tachyllm.server.errors import APIError, engine_dead, request_aborted, request_failed
+from tachyllm.server.errors import APIError, engine_dead, request_aborted, request_failed, request_rejected
 
 if TYPE_CHECKING:
     from tachyllm.server.state import EngineClient
 
 
-def finish_reason(out: RequestOutput, c: CompletionOutput) -> str | None:
+def finish_reason(out: RequestOutput, c: CompletionOutput, constraint_param: str) -> str | None:
+    """The choice's OpenAI finish reason; raises for one that did not finish as it should, a 400 naming
+    `constraint_param` (the field of the request's constraint) for a rejected one."""
     if c.finish_reason == "abort":
         raise request_aborted()
+    if c.finish_reason == "rejected":
+        raise request_rejected(out, constraint_param)
     if c.finish_reason == "error":
         raise request_failed(out)
     return c.finish_reason  # "stop" and "length" mean what OpenAI means by them

@@ -73,6 +73,12 @@ def format_constraint(kind: str, schema: dict | None, param: str, schema_path: s
     return StructuredOutputsParams(json=schema)
 
 
+def constraint_param(body: p.SamplingFields) -> str:
+    """The field an error about the request's constraint names: the one carrying it, else the tools (a
+    chat's tool_choice grammar is built from their parameters), else structured_outputs."""
+    return constraint_field(body) or ("tools" if getattr(body, "tools", None) else "structured_outputs")
+
+
 async def compile_constraint(model: ServedModel, params: SamplingParams, field: str) -> None:
     """Compiles the request's grammar off the event loop (the engine then finds it cached); a
     constraint that cannot be compiled is a 400 naming the `field` it came in."""

@@ -273,13 +273,18 @@ def tool_plan(body: p.ChatCompletionRequest, chat_template: str | None) -> ToolP
 
 async def check_tool_schemas(compiler: GrammarCompiler, plan: ToolPlan) -> None:
     """Every tool's parameters is a JSON schema structured outputs can enforce (checked off the event
-    loop, without compiling: under "auto" none is); else a 400 naming the tool."""
+    loop); else a 400 naming the tool. A schema the call grammar enforces ("required", the named tool) is
+    compiled on its own, which finds one that fails at its first token (no finite instance, a limit of
+    the grammar engine) and names its tool; the others, which no grammar enforces, are only validated."""
     for i, function in enumerate(plan.functions):
         schema = function.get("parameters")
         if schema is None:
             continue
+        enforced = plan.choice == "required" or (plan.choice == "named" and function["name"] == plan.named)
         try:
-            await asyncio.to_thread(compiler.check, StructuredOutputsParams(json=schema))
+            await asyncio.to_thread(
+                compiler.compile if enforced else compiler.check, StructuredOutputsParams(json=schema)
+            )
         except GrammarError as e:
             raise bad_request(
                 f"tools[{i}].function.parameters is not a usable JSON schema: {e}", param="tools"

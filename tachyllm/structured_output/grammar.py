@@ -11,6 +11,27 @@ from __future__ import annotations
 import llguidance
 import torch
 
+# llguidance may follow a message with its parser state, the grammar or a Rust backtrace, each opening
+# with one of these tags: internals (and the client's whole grammar again) that no answer should carry.
+_DUMP_TAGS = ("<state>", "<non-verbose/>", "<backtrace>", "<grammar>")
+MAX_ERROR_LINES = 8  # a diagnostic's lines kept: the message, the offending source line and its caret
+MAX_ERROR_LINE_CHARS = 200  # a longer line (an echoed one-line schema) is cut
+
+
+def clean_error(message: str) -> str:
+    """An llguidance error message as a client may read it: the diagnostic without the dumps that may follow
+    it, long lines cut; a Rust panic (an internal limit the constraint ran into) as one sentence."""
+    lines: list[str] = []
+    for line in message.strip().splitlines():
+        if line.lstrip().startswith(_DUMP_TAGS) or len(lines) == MAX_ERROR_LINES:
+            break
+        lines.append(line if len(line) <= MAX_ERROR_LINE_CHARS else line[:MAX_ERROR_LINE_CHARS] + " ...")
+    if lines and lines[0].startswith("panic: "):
+        return f"the grammar engine gave up on this constraint ({lines[0].removeprefix('panic: ')}); make it smaller"
+    if lines in (["NoExtension"], ["NoExtensionBias"]):  # a bare stop reason: the grammar cannot go on
+        return "no output can complete the constraint from here (a rule that never ends, such as root ::= root)"
+    return "\n".join(lines).rstrip() or "the grammar engine refused this constraint"
+
 
 class Grammar:
     """Where one sequence is in its grammar. Only accepted tokens advance it: drafts are checked
@@ -37,7 +58,9 @@ class Grammar:
 
     @property
     def error(self) -> str:
-        return self._matcher.get_error()
+        """Why the grammar failed ("" while it has not): a limit of the grammar engine it ran into."""
+        error = self._matcher.get_error()
+        return clean_error(error) if error else ""
 
 
 def bitmask_words(vocab_size: int) -> int:

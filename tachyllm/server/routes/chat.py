@@ -31,7 +31,7 @@ from tachyllm.server.responses import (
 )
 from tachyllm.server.sampling import (
     compile_constraint,
-    constraint_field,
+    constraint_param,
     logit_bias,
     resolve_max_tokens,
     sampling_params,
@@ -65,7 +65,7 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     constraint = plan.constraint() if plan is not None else None
     params = sampling_params(body, max_tokens, top_logprobs, bias, constraint, defaults=model.sampling_defaults)
     state.check_requested_tokens([prompt], [params], max_param)
-    await compile_constraint(model, params, constraint_field(body) or "tool_choice")
+    await compile_constraint(model, params, constraint_param(body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(state, model, request_id, [prompt], [params], "messages")
     if body.stream:
@@ -77,7 +77,7 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     out = finals[0]
     choices = []
     for c in out.outputs:
-        reason, message = finish_reason(out, c), p.AssistantMessage(content=c.text)
+        reason, message = finish_reason(out, c, constraint_param(body)), p.AssistantMessage(content=c.text)
         if plan is not None and reason == "stop":
             content, calls = plan.parse(c.text)
             if calls:
@@ -126,7 +126,7 @@ async def chat_events(
         started = [False] * n
         num_output_tokens = 0
         async for _, out in merged(streams):
-            for update in choice_updates(out, progress, 0):
+            for update in choice_updates(out, progress, 0, constraint_param(body)):
                 logprobs = None
                 if top_logprobs is not None:
                     logprobs = chat_logprobs(update.choice, 0, top_logprobs)

@@ -36,7 +36,7 @@ from tachyllm.server.responses import (
 )
 from tachyllm.server.sampling import (
     compile_constraint,
-    constraint_field,
+    constraint_param,
     logit_bias,
     resolve_max_tokens,
     sampling_params,
@@ -63,7 +63,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for pr in prompts
     ]
     state.check_requested_tokens(prompts, params, "max_tokens")
-    await compile_constraint(model, params[0], constraint_field(body) or "structured_outputs")
+    await compile_constraint(model, params[0], constraint_param(body))
     engine = model.engine
     echoes = await asyncio.to_thread(echo_texts, engine.tokenizer, prompts, body) if body.echo else None
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -79,7 +79,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         echo = echoes[i] if echoes else None
         entries = prompt_logprobs(out, body.prompt_logprobs)
         for c in out.outputs:
-            reason = finish_reason(out, c)
+            reason = finish_reason(out, c, constraint_param(body))
             if echo_only(body):
                 choice = echo_choice(body, echo, out, i * n + c.index, "length")
             else:
@@ -179,13 +179,13 @@ async def completion_events(
                 for c in out.outputs:
                     reason = None
                     if echo_only(body):
-                        finish_reason(out, c)  # raises for a request that was aborted or failed
+                        finish_reason(out, c, constraint_param(body))  # raises for an aborted or failed request
                         reason = "length"
                     yield chunk([echo_choice(body, echoes[i], out, i * n + c.index, reason)])
                     progress[i * n + c.index].text_offset = len(echoes[i].text)
                 if echo_only(body):
                     continue
-            for update in choice_updates(out, progress, i * n):
+            for update in choice_updates(out, progress, i * n, constraint_param(body)):
                 logprobs = None
                 if body.logprobs is not None:
                     pg = update.progress

@@ -60,7 +60,7 @@ async def create_response(request: Request, state: ServerState = Depends(server_
         return Response(status_code=499)  # nobody is listening
     out = finals[0]
     choice = out.outputs[0]
-    finish(response, choice.text, finish_reason(out, choice), prompt, len(choice.token_ids))
+    finish(response, choice.text, finish_reason(out, choice, "text.format"), prompt, len(choice.token_ids))
     return json_response(response)
 
 
@@ -171,7 +171,7 @@ async def response_events(
         yield event("response.content_part.added", **where, part=p.ResponseOutputText(text="").model_dump())
         progress, texts, reason = [ChoiceProgress()], [], None
         async for _, out in merged(streams):
-            for update in choice_updates(out, progress, 0):
+            for update in choice_updates(out, progress, 0, "text.format"):
                 if update.text:
                     texts.append(update.text)
                     yield event("response.output_text.delta", **where, delta=update.text, logprobs=[])
