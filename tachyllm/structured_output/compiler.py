@@ -157,9 +157,9 @@ class GrammarCompiler:
                     raise GrammarError(f"structured outputs cannot use this model's tokenizer: {e}") from None
             return self._ll_tokenizer
 
-    def check_size(self, params: StructuredOutputsParams) -> None:
-        """Raises GrammarError if the constraint's text is larger than the limit allows."""
-        size = len(params.key()[1].encode())
+    def _check_size(self, text: str) -> None:
+        """Raises GrammarError if a constraint's text (its key's) is larger than the limit allows."""
+        size = len(text.encode())
         if size > self.limits.max_bytes:
             raise GrammarError(
                 f"the constraint is {size} bytes, above the limit of {self.limits.max_bytes} bytes "
@@ -169,7 +169,7 @@ class GrammarCompiler:
     def check(self, params: StructuredOutputsParams) -> None:
         """Raises GrammarError if `params` would not compile; cheaper than compiling (no lexer over the
         vocabulary) and caches nothing."""
-        self.check_size(params)
+        self._check_size(params.key()[1])
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar_source(params), limits=PARSER_LIMITS
         )
@@ -179,8 +179,8 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of `params` (from the cache when compiled before); raises GrammarError,
         also when the compile takes longer than the limit (it goes on, and is cached when done)."""
-        self.check_size(params)
         key = params.key()
+        self._check_size(key[1])
         with self._lock:
             if (hit := self._cache.get(key)) is not None:
                 self._cache.move_to_end(key)
