@@ -105,7 +105,8 @@ def choice_updates(
     out: RequestOutput, progress: list[ChoiceProgress], first_index: int, constraint_param: str
 ) -> Iterator[ChoiceUpdate]:
     """The choices of `out` with something to send (new text, or their end); the choice of engine index i
-    is the response's choice first_index + i. Raises as finish_reason does (`constraint_param`: its)."""
+    is the response's choice first_index + i. Raises as finish_reason does (a rejected choice: a 400
+    naming `constraint_param`)."""
     for c in out.outputs:
         index = first_index + c.index
         pg = progress[index]

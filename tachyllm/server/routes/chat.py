@@ -114,6 +114,7 @@ async def chat_events(
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
     # With tools, what may be a tool call is held back, then sent as calls (or as content after all).
     tool_streams = [ToolCallStream(plan) for _ in range(n)] if plan is not None else None
+    param = constraint_param(body)
 
     def chunk(choices: list[p.ChatChunkChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
@@ -126,7 +127,7 @@ async def chat_events(
         started = [False] * n
         num_output_tokens = 0
         async for _, out in merged(streams):
-            for update in choice_updates(out, progress, 0, constraint_param(body)):
+            for update in choice_updates(out, progress, 0, param):
                 logprobs = None
                 if top_logprobs is not None:
                     logprobs = chat_logprobs(update.choice, 0, top_logprobs)

@@ -158,6 +158,7 @@ async def completion_events(
     # (which come with the first output after the prefill), or, echo_only, at the request's end.
     held: list[DeltaAccumulator | None] = [DeltaAccumulator() for _ in prompts] if echoes else [None] * len(prompts)
     continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+    param = constraint_param(body)
 
     def chunk(choices: list[p.CompletionChoice], usage_info: p.UsageInfo | None = None) -> str:
         return sse(
@@ -179,13 +180,13 @@ async def completion_events(
                 for c in out.outputs:
                     reason = None
                     if echo_only(body):
-                        finish_reason(out, c, constraint_param(body))  # raises for an aborted or failed request
+                        finish_reason(out, c, param)  # raises for a request that was aborted or failed
                         reason = "length"
                     yield chunk([echo_choice(body, echoes[i], out, i * n + c.index, reason)])
                     progress[i * n + c.index].text_offset = len(echoes[i].text)
                 if echo_only(body):
                     continue
-            for update in choice_updates(out, progress, i * n, constraint_param(body)):
+            for update in choice_updates(out, progress, i * n, param):
                 logprobs = None
                 if body.logprobs is not None:
                     pg = update.progress
