@@ -154,7 +154,9 @@ class GrammarCompiler:
                         self._tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None
                     )
                 except ValueError as e:
-                    raise GrammarError(f"structured outputs cannot use this model's tokenizer: {e}") from None
+                    raise GrammarError(
+                        f"structured outputs cannot use this model's tokenizer: {clean_error(str(e))}"
+                    ) from None
             return self._ll_tokenizer
 
     def _check_size(self, text: str) -> None:
