@@ -26,7 +26,9 @@ from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.serve import GracefulServer
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
-from tachyllm.server.async_engine import AsyncEngine
+from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
+from tachyllm.server.errors import APIError
+from tachyllm.server.state import ServedModel, ServerState
 
 
 @pytest.fixture(scope="module")
@@ -477,6 +479,31 @@ def test_hung_step_makes_health_503_and_the_server_exit(model_path):
         release.set()  # the step ends; the loop, told to stop, then ends too
     assert events[-1] == "[DONE]" and "has run for" in events[-2]["error"]["message"]
     assert srv.exit_code == 1
+
+
+class StubEngine:
+    """The part of an EngineClient that the health checks read."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.is_running, self.error = error is None, error
+
+    def busy_seconds(self) -> float:
+        return 0.0
+
+
+def test_a_request_while_exiting_for_a_failed_engine_is_told_the_failure():
+    """The server drains before it exits for its supervisor; a request meanwhile learns why (503
+    engine_failed with the engine's failure), while a drain after SIGTERM says shutting_down."""
+    reason = "tensor-parallel rank 1 (pid 7) died: exit code -9"
+    for engine, code, message in [
+        (StubEngine(EngineDeadError(reason)), "engine_failed", f"the engine stopped: {reason}"),
+        (StubEngine(None), "shutting_down", "the server is shutting down"),
+    ]:
+        state = ServerState([ServedModel(["m"], engine)], None, None, [], draining=True)
+        with pytest.raises(APIError) as refused:
+            state.check_not_draining()
+        error = refused.value.body.error
+        assert (refused.value.status, error.code, error.message) == (503, code, message)
 
 
 # -- bounded work, off the event loop ---------------------------------------------------------
