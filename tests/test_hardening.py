@@ -24,6 +24,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.serve import GracefulServer
+from tachyllm.errors import EngineCorruptedError
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
@@ -319,6 +320,24 @@ def test_every_failed_step_ends_a_request(offline, monkeypatch):
         steps += 1
     assert set(finals) == {"a", "culprit", "b"} and "prefix lookup bug" in finals["culprit"].error
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_inconsistent_bookkeeping_fails_the_engine_for_good(model_path, monkeypatch):
+    """A failed step after which the KV blocks no longer add up: that engine must not go on, so it
+    raises, keeps the reason in `failure` (which check_health reports) and refuses every later request."""
+    engine = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20).engine
+
+    def broken(live) -> None:
+        raise AssertionError("block 3 is neither free nor held")
+
+    monkeypatch.setattr(engine.block_manager, "check_invariants", broken)
+    engine.add_request("victim", "The quick", SamplingParams(max_tokens=4, **GREEDY))
+    with faults.injected(fault_at("forward", "victim")), pytest.raises(EngineCorruptedError) as raised:
+        engine.step()
+    assert engine.failure is raised.value and engine.check_health() is raised.value
+    assert "KV-block bookkeeping is inconsistent after a failed step: block 3" in str(engine.failure)
+    with pytest.raises(EngineCorruptedError, match="the engine has shut down: KV-block bookkeeping"):
+        engine.add_request("later", "The quick", SamplingParams(max_tokens=4, **GREEDY))
 
 
 def test_a_failed_request_is_answered_even_if_its_step_fails_later(model_path, monkeypatch):
