@@ -6,8 +6,8 @@ meet in the row-parallel layers and the LM head), and rank 0 samples.
 
 Failure: a worker that dies, or any failed step (the ranks' collectives may no longer line up),
 stops the whole group and raises WorkerError; the engine fails its requests and shuts down. A worker
-that dies between steps is noticed by check_workers(), which the engine's driver calls while it idles. Every
-wait is bounded (start-up stages, the collectives' timeout), and workers die with the driver.
+that dies between steps is found by check_workers(), which the engine calls between steps, idle or
+not. Every wait is bounded (start-up stages, the collectives' timeout), and workers die with the driver.
 """
 
 from __future__ import annotations

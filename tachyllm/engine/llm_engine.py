@@ -53,7 +53,7 @@ class EngineSnapshot:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size > 1:
-            from tachyllm.distributed.worker import exit_if_importing_main  # torch.distributed only when used
+            from tachyllm.distributed.worker import exit_if_importing_main  # distributed/ only when used
 
             exit_if_importing_main()  # before anything loads in a worker that should not be here
         self.config = config
