@@ -24,9 +24,12 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.serve import GracefulServer
+from tachyllm.errors import EngineCorruptedError
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
-from tachyllm.server.async_engine import AsyncEngine
+from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
+from tachyllm.server.errors import APIError
+from tachyllm.server.state import ServedModel, ServerState
 
 
 @pytest.fixture(scope="module")
@@ -319,6 +322,24 @@ def test_every_failed_step_ends_a_request(offline, monkeypatch):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_inconsistent_bookkeeping_fails_the_engine_for_good(model_path, monkeypatch):
+    """A failed step after which the KV blocks no longer add up: that engine must not go on, so it
+    raises, keeps the reason in `failure` (which check_health reports) and refuses every later request."""
+    engine = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20).engine
+
+    def broken(live) -> None:
+        raise AssertionError("block 3 is neither free nor held")
+
+    monkeypatch.setattr(engine.block_manager, "check_invariants", broken)
+    engine.add_request("victim", "The quick", SamplingParams(max_tokens=4, **GREEDY))
+    with faults.injected(fault_at("forward", "victim")), pytest.raises(EngineCorruptedError) as raised:
+        engine.step()
+    assert engine.failure is raised.value and engine.check_health() is raised.value
+    assert "KV-block bookkeeping is inconsistent after a failed step: block 3" in str(engine.failure)
+    with pytest.raises(EngineCorruptedError, match="the engine has shut down: KV-block bookkeeping"):
+        engine.add_request("later", "The quick", SamplingParams(max_tokens=4, **GREEDY))
+
+
 def test_a_failed_request_is_answered_even_if_its_step_fails_later(model_path, monkeypatch):
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
     llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, speculative_config=spec)
@@ -477,6 +498,31 @@ def test_hung_step_makes_health_503_and_the_server_exit(model_path):
         release.set()  # the step ends; the loop, told to stop, then ends too
     assert events[-1] == "[DONE]" and "has run for" in events[-2]["error"]["message"]
     assert srv.exit_code == 1
+
+
+class StubEngine:
+    """The part of an EngineClient that the health checks read."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.is_running, self.error = error is None, error
+
+    def busy_seconds(self) -> float:
+        return 0.0
+
+
+def test_a_request_while_exiting_for_a_failed_engine_is_told_the_failure():
+    """The server drains before it exits for its supervisor; a request meanwhile learns why (503
+    engine_failed with the engine's failure), while a drain after SIGTERM says shutting_down."""
+    reason = "tensor-parallel rank 1 (pid 7) died: exit code -9"
+    for engine, code, message in [
+        (StubEngine(EngineDeadError(reason)), "engine_failed", f"the engine stopped: {reason}"),
+        (StubEngine(None), "shutting_down", "the server is shutting down"),
+    ]:
+        state = ServerState([ServedModel(["m"], engine)], None, None, [], draining=True)
+        with pytest.raises(APIError) as refused:
+            state.check_not_draining()
+        error = refused.value.body.error
+        assert (refused.value.status, error.code, error.message) == (503, code, message)
 
 
 # -- bounded work, off the event loop ---------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tensor parallelism (docs/tensor_parallel.md): a model split over 2 CPU processes (1 thread each)
 gives the same greedy tokens as one process in fp32, with the engine's features on; a dead worker
-fails the requests cleanly; nothing outlives the engine.
+fails the requests cleanly, and a server whose worker died says so and exits; nothing outlives the
+engine.
 
 Each TP engine spawns a worker that imports torch (seconds on this machine): engines are shared by
 module-scoped fixtures where the cases allow."""
@@ -14,20 +15,27 @@ import sys
 import time
 from dataclasses import replace
 
+import httpx
 import numpy as np
 import psutil
 import pytest
 import torch
+import uvicorn
+from conftest import serving
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
 from test_kquants import Q4_K_M_LIKE, write_mixed_gguf
+from test_server import ENGINE_FLAGS, error_of, server_process, sse_events
 
 from tachyllm.config import EngineConfig, ModelConfig
 from tachyllm.distributed import executor as tp_executor
 from tachyllm.distributed.executor import TensorParallelExecutor, rank_cpus
 from tachyllm.distributed.sharding import ShardPlan
+from tachyllm.distributed.worker import UNGUARDED_MAIN
 from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.engine_args import engine_config
+from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.errors import ConfigError, EngineCorruptedError, WorkerError
 from tachyllm.kernels.native import native_ops
@@ -38,6 +46,8 @@ from tachyllm.quantization.gguf_packed import GGUFLinear, gguf_matrices
 from tachyllm.quantization.int4 import Int4Linear
 from tachyllm.quantization.int8 import Int8Linear
 from tachyllm.sampling_params import SamplingParams
+from tachyllm.server.app import build_app
+from tachyllm.server.async_engine import AsyncEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # The ranks' sums go through shared memory by default where the C++ kernels built (else gloo's).
@@ -219,6 +229,92 @@ def test_killed_worker_fails_requests_and_shuts_down(tiny_model_factory):
         assert engine.block_manager.usage == 0
     finally:
         engine.shutdown()
+
+
+def killed(worker: psutil.Process) -> str:
+    """Kills a worker; returns how the engine names its death."""
+    worker.kill()
+    return f"tensor-parallel rank 1 (pid {worker.pid}) died"
+
+
+def test_server_with_a_dead_worker_is_unhealthy_and_refuses_requests(tiny_model_factory):
+    """A worker that dies while no request runs: /health turns 503 with the reason without a request
+    arriving, and every later request is a 503 engine_failed (a plain uvicorn server: no watchdog
+    exits it meanwhile)."""
+    path = str(tiny_model_factory("llama"))
+    args = build_parser().parse_args(["serve", path, "--port", "0", "--tensor-parallel-size", "2", *ENGINE_FLAGS])
+    before = spawned()
+    app = build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args)
+    (worker,) = [psutil.Process(pid) for pid in spawned() - before]
+    plain = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+    with serving(plain) as base, httpx.Client(base_url=base, timeout=30) as http:
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert http.get("/health").status_code == 200
+        reason = killed(worker)
+        deadline = time.monotonic() + 30
+        while (health := http.get("/health")).status_code == 200:
+            assert time.monotonic() < deadline, "/health did not notice the dead worker"
+            time.sleep(0.05)
+        assert reason in error_of(health, 503)["message"]
+        refused = [
+            http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+            http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True}),
+            http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+            http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}),
+            http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+        ]
+        for response in refused:
+            error = error_of(response, 503)
+            assert error["code"] == "engine_failed" and reason in error["message"]
+        assert error_of(http.get("/health"), 503)["code"] == "engine_unhealthy"
+    assert not worker.is_running() and not spawned() - before  # the other ranks were stopped too
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["mid-stream", "idle"])
+def test_tachy_serve_exits_nonzero_once_a_worker_dies(tiny_model_factory, when):
+    """`tachy serve --tensor-parallel-size 2` whose worker is SIGKILLed, in a stream or with nothing
+    running: the stream ends with an engine_failed error event, and the server exits with status 1."""
+    model = str(tiny_model_factory("llama", max_position_embeddings=32768))
+    flags = ["--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", "64M"]
+    events = []
+    with server_process(model, *flags, "--log-stats-interval", "0") as (proc, base):
+        (worker,) = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        if when == "idle":
+            reason = killed(worker)
+        else:
+            body = {"prompt": "The quick brown fox", "max_tokens": 30_000, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                stream = sse_events(r)
+                events.append(next(stream))  # a token: the request runs
+                reason = killed(worker)
+                events += stream
+        assert proc.wait(timeout=60) == 1
+        log = proc.stderr.read()
+    assert reason in log and "shutting down with exit status 1 so that a supervisor restarts the server" in log
+    if when == "mid-stream":
+        assert events[-1] == "[DONE]" and "choices" in events[0]
+        error = events[-2]["error"]
+        assert error["code"] == "engine_failed" and reason in error["message"]
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tiny_model_factory, tmp_path):
+    """Each worker imports the driver's main module again: a script that starts a TP engine at its
+    top level would start one in every worker. The driver says in one line what to do."""
+    script = tmp_path / "unguarded.py"
+    path = tiny_model_factory("llama")
+    script.write_text(
+        "from tachyllm.entrypoints.llm import LLM\n"
+        f"llm = LLM({str(path)!r}, dtype='float32', tensor_parallel_size=2)\n"
+        "print('started', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=os.environ, timeout=120)
+    assert done.returncode == 1 and "started" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == f"tachyllm.errors.WorkerError: tensor-parallel rank 1 failed to start: {UNGUARDED_MAIN}"
+    assert 'under `if __name__ == "__main__":`' in last
+    assert "bootstrapping phase" not in done.stderr  # multiprocessing's page of advice stays out of it
 
 
 def test_no_orphans_after_shutdown_or_driver_death(tiny_model_factory, tmp_path):

@@ -5,8 +5,9 @@ the batch's plain data goes to every worker, all ranks run the forward together 
 meet in the row-parallel layers and the LM head), and rank 0 samples.
 
 Failure: a worker that dies, or any failed step (the ranks' collectives may no longer line up),
-stops the whole group and raises WorkerError; the engine fails its requests and shuts down. Every
-wait is bounded (start-up stages, the collectives' timeout), and workers die with the driver.
+stops the whole group and raises WorkerError; the engine fails its requests and shuts down. A worker
+that dies between steps is found by check_workers(), which the engine calls between steps, idle or
+not. Every wait is bounded (start-up stages, the collectives' timeout), and workers die with the driver.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ from tachyllm.config import EngineConfig, default_threads
 from tachyllm.distributed import shm_allreduce
 from tachyllm.distributed.group import TPGroup
 from tachyllm.distributed.sharding import ShardPlan, build_rank_model
-from tachyllm.distributed.worker import WorkerSpec, one_line, rank_device, worker_main
+from tachyllm.distributed.worker import (
+    UNGUARDED_MAIN,
+    UNGUARDED_MAIN_EXIT_CODE,
+    WorkerSpec,
+    one_line,
+    rank_device,
+    worker_main,
+)
 from tachyllm.errors import ConfigError, WorkerError
 from tachyllm.loading import Checkpoint
 from tachyllm.runner.model_runner import ModelRunner
@@ -128,6 +136,15 @@ class TensorParallelExecutor:
             self.shutdown()
             raise WorkerError(self.failure) from exc
 
+    def check_workers(self) -> str | None:
+        """Between steps: why the group can no longer run (self.failure), noticing first a worker that
+        died while no step ran (the others are then stopped, as after a failed step); None while all live."""
+        stopped = not self._stop.alive  # shut down on purpose: its workers ended as they were told
+        if self.failure is None and not stopped and wait([w.process.sentinel for w in self.workers], timeout=0):
+            self.failure = self._dead_worker()
+            self.shutdown()
+        return self.failure
+
     def shutdown(self) -> None:
         """Stops every worker (killed after a grace period); idempotent."""
         self._stop()
@@ -165,16 +182,21 @@ class TensorParallelExecutor:
                     try:
                         message = w.conn.recv()
                     except EOFError:
-                        message = ("error", f"exited with code {w.process.join(STOP_GRACE_S) or w.process.exitcode}")
+                        message = ("error", _exit_reason(w))
                     if message[0] == "error":
                         raise WorkerError(f"tensor-parallel rank {w.rank} failed to start: {message[1]}")
                     if message[0] == stage:
                         break
                 elif ready:
-                    w.process.join(STOP_GRACE_S)
-                    raise WorkerError(
-                        f"tensor-parallel rank {w.rank} failed to start: exited with code {w.process.exitcode}"
-                    )
+                    raise WorkerError(f"tensor-parallel rank {w.rank} failed to start: {_exit_reason(w)}")
+
+
+def _exit_reason(w: _Worker) -> str:
+    """Why a worker that ended while starting, without a word, ended."""
+    w.process.join(STOP_GRACE_S)
+    if w.process.exitcode == UNGUARDED_MAIN_EXIT_CODE:
+        return UNGUARDED_MAIN
+    return f"exited with code {w.process.exitcode}"
 
 
 def _error_message(w: _Worker) -> str | None:

@@ -11,6 +11,7 @@ or, waiting in the shared-memory all-reduce, finds that its parent is no longer 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import traceback
@@ -22,6 +23,15 @@ import torch
 
 from tachyllm.config import EngineConfig
 from tachyllm.host_malloc import keep_freed_memory, use_one_arena
+
+# A worker is a spawned interpreter, which imports the driver's main module before it runs anything.
+# When that module starts a tensor-parallel engine at import time (a script without a main guard),
+# the worker exits with this status, which the driver turns into UNGUARDED_MAIN.
+UNGUARDED_MAIN_EXIT_CODE = 3
+UNGUARDED_MAIN = (
+    "the script that starts the engine has no main guard, and each worker process imports it again: "
+    'put the code that starts the engine under `if __name__ == "__main__":`'
+)
 
 
 @dataclass
@@ -50,6 +60,15 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_if_importing_main() -> None:
+    """Called where a tensor-parallel engine starts: in a worker still importing the driver's main
+    module, that module has no main guard. multiprocessing would fail the worker with a page of advice
+    on its stderr, and the driver see only "exited with code 1"; the worker leaves quietly instead,
+    with a status that tells the driver why."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # what multiprocessing checks
+        raise SystemExit(UNGUARDED_MAIN_EXIT_CODE)
 
 
 def _serve(spec: WorkerSpec, conn: Connection) -> int:

@@ -53,6 +53,10 @@ class EngineSnapshot:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size > 1:
+            from tachyllm.distributed.worker import exit_if_importing_main  # distributed/ only when used
+
+            exit_if_importing_main()  # before anything loads in a worker that should not be here
         self.config = config
         use_one_arena()
         torch.set_num_threads(config.threads or default_threads())
@@ -78,7 +82,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)
         self.executor = None  # the tensor-parallel group, when there is one
-        self._shut_down: Exception | None = None  # why the engine stopped (a dead worker), if it did
+        # Why the engine can no longer serve (a dead tensor-parallel worker, inconsistent KV
+        # bookkeeping), or None: it then refuses every request and must be restarted.
+        self.failure: EngineCorruptedError | None = None
         try:
             self._build(config, ckpt, t0)
         except BaseException:
@@ -242,8 +248,8 @@ class LLMEngine:
         """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
         it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
         with its own params."""
-        if self._shut_down is not None:
-            raise EngineCorruptedError(f"the engine has shut down: {self._shut_down}")
+        if self.failure is not None:
+            raise EngineCorruptedError(f"the engine has shut down: {self.failure}")
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, ProcessedRequest):
@@ -297,6 +303,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def can_fail_between_steps(self) -> bool:
+        """Whether something outside the steps can fail this engine (its tensor-parallel workers can
+        die while it idles): its driver should then call check_health() now and then."""
+        return self.executor is not None
+
+    def check_health(self) -> EngineCorruptedError | None:
+        """Why the engine can no longer serve (self.failure), noticing first a tensor-parallel worker
+        that died between steps; None while it can serve."""
+        if self.failure is None and self.executor is not None and (why := self.executor.check_workers()):
+            self.failure = WorkerError(why)
+        return self.failure
+
     # -- what others may read -----------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         """Running / waiting / never-started requests, KV-cache usage and a copy of the counters."""
@@ -336,7 +355,7 @@ class LLMEngine:
             if isinstance(e, WorkerError):
                 # The tensor-parallel group is gone (its executor stopped it): every request fails, and the
                 # engine refuses new ones.
-                self._shut_down = e
+                self.failure = e
                 blamed = dict(self.requests)
             elif not blamed or self._failed_steps >= MAX_FAILED_STEPS:
                 # Nobody to pin it on (a waiting request broke scheduling), or failing the step's
@@ -442,4 +461,5 @@ class LLMEngine:
         try:
             self.block_manager.check_invariants(live)
         except AssertionError as e:
-            raise EngineCorruptedError(f"KV-block bookkeeping is inconsistent after a failed step: {e}") from None
+            self.failure = EngineCorruptedError(f"KV-block bookkeeping is inconsistent after a failed step: {e}")
+            raise self.failure from None

@@ -10,7 +10,8 @@ another thread, ~560 tok/s when the model was loaded in the main thread vs ~640-
 driving thread, as fast as the main thread itself). Other threads only append operations (add,
 abort) to a list under a lock; the loop applies them between steps and hands results back to each
 caller's event loop with call_soon_threadsafe. When there is nothing to do the loop sleeps on a
-condition variable, so an idle server burns no CPU.
+condition variable, so an idle server burns no CPU (a tensor-parallel engine's loop wakes twice a
+second to check that its workers live).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 # step of a few hundred ops stalled for as long as that thread worked. At 0.5 ms the stall is a tenth
 # (measurements: docs/benchmarks.md "Tokenizing off the event loop").
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+# How often an idle engine that can fail between steps (a tensor-parallel worker can die) is checked.
+HEALTH_CHECK_INTERVAL_S = 0.5
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -237,7 +241,7 @@ class AsyncEngine:
             adds.append(_Add(stream, prompt, params, now, priority, loop.create_future()))
         with self._cond:
             if self._closed:  # the loop is gone: nobody would ever answer
-                raise EngineDeadError("the engine is not running")
+                raise self._stopped_error()
             queued = self._snapshot.num_unstarted + self._pending_adds
             if max_queued is not None and queued + len(adds) > max_queued:
                 raise QueueFullError(queued, max_queued)
@@ -328,6 +332,10 @@ class AsyncEngine:
         self._thread.join(timeout)
         gc.unfreeze()
 
+    def _stopped_error(self) -> EngineDeadError:
+        """What a request gets once the loop has stopped: why it stopped."""
+        return EngineDeadError(f"the engine stopped: {self.error}" if self.error else "the engine was shut down")
+
     def _submit(self, op: _Abort) -> None:
         with self._cond:
             if self._closed:
@@ -347,6 +355,9 @@ class AsyncEngine:
         finally:
             built.set()
         engine = self._engine  # its constructor set this thread's compute threads
+        # An idle engine that can fail between steps (its tensor-parallel workers can die) is checked
+        # this often; any other sleeps until there is work.
+        idle_check_s = HEALTH_CHECK_INTERVAL_S if engine.can_fail_between_steps else None
         ops: list[_Add | _Abort] = []
         outbox = _Outbox()
         try:
@@ -354,7 +365,8 @@ class AsyncEngine:
                 self._busy_since = None
                 with self._cond:
                     while not (self._ops or self._stopping or engine.has_unfinished_requests()):
-                        self._cond.wait()
+                        if not self._cond.wait(idle_check_s):
+                            break  # time for the health check
                     ops, self._ops = self._ops, []
                     stopping = self._stopping
                 self._busy_since = time.monotonic()
@@ -371,6 +383,14 @@ class AsyncEngine:
                     outbox.flush()  # acceptances go out before the step, not after it
                 if not stopping and engine.has_unfinished_requests():
                     outputs += engine.step()
+                if (failure := engine.check_health()) is not None:
+                    # The engine cannot serve again (a dead tensor-parallel worker): its requests and
+                    # everything still waiting end with EngineDeadError, and the loop stops, so that
+                    # /health tells it and the server exits for its supervisor to restart it.
+                    logger.error("the engine failed: %s", failure)
+                    self.error = failure
+                    self._notify_listeners(outputs)  # the failed requests still count in the metrics
+                    break
                 if not self._abandoned:
                     self._deliver(outputs, outbox)
                 self._publish(num_adds)
@@ -435,7 +455,7 @@ class AsyncEngine:
         with self._cond:
             self._closed = True
             pending, self._ops = self._ops, []
-        error = EngineDeadError(f"the engine stopped: {self.error}" if self.error else "the engine was shut down")
+        error = self._stopped_error()
         outbox.flush()
         self._fail_streams(error, ops_in_flight + pending, list(self._streams.values()))
         self._streams.clear()

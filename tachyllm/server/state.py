@@ -15,8 +15,8 @@ from fastapi import Request
 from tachyllm.engine.input_processor import InputProcessor, Prompt
 from tachyllm.loading import Tokenizer
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import RequestStream
-from tachyllm.server.errors import APIError, bad_request
+from tachyllm.server.async_engine import EngineDeadError, RequestStream
+from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.metrics import merge_expositions
 
 logger = logging.getLogger("tachyllm.server")
@@ -157,6 +157,8 @@ class ServerState:
 
     def check_not_draining(self) -> None:
         if self.draining:
+            if problem := self.health_problem():  # the server exits because an engine failed: say so
+                raise engine_dead(EngineDeadError(problem), failed=True)
             raise APIError(
                 503,
                 "the server is shutting down",
