@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from tachyllm.errors import ConfigError
 from tachyllm.ray_serve.config import ModelDeployment, ScaleOutConfig, check_model_paths, load_config, parse_config
 from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
 from tachyllm.ray_serve.remote_engine import RemoteEngine
 from tachyllm.ray_serve.replica import EngineReplica
 from tachyllm.ray_serve.router import PrefixCacheRouter, RoundRobinRouter
@@ -73,6 +74,7 @@ class Ingress:
     """The HTTP front: tachyllm's routes over one RemoteEngine per model."""
 
     async def __init__(self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace):
+        serve_grpc_on_node_ip()
         names = list(engines)
         infos = await asyncio.gather(*(engines[name].describe.remote() for name in names))
         models = [ServedModel([name], RemoteEngine(name, engines[name], info)) for name, info in zip(names, infos)]

@@ -25,6 +25,7 @@ from tachyllm.errors import RequestError
 from tachyllm.loading import Tokenizer
 from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
 from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.state import engine_problem
@@ -124,6 +125,7 @@ class EngineReplica:
     ) -> None:
         from ray import serve
 
+        serve_grpc_on_node_ip()
         context = serve.get_replica_context()
         engine_config = model.engine
         self._deployment = model.deployment_name
