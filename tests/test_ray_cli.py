@@ -40,8 +40,10 @@ def server(tiny_model_factory, tmp_path_factory):
         "--replicas", "2", "--threads-per-replica", "1", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--kv-cache-memory", "4M", "--api-key", API_KEY,
     ]  # fmt: skip
-    # Whatever addresses the machine's environment forces on Ray, the command must choose its own.
+    # Whatever addresses the machine's environment forces on Ray, the command must choose its own; and
+    # without --ray-address it starts an instance of its own, whatever RAY_ADDRESS names (nothing here).
     env = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
+    env["RAY_ADDRESS"] = "127.0.0.1:9"
     log_path = tmp_path_factory.mktemp("ray-cli") / "serve.log"
     log = open(log_path, "w")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -26,7 +26,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     from tachyllm.ray_serve.app import application
     from tachyllm.ray_serve.hub import hub_actor_name
 
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING, **node_options)
+    # "local": a new instance of our own, never one that RAY_ADDRESS or an earlier `ray start` names.
+    address = args.ray_address or "local"
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, **node_options)
     if node_options:
         try:
             check_node_ip(args.host)
