@@ -1,7 +1,10 @@
 """The parts of EngineReplica (ray_serve/replica.py) that need no Ray cluster: the buffer that carries
-prefix-cache events from the engine thread to the hub, and the health check Ray calls."""
+prefix-cache events from the engine thread to the hub, the hub itself, and the health check Ray calls."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 
@@ -85,8 +88,8 @@ def test_a_full_snapshot_on_request():
 
 def test_the_hub_replays_by_cursor_and_resets_a_router_that_fell_behind():
     hub = RoutingHub(max_log=4, stale_after_s=60)
-    assert hub.publish("e", "r2", [b"z"], [], False, b"", 12)  # unknown replica, not a whole set: ask for one
-    assert not hub.publish("d", "r1", [b"a", b"b"], [], True, b"m1", 11)
+    assert hub.publish("e", "r2", [b"z"], [], False, b"", 12).needs_full  # unknown, not a whole set: ask for one
+    assert not hub.publish("d", "r1", [b"a", b"b"], [], True, b"m1", 11).needs_full
     cursor, updates = hub.updates("d", 0)
     assert updates == [("r1", [b"a", b"b"], [], True)]
     for i in range(6):  # past the log's bound
@@ -98,7 +101,39 @@ def test_the_hub_replays_by_cursor_and_resets_a_router_that_fell_behind():
         and sorted(updates[0][1]) == sorted([b"b", *map(bytes, [[i] for i in range(6)])])
     )
     hub.forget("d", "r1")
-    assert hub.updates("d", 0)[1] == [] and hub.metrics("d") == [] and hub.replica_pids("d") == {}
+    assert hub.updates("d", 0)[1] == [] and asyncio.run(hub.metrics("d")) == [] and hub.replica_pids("d") == {}
+
+
+def test_a_scrape_waits_for_metrics_rendered_after_it_began():
+    """Replicas send metrics once a second; a scrape asks each for current ones (in the answer to its next
+    report) and waits for them, so that it counts every answer the client had before it."""
+    hub = RoutingHub(stale_after_s=60)
+    hub.publish("d", "r1", [], [], True, b"r1 old", 11)
+    hub.publish("d", "r2", [], [], True, b"r2 old", 12)
+
+    async def scrape_while_replicas_report() -> tuple[list, list]:
+        scrape = asyncio.create_task(hub.metrics("d", wait_s=30))
+        await asyncio.sleep(0.05)
+        asked = [hub.publish("d", r, [], [], False, b"", 0).metrics_wanted for r in ("r1", "r2")]
+        assert all(asked) and not scrape.done()  # each replica was asked; neither has answered
+        hub.publish("d", "r1", [], [], False, b"r1 periodic", 11)  # rendered before it was asked: not it
+        hub.publish("d", "r1", [], [], False, b"r1 new", 11, asked[0])
+        await asyncio.sleep(0.05)
+        assert not scrape.done()  # r2 still owes its current metrics
+        assert hub.publish("d", "r2", [], [], False, b"r2 new", 12, asked[1]).metrics_wanted == 0
+        return await asyncio.wait_for(scrape, 5), asked
+
+    reports, asked = asyncio.run(scrape_while_replicas_report())
+    assert dict(reports) == {"r1": b"r1 new", "r2": b"r2 new"}
+    assert hub.publish("d", "r1", [], [], False, b"", 11).metrics_wanted == 0  # nobody waits any more
+
+
+def test_a_scrape_does_not_wait_for_ever_on_a_silent_replica():
+    hub = RoutingHub(stale_after_s=60)
+    hub.publish("d", "r1", [], [], True, b"r1 old", 11)
+    started = time.monotonic()
+    assert asyncio.run(hub.metrics("d", wait_s=0.3)) == [("r1", b"r1 old")]  # as of its last report
+    assert 0.3 <= time.monotonic() - started < 5
 
 
 class FakeEngine:

@@ -194,22 +194,35 @@ def test_the_other_endpoints(http):
 
 
 def test_conversation_turns_land_on_the_replica_holding_them(http):
-    """Each conversation's second turn goes where its first turn's blocks are: its whole earlier prompt is a
-    prefix-cache hit. Four conversations with distinct prefixes: random placement would miss about half."""
+    """Each later turn of a conversation goes where its earlier turns' blocks are: its whole earlier prompt
+    is a prefix-cache hit. Four conversations with distinct prefixes, three turns each: random placement
+    would miss about half. The router's matched blocks are real hits: scraped right after each answer,
+    the replicas' prefix-cache hits have grown by exactly the tokens the router matched."""
     before = scrape(http)
     expected_hits = 0
     for i in range(4):
         messages = [{"role": "system", "content": SYSTEM.format(i=i)}, {"role": "user", "content": "First question?"}]
-        first = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6})
-        assert first.status_code == 200
-        reply = first.json()["choices"][0]["message"]["content"]
-        prompt_tokens = first.json()["usage"]["prompt_tokens"]
-        expected_hits += (prompt_tokens // 16) * 16 - 16  # at least all but the last full block of turn 1
-        time.sleep(0.6)  # the replica's events reach the router (0.1 s intervals)
-        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a second one?"}]
-        second = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6})
-        assert second.status_code == 200
-    time.sleep(1.5)  # the replicas report their metrics every second
+        earlier_prompt_tokens = 0
+        for turn in range(3):
+            if turn:
+                time.sleep(0.6)  # the replica's events reach the router (0.1 s intervals)
+            earlier = scrape(http)
+            response = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 6})
+            assert response.status_code == 200
+            now = scrape(http)
+            matched = 16 * (
+                metric(now, "tachy:router_matched_blocks_total", model_name="tiny")
+                - metric(earlier, "tachy:router_matched_blocks_total", model_name="tiny")
+            )
+            hits = metric(now, "tachy:prefix_cache_hits_total", model_name="tiny") - metric(
+                earlier, "tachy:prefix_cache_hits_total", model_name="tiny"
+            )
+            assert hits == matched, (i, turn, hits, matched)
+            # At least all but the last full block of the turn before.
+            expected_hits += max(0, (earlier_prompt_tokens // 16) * 16 - 16)
+            earlier_prompt_tokens = response.json()["usage"]["prompt_tokens"]
+            reply = response.json()["choices"][0]["message"]["content"]
+            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Question {turn + 2}?"}]
     after = scrape(http)
     hits = metric(after, "tachy:prefix_cache_hits_total", model_name="tiny") - metric(
         before, "tachy:prefix_cache_hits_total", model_name="tiny"
@@ -218,7 +231,7 @@ def test_conversation_turns_land_on_the_replica_holding_them(http):
     decisions = metric(after, "tachy:router_requests_total", model_name="tiny", decision="prefix_hit") - metric(
         before, "tachy:router_requests_total", model_name="tiny", decision="prefix_hit"
     )
-    assert decisions >= 4
+    assert decisions >= 8
     assert metric(after, "tachy:router_index_entries", model_name="tiny") > 0
     # Every replica's metrics reach the one scrape, each with its replica label.
     assert len(per_replica(after, "tachy:prompt_tokens_total", "tiny")) == 2
@@ -258,7 +271,6 @@ def test_load_guard_spreads_a_hot_prefix(http, base):
             return [r.status_code for r in responses]
 
     assert asyncio.run(burst()) == [200] * 16
-    time.sleep(1.5)  # the replicas report their metrics every second
     after = scrape(http)
 
     def delta(decision: str) -> float:

@@ -16,8 +16,16 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from tachyllm.errors import ConfigError
-from tachyllm.ray_serve.config import ModelDeployment, ScaleOutConfig, check_model_paths, load_config, parse_config
+from tachyllm.ray_serve.config import (
+    MAX_EVENT_INTERVAL_S,
+    ModelDeployment,
+    ScaleOutConfig,
+    check_model_paths,
+    load_config,
+    parse_config,
+)
 from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
 from tachyllm.ray_serve.remote_engine import RemoteEngine
 from tachyllm.ray_serve.replica import EngineReplica
 from tachyllm.ray_serve.router import PrefixCacheRouter, RoundRobinRouter
@@ -46,6 +54,9 @@ def router_config(model: ModelDeployment, config: ScaleOutConfig) -> RequestRout
 # failed checks replace it.
 HEALTH_CHECK_PERIOD_S = 5.0
 INGRESS_MAX_ONGOING_REQUESTS = 100_000
+# How long a scrape waits for the replicas' current metrics (hub.py): a replica answers within one
+# event interval (at most MAX_EVENT_INTERVAL_S); only a hung one is given as of its last report.
+FRESH_METRICS_WAIT_S = MAX_EVENT_INTERVAL_S + 1.0
 
 
 def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: argparse.Namespace):
@@ -73,6 +84,7 @@ class Ingress:
     """The HTTP front: tachyllm's routes over one RemoteEngine per model."""
 
     async def __init__(self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace):
+        serve_grpc_on_node_ip()
         names = list(engines)
         infos = await asyncio.gather(*(engines[name].describe.remote() for name in names))
         models = [ServedModel([name], RemoteEngine(name, engines[name], info)) for name, info in zip(names, infos)]
@@ -81,7 +93,7 @@ class Ingress:
 
         def replica_metrics(name: str):
             async def collect() -> list[tuple[dict[str, str], bytes]]:
-                reports = await hub.metrics.remote(deployments[name])
+                reports = await hub.metrics.remote(deployments[name], FRESH_METRICS_WAIT_S)
                 return [({"replica": replica}, text) for replica, text in reports if text]
 
             return collect

@@ -7,10 +7,17 @@ events here every event interval, and each router (one per ingress process) read
 not seen, by cursor. The hub keeps every replica's current block set, so a router that falls behind
 the bounded log (or starts late) gets the full sets instead of the lost batches. A replica that has
 not reported for `stale_after_s` (it died) is dropped, and routers are told to forget it.
+
+Replicas send their metrics once a second; a scrape asks each for metrics rendered after the scrape
+began (the answer to its next report says so, and the replica reports again at once) and waits for
+them, so that a scrape counts everything the client was answered before it, as on a single server
+(whose metrics are updated before an answer goes out), and the replicas' counters are comparable with
+the routers' (prefix hits with the router's matched blocks, say), which the ingress counts at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -20,12 +27,23 @@ from dataclasses import dataclass, field
 Update = tuple[str, list[bytes], list[bytes], bool]
 
 
+# How often a scrape looks whether every replica's fresh metrics have come.
+FRESH_METRICS_POLL_S = 0.01
+
+
 @dataclass
 class _Replica:
     blocks: set[bytes] = field(default_factory=set)
     metrics: bytes = b""
+    metrics_scrape: int = 0  # the latest scrape its metrics were rendered for (rendered after it began)
     pid: int = 0
     last_seen: float = 0.0
+
+
+@dataclass(frozen=True)
+class PublishReply:
+    needs_full: bool  # the hub did not know the replica: send the whole block set
+    metrics_wanted: int  # a scrape waits for metrics rendered after this one (0: none); send them now
 
 
 class RoutingHub:
@@ -37,6 +55,7 @@ class RoutingHub:
         self._replicas: dict[str, dict[str, _Replica]] = {}  # deployment -> replica id -> state
         self._log: dict[str, list[Update]] = {}  # deployment -> recent updates
         self._log_start: dict[str, int] = {}  # deployment -> cursor of _log[deployment][0]
+        self._scrapes: dict[str, int] = {}  # deployment -> the number of the latest scrape
 
     def publish(
         self,
@@ -47,11 +66,13 @@ class RoutingHub:
         reset: bool,
         metrics: bytes,
         pid: int,
-    ) -> bool:
+        metrics_scrape: int = 0,
+    ) -> PublishReply:
         """One replica's report: its cache events since its previous report (reset: its whole block
-        set, which it sends first), its Prometheus metrics (empty: unchanged), its process id. Returns
-        whether the hub needs the replica's whole block set (it did not know the replica: the hub
-        restarted, or had taken the replica for dead), which the replica then sends."""
+        set, which it sends first), its Prometheus metrics (empty: unchanged) and the scrape they were
+        rendered for (metrics_wanted of an earlier reply; 0: none), its process id. Replies whether the
+        hub needs the replica's whole block set (it did not know the replica: the hub restarted, or had
+        taken the replica for dead), and which scrape waits for its metrics."""
         replicas = self._replicas.setdefault(deployment, {})
         known = replica in replicas
         state = replicas.setdefault(replica, _Replica())
@@ -62,11 +83,13 @@ class RoutingHub:
             state.blocks.difference_update(evicted)
         if metrics:
             state.metrics = metrics
+            state.metrics_scrape = max(state.metrics_scrape, metrics_scrape)
         state.pid, state.last_seen = pid, time.monotonic()
         if stored or evicted or reset:
             self._append(deployment, (replica, stored, evicted, reset))
         self._drop_stale(deployment)
-        return not known and not reset
+        scrape = self._scrapes.get(deployment, 0)
+        return PublishReply(not known and not reset, scrape if scrape > state.metrics_scrape else 0)
 
     def updates(self, deployment: str, cursor: int) -> tuple[int, list[Update]]:
         """The updates after `cursor` (start with 0) and the cursor to ask with next time. A cursor older
@@ -85,8 +108,17 @@ class RoutingHub:
         if self._replicas.get(deployment, {}).pop(replica, None) is not None:
             self._append(deployment, (replica, [], [], True))
 
-    def metrics(self, deployment: str) -> list[tuple[str, bytes]]:
-        """(replica, Prometheus exposition) of each live replica."""
+    async def metrics(self, deployment: str, wait_s: float = 0.0) -> list[tuple[str, bytes]]:
+        """(replica, Prometheus exposition) of each live replica: rendered after this call began, for
+        each replica that sends them within `wait_s` (a replica that does not, a hung one, is given as
+        of its last report)."""
+        scrape = self._scrapes[deployment] = self._scrapes.get(deployment, 0) + 1
+        deadline = time.monotonic() + wait_s
+        self._drop_stale(deployment)  # no waiting for a replica already taken for dead
+        while time.monotonic() < deadline and any(
+            state.metrics_scrape < scrape for state in self._replicas.get(deployment, {}).values()
+        ):
+            await asyncio.sleep(FRESH_METRICS_POLL_S)
         self._drop_stale(deployment)
         return [(replica, state.metrics) for replica, state in self._replicas.get(deployment, {}).items()]
 

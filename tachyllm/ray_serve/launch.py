@@ -9,6 +9,7 @@ import signal
 import threading
 
 from tachyllm.ray_serve.config import check_model_paths, from_args
+from tachyllm.ray_serve.listeners import check_node_ip, local_ray_options
 
 logger = logging.getLogger("tachyllm.ray_serve")
 
@@ -18,13 +19,22 @@ APP_NAME = "tachyllm"
 def serve_on_ray(args: argparse.Namespace) -> int:
     config = from_args(args)  # a bad config fails before Ray starts
     check_model_paths(config)
+    node_options = {} if args.ray_address else local_ray_options(args.host)  # before Ray is imported
     import ray
     from ray import serve
 
     from tachyllm.ray_serve.app import application
     from tachyllm.ray_serve.hub import hub_actor_name
 
-    ray.init(address=args.ray_address, include_dashboard=False, logging_level=logging.WARNING)
+    # "local": a new instance of our own, never one that RAY_ADDRESS or an earlier `ray start` names.
+    address = args.ray_address or "local"
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, **node_options)
+    if node_options:
+        try:
+            check_node_ip(args.host)
+        except RuntimeError:
+            ray.shutdown()
+            raise
     # After ray.init, which installs a SIGTERM handler of its own that exits at once.
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

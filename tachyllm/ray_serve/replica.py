@@ -25,6 +25,7 @@ from tachyllm.errors import RequestError
 from tachyllm.loading import Tokenizer
 from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
 from tachyllm.ray_serve.hub import routing_hub
+from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.state import engine_problem
@@ -124,6 +125,7 @@ class EngineReplica:
     ) -> None:
         from ray import serve
 
+        serve_grpc_on_node_ip()
         context = serve.get_replica_context()
         engine_config = model.engine
         self._deployment = model.deployment_name
@@ -199,25 +201,30 @@ class EngineReplica:
 
     async def _publish_loop(self) -> None:
         """Every event interval: the cache events since the last report; every METRICS_INTERVAL_S also
-        the metrics (a few kB of text)."""
+        the metrics (a few kB of text), and at once when a scrape waits for them (hub.py)."""
         metrics_due = 0.0
+        scrape = 0  # the latest scrape waiting for this replica's metrics, as the hub last replied
         while True:
             stored, evicted, reset = self._events.take()
             now = time.monotonic()
-            metrics = b""
-            if now >= metrics_due:
+            metrics, rendered_for = b"", 0
+            if now >= metrics_due or scrape:
                 metrics, metrics_due = self.metrics.render(self.engine.snapshot), now + METRICS_INTERVAL_S
+                rendered_for = scrape
             try:
-                needs_full = await self._hub.publish.remote(
-                    self._deployment, self._replica_id, stored, evicted, reset, metrics, os.getpid()
+                reply = await self._hub.publish.remote(
+                    self._deployment, self._replica_id, stored, evicted, reset, metrics, os.getpid(), rendered_for
                 )
             except Exception:  # the hub is restarting: report these events again next time
                 logger.warning("could not report to the routing hub", exc_info=True)
                 self._events.restore(stored, evicted, reset)
-                metrics_due = 0.0
+                metrics_due, scrape = 0.0, 0
             else:
-                if needs_full:  # the hub had lost this replica (it restarted, or took it for dead)
+                if reply.needs_full:  # the hub had lost this replica (it restarted, or took it for dead)
                     self._events.want_full()
+                scrape = reply.metrics_wanted
+                if scrape:  # a scrape is waiting: report again now
+                    continue
             await asyncio.sleep(self._event_interval_s)
 
     def __del__(self) -> None:
