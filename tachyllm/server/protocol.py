@@ -193,6 +193,13 @@ class ChatMessage(Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call they answer
+    # The other fields of OpenAI's response message, there when a client sends an answer back as it
+    # came (message.model_dump()): a refusal's text, the answer's annotations; audio and the legacy
+    # function_call are refused unless null.
+    refusal: str | None = None
+    annotations: list[dict] | None = None
+    audio: dict | None = None
+    function_call: FunctionCallIn | None = None
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
