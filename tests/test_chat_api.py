@@ -1,14 +1,17 @@
-"""The offline chat API as vLLM's (issue #20, point 6): LLM.chat's template options, one output per
-conversation, llm.get_tokenizer(); and --chat-template, checked before the model loads."""
+"""The chat API as vLLM's and OpenAI's: offline, LLM.chat's template options, one output per
+conversation, llm.get_tokenizer(); --chat-template, checked before the model loads; and on the server,
+an answer sent back as the openai client gives it (message.model_dump())."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import CHATML
+from test_server import error_of, running_server
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.config import EngineConfig
@@ -149,3 +152,86 @@ def test_template_file_reads_as_its_text(tmp_path):
     path = Path(tmp_path / "t.jinja")
     path.write_text(CHATML)
     assert EngineConfig(chat_template=str(path)).chat_template == CHATML
+
+
+# -- the server's chat: an answer sent back as the openai client gives it --------------------------------
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def url(tiny_model_factory) -> Iterator[str]:
+    # The tiny tokenizer spells a tool list in many tokens: room for it.
+    with running_server(
+        str(tiny_model_factory("llama", max_position_embeddings=2048)), "--served-model-name", "m"
+    ) as base:
+        yield base
+
+
+def chat(client, messages: list[dict], **options):
+    return client.chat.completions.create(
+        model="m", messages=messages, **{"max_tokens": 4, "temperature": 0, **options}
+    )
+
+
+def test_an_answer_sent_back_as_it_came(client):
+    """messages.append(reply.choices[0].message.model_dump()): the SDK's response-message fields, nulls
+    included, render as the plain assistant message would."""
+    dumped = chat(client, ASK).choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys() and dumped["refusal"] is None
+    then = {"role": "user", "content": "And then?"}
+    echoed = chat(client, [*ASK, dumped, then])
+    plain = chat(client, [*ASK, {"role": "assistant", "content": dumped["content"]}, then])
+    assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+    # A refusal's text is what the assistant said; annotations are accepted.
+    refused = {"role": "assistant", "content": None, "refusal": "I cannot help.", "annotations": []}
+    said = {"role": "assistant", "content": "I cannot help."}
+    assert (
+        chat(client, [*ASK, refused, then]).usage.prompt_tokens == chat(client, [*ASK, said, then]).usage.prompt_tokens
+    )
+
+
+def test_an_answer_with_tool_calls_sent_back_as_it_came(client):
+    reply = chat(client, ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False, max_tokens=120)
+    message = reply.choices[0].message
+    [call] = message.tool_calls
+    result = {"role": "tool", "tool_call_id": call.id, "content": "18 C"}
+    echoed = chat(client, [*ASK, message.model_dump(), result], tools=[WEATHER])
+    function = {"name": call.function.name, "arguments": call.function.arguments}
+    plain = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": call.id, "type": "function", "function": function}],
+    }
+    assert echoed.usage.prompt_tokens == chat(client, [*ASK, plain, result], tools=[WEATHER]).usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "message, param, words",
+    [
+        ({"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}, "messages[1].audio", "audio"),
+        ({"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+         "messages[1].function_call", "send tool_calls"),
+        ({"role": "user", "content": "x", "refusal": "no"}, "messages[1].refusal", "only assistant messages"),
+        ({"role": "user", "content": "x", "annotations": []}, "messages[1].annotations", "only assistant messages"),
+        ({"role": "assistant", "content": "x", "reasoning_contents": None}, "messages[1].reasoning_contents",
+         "unknown field"),
+    ],
+)  # fmt: skip
+def test_fields_of_an_answer_that_cannot_be_sent_back(http, message, param, words):
+    response = http.post("/v1/chat/completions", json={"model": "m", "messages": [*ASK, message], "max_tokens": 2})
+    error = error_of(response, 400)
+    assert error["param"] == param and words in error["message"], error

@@ -1,10 +1,12 @@
-"""POST /v1/responses (issue #20, point 5): OpenAI's Responses API over the chat template, stateless;
-driven by the official openai client (client.responses.create), whole and streamed."""
+"""POST /v1/responses: OpenAI's Responses API over the chat template, stateless; driven by the official
+openai client (client.responses.create), whole and streamed: messages, the fields SDKs send, output_text
+logprobs, and function tools (function_call items out, function_call_output items back in)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import jsonschema
 import openai
@@ -12,6 +14,11 @@ import pytest
 from test_server import running_server
 
 from tachyllm import faults
+from tachyllm.engine.input_processor import Prompt
+from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tachyllm.server import protocol as p
+from tachyllm.server.routes.responses import response_events
+from tachyllm.server.tools import HERMES, ToolPlan
 
 GREEDY = {"temperature": 0}
 SCHEMA = {
@@ -20,6 +27,29 @@ SCHEMA = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+TIME = {
+    "type": "function",
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
+ASK = "What is the weather in Paris?"
 EVENTS = [
     "response.created",
     "response.in_progress",
@@ -34,7 +64,10 @@ EVENTS = [
 
 @pytest.fixture(scope="module")
 def url(tiny_model_factory) -> Iterator[str]:
-    with running_server(str(tiny_model_factory("llama")), "--served-model-name", "m") as base:
+    # The tiny tokenizer spells a tool list in many tokens: room for it.
+    with running_server(
+        str(tiny_model_factory("llama", max_position_embeddings=2048)), "--served-model-name", "m"
+    ) as base:
         yield base
 
 
@@ -139,8 +172,35 @@ def test_json_schema_text_format(client):
         ({"input": "hi", "foo": 1}, "foo", "unknown field 'foo'"),
         ({"input": "hi", "text": {"format": {"type": "text"}, "bar": 1}}, "text.bar", "unknown field"),
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
-        ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "tools", "not supported"),
-        ({"input": "hi", "tool_choice": "required"}, "tool_choice", "none"),
+        ({"input": "hi", "tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "only function tools"),
+        ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name", "needs a name"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name", "pattern"),
+        ({"input": "hi", "tools": [WEATHER, WEATHER]}, "tools", "unique"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}},
+         "tool_choice", "not among the tools"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice.type",
+         "file_search"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+        ({"input": "hi", "tools": [WEATHER], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+         "text.format", "cannot be combined"),
+        ({"input": "hi", "background": True}, "background", "background responses are not supported"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, "include[0]", "'file_search_call.results'"),
+        ({"input": "hi", "top_logprobs": 21}, "top_logprobs", "less than or equal"),
+        ({"input": "hi", "reasoning": {"effort": "low", "budget": 3}}, "reasoning.budget", "unknown field"),
+        ({"input": "hi", "stream_options": {"include_usage": True}}, "stream_options.include_usage", "unknown field"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].summary", "unknown field"),
+        ({"input": [{"type": "reasoning"}]}, "input[0].type", "not supported"),
+        ({"input": [{"type": "item_reference", "id": "fc_1"}]}, "input[0].type", "nothing is stored"),
+        ({"input": [{"type": "function_call", "name": "get_weather", "arguments": "{}"}]}, "input[0].call_id",
+         "needs call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output", "needs output"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "role": "user"}]},
+         "input[0].role", "not a field of a function_call_output item"),
+        ({"input": [{"role": "user"}]}, "input[0].content", "needs content"),
+        ({"input": [{"type": "function_call_output", "call_id": "c",
+                     "output": [{"type": "input_image", "image_url": "http://x"}]}]},
+         "input[0].output[0]", "only text"),
         ({"input": "hi", "temperature": "hot"}, "temperature", "valid number"),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", "greater than"),
         ({"input": "hi", "max_output_tokens": 10_000}, "max_output_tokens", "context limit"),
@@ -188,3 +248,267 @@ def test_a_failure_midway_ends_the_stream_with_response_failed(client):
 def test_openapi_documents_the_route(http):
     doc = http.get("/openapi.json").json()
     assert "/v1/responses" in doc["paths"] and "ResponsesRequest" in doc["components"]["schemas"]
+
+
+# -- the fields SDKs send -------------------------------------------------------------------------------
+
+
+def test_fields_sdks_send_are_accepted(client):
+    """openai-agents sends include: [] on every request; the others are OpenAI's, each with its meaning here."""
+    plain = client.responses.create(model="m", input="The quick brown", max_output_tokens=6, **GREEDY)
+    fields = {
+        "include": [],
+        "reasoning": {"effort": "low", "summary": None},
+        "prompt_cache_key": "conversation-7",
+        "safety_identifier": "user-42",
+        "background": False,
+    }
+    response = client.responses.create(model="m", input="The quick brown", max_output_tokens=6, **fields, **GREEDY)
+    assert response.output_text == plain.output_text and response.usage.input_tokens == plain.usage.input_tokens
+    assert (response.prompt_cache_key, response.safety_identifier, response.background) == (
+        "conversation-7",
+        "user-42",
+        False,
+    )
+    assert response.output[0].content[0].logprobs == []  # not asked for
+    events = list(
+        client.responses.create(
+            model="m",
+            input="The quick brown",
+            max_output_tokens=6,
+            stream=True,
+            stream_options={"include_obfuscation": False},
+            **fields,
+            **GREEDY,
+        )
+    )
+    assert events[-1].response.output_text == plain.output_text
+
+
+def test_output_text_logprobs(client):
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "The quick brown"}], max_tokens=6,
+        logprobs=True, top_logprobs=3, **GREEDY,
+    )  # fmt: skip
+    expected = chat.choices[0].logprobs.content
+
+    def same(logprobs) -> None:
+        assert [(t.token, [a.token for a in t.top_logprobs]) for t in logprobs] == [
+            (t.token, [a.token for a in t.top_logprobs]) for t in expected
+        ]
+        assert [t.logprob for t in logprobs] == pytest.approx([t.logprob for t in expected])
+
+    for ask in ({"include": ["message.output_text.logprobs"], "top_logprobs": 3}, {"top_logprobs": 3}):
+        response = client.responses.create(model="m", input="The quick brown", max_output_tokens=6, **ask, **GREEDY)
+        same(response.output[0].content[0].logprobs)
+        assert response.top_logprobs == 3
+        events = list(
+            client.responses.create(
+                model="m", input="The quick brown", max_output_tokens=6, stream=True, **ask, **GREEDY
+            )
+        )
+        streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+        assert [t.token for t in streamed] == [t.token for t in expected]
+        assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in expected])
+        same(events[-1].response.output[0].content[0].logprobs)
+    # Without top_logprobs, each token's own logprob and no alternatives.
+    response = client.responses.create(
+        model="m", input="The quick brown", max_output_tokens=6, include=["message.output_text.logprobs"], **GREEDY
+    )
+    logprobs = response.output[0].content[0].logprobs
+    assert [t.logprob for t in logprobs] == pytest.approx([t.logprob for t in expected])
+    assert all(t.top_logprobs == [] for t in logprobs)
+
+
+# -- function tools ---------------------------------------------------------------------------------------
+
+
+def chat_tool(tool: dict) -> dict:
+    """A Responses API function tool in chat's nested form."""
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def check_call(item, names: set[str]) -> None:
+    schemas = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
+    assert item.type == "function_call" and item.name in names and item.status == "completed"
+    assert item.call_id.startswith("call_") and item.id.startswith("fc_")
+    jsonschema.validate(json.loads(item.arguments), schemas[item.name])
+
+
+@pytest.mark.parametrize(
+    "choice, names",
+    [("required", {"get_weather", "get_time"}), ({"type": "function", "name": "get_time"}, {"get_time"})],
+)
+def test_forced_function_calls_whole_and_streamed(client, choice, names):
+    ask = {"model": "m", "input": ASK, "tools": [WEATHER, TIME], "tool_choice": choice, "parallel_tool_calls": False,
+           "max_output_tokens": 120, **GREEDY}  # fmt: skip
+    response = client.responses.create(**ask)
+    echoed = response.tool_choice
+    assert response.status == "completed" and (echoed if isinstance(echoed, str) else echoed.to_dict()) == choice
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"] and response.parallel_tool_calls is False
+    [call] = response.output
+    check_call(call, names)
+    # The same call as chat completions makes of the same request.
+    chat_choice = choice if isinstance(choice, str) else {"type": "function", "function": {"name": choice["name"]}}
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": ASK}], tools=[chat_tool(WEATHER), chat_tool(TIME)],
+        tool_choice=chat_choice, parallel_tool_calls=False, max_tokens=120, **GREEDY,
+    ).choices[0].message.tool_calls  # fmt: skip
+    assert [(c.function.name, c.function.arguments) for c in chat] == [(call.name, call.arguments)]
+    assert response.usage.output_tokens > 0
+
+    events = list(client.responses.create(**ask, stream=True))
+    assert [e.type for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, delta, done, item_done, completed = events[2:]
+    assert added.item.type == "function_call" and added.item.status == "in_progress" and added.item.arguments == ""
+    assert delta.delta == done.arguments == call.arguments and added.output_index == delta.output_index == 0
+    assert added.item.id == delta.item_id == done.item_id == item_done.item.id
+    [streamed] = completed.response.output
+    assert (streamed.name, streamed.arguments, streamed.id) == (call.name, call.arguments, item_done.item.id)
+    # The SDK's stream helper, which builds the response from the events.
+    with client.responses.stream(**ask) as stream:
+        [built] = stream.get_final_response().output
+    assert (built.type, built.name, built.arguments) == ("function_call", call.name, call.arguments)
+
+
+def test_function_call_round_trip(client):
+    """function_call out, the client runs it, function_call_output back in: the conversation chat would render."""
+    first = client.responses.create(
+        model="m", input=[{"role": "user", "content": ASK}], tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=120, **GREEDY,
+    )  # fmt: skip
+    [call] = first.output
+    check_call(call, {"get_weather"})
+    # As a client sends it back: the earlier output items as they came, then the call's output.
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}
+    second = client.responses.create(
+        model="m", input=[{"role": "user", "content": ASK}, *first.output, result], tools=[WEATHER],
+        max_output_tokens=8, **GREEDY,
+    )  # fmt: skip
+    history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        ]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "18 C and sunny"},
+    ]  # fmt: skip
+    chat = client.chat.completions.create(
+        model="m", messages=history, tools=[chat_tool(WEATHER)], max_tokens=8, **GREEDY
+    )
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    message = chat.choices[0].message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+    assert [(i.name, i.arguments) for i in second.output if i.type == "function_call"] == calls
+    assert second.output_text == (message.content or "")
+    # The output given as text parts, and tool_choice "none" (no tools shown): the same prompt as chat's.
+    parts = {**result, "output": [{"type": "input_text", "text": "18 C"}, {"type": "input_text", "text": "and sunny"}]}
+    again = client.responses.create(
+        model="m", input=[{"role": "user", "content": ASK}, *first.output, parts], tools=[WEATHER],
+        tool_choice="none", max_output_tokens=2, **GREEDY,
+    )  # fmt: skip
+    history[-1]["content"] = "18 C\nand sunny"
+    plain = client.chat.completions.create(model="m", messages=history, max_tokens=2, **GREEDY)
+    assert (
+        again.usage.input_tokens == plain.usage.prompt_tokens and again.output_text == plain.choices[0].message.content
+    )
+
+
+def test_text_and_calls_of_one_answer_render_as_one_assistant_turn(client):
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": '{"zone": "UTC"}'}
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}
+    response = client.responses.create(
+        model="m", input=[{"role": "user", "content": "Time?"}, answer, call, result], tools=[TIME],
+        max_output_tokens=2, **GREEDY,
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+            ]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+        ],
+        tools=[chat_tool(TIME)], max_tokens=2, **GREEDY,
+    )  # fmt: skip
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+
+
+class ScriptedStream:
+    """A request's DELTA outputs as the engine sends them, one text piece a step: the route's events
+    for answers a random model does not write."""
+
+    def __init__(self, pieces: list[str], finish_reason: str) -> None:
+        self.pieces, self.finish_reason = pieces, finish_reason
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self.outputs()
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        for i, piece in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            choice = CompletionOutput(0, piece, [i], self.finish_reason if last else None)
+            yield RequestOutput("r", None, [1, 2], [choice], last, RequestMetrics(0.0))
+
+    def close(self) -> None:
+        pass
+
+
+def scripted_events(pieces: list[str], finish_reason: str) -> list[dict]:
+    plan = ToolPlan(HERMES, [chat_tool(WEATHER), chat_tool(TIME)], "auto", None, True)
+    response = p.ResponseObject(id="resp_1", status="in_progress", model="m", output=[])
+    stream = ScriptedStream(pieces, finish_reason)
+
+    async def collect() -> list[str]:
+        return [e async for e in response_events(None, response, Prompt(None, [1, 2]), [stream], plan, None, "tools")]
+
+    return [json.loads(e.split("data: ", 1)[1]) for e in asyncio.run(collect())]
+
+
+def test_streamed_text_then_a_call_of_one_answer():
+    """Hermes text before a <tool_call> block streams as the message's text; the call follows as its own item."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    events = scripted_events(["Let me ", "check.\n<tool", call[5:]], "stop")
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e["delta"] for e in events[4:6]] == ["Let me ", "check.\n"]
+    assert [e["output_index"] for e in events[2:-1]] == [0] * 7 + [1] * 4
+    message, function_call = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == events[6]["text"] == "Let me check.\n"
+    assert function_call["name"] == "get_time" and json.loads(function_call["arguments"]) == {"zone": "UTC"}
+    assert events[9]["item"]["id"] == events[10]["item_id"] == function_call["id"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_call_cut_by_max_output_tokens_is_text():
+    events = scripted_events(["Let me check.", ' <tool_call>\n{"name": "get_ti'], "length")
+    response = events[-1]["response"]
+    assert (
+        events[-1]["type"] == "response.incomplete" and response["incomplete_details"]["reason"] == "max_output_tokens"
+    )
+    [message] = response["output"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert message["content"][0]["text"] == text == 'Let me check. <tool_call>\n{"name": "get_ti'

@@ -64,9 +64,10 @@ def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
         elif m.content is None:
             if role != "assistant":
                 raise bad_request("content is required", param=f"messages[{i}].content")
-            content = ""
+            content = m.refusal or ""  # a refusal's text is what the assistant said
         else:
             content = m.content
+        check_answer_fields(m, role, f"messages[{i}]")
         message: dict[str, Any] = {"role": role, "content": content}
         if m.tool_calls:
             if role != "assistant":
@@ -82,6 +83,19 @@ def chat_conversation(messages: list[p.ChatMessage]) -> list[dict[str, str]]:
                 message["name"] = m.name
         conversation.append(message)
     return conversation
+
+
+def check_answer_fields(m: p.ChatMessage, role: str, where: str) -> None:
+    """The fields an answer sent back as it came (message.model_dump()) carries besides content and
+    tool_calls: null, or on an assistant message its refusal and annotations (the citations of its text)."""
+    if m.audio is not None:
+        raise bad_request("audio is not supported; send the answer's text as content", param=f"{where}.audio")
+    if m.function_call is not None:
+        raise bad_request("the legacy function_call is not supported; send tool_calls", param=f"{where}.function_call")
+    if role != "assistant":
+        for name in ("refusal", "annotations"):
+            if getattr(m, name) is not None:
+                raise bad_request(f"only assistant messages carry {name}", param=f"{where}.{name}")
 
 
 def rendered_conversation(

@@ -193,6 +193,13 @@ class ChatMessage(Request):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call they answer
+    # The other fields of OpenAI's response message, there when a client sends an answer back as it
+    # came (message.model_dump()): a refusal's text, the answer's annotations; audio and the legacy
+    # function_call are refused unless null.
+    refusal: str | None = None
+    annotations: list[dict] | None = None
+    audio: dict | None = None
+    function_call: FunctionCallIn | None = None
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -252,14 +259,22 @@ class ResponseContentPart(Request):
     detail: str | None = None
 
 
-class ResponseInputMessage(Request):
-    """A message of the Responses API's input (an earlier response's output message items too)."""
+class ResponseInputItem(Request):
+    """An item of the Responses API's input: a message (an earlier response's output message too), a
+    function call an earlier response made, or a function call's output (the client's answer to it).
+    One model for the three, as ChatMessage is one for every role: the route checks each type's fields."""
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ResponseContentPart]
-    type: Literal["message"] | None = None
+    type: Annotated[str, route_checked({"enum": ["message", "function_call", "function_call_output"]})] | None = None
     id: str | None = None
     status: str | None = None
+    # Messages (type "message", or no type).
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[ResponseContentPart] | None = None
+    # function_call: the call (call_id) and what it called; function_call_output: the call it answers, and the answer.
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None  # JSON text, as OpenAI sends it
+    output: str | list[ResponseContentPart] | None = None
 
 
 class ResponseTextFormat(Request):
@@ -277,26 +292,67 @@ class ResponseTextConfig(Request):
     verbosity: str | None = None  # accepted, unused
 
 
+class ResponseFunctionTool(Request):
+    """A tool of the Responses API: OpenAI's function tool, flat (chat nests it under "function")."""
+
+    type: Annotated[str, route_checked({"enum": ["function"]})]
+    name: FunctionName | None = None  # required of a function tool, checked by the route
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class ResponseToolChoice(Request):
+    """A tool_choice object of the Responses API: {"type": "function", "name": ...} names the tool to call."""
+
+    type: Annotated[str, route_checked({"enum": ["function"]})]
+    name: FunctionName | None = None
+
+
+class ResponseReasoning(Request):
+    """reasoning: accepted and without effect (no model here has a reasoning mode the server controls)."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
+class ResponseStreamOptions(Request):
+    include_obfuscation: bool | None = None  # accepted; the events carry no obfuscation padding
+
+
+# include values: output_text logprobs are served; there are never reasoning items to add encrypted content to.
+RESPONSE_INCLUDES = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+
+
 class ResponsesRequest(Request):
     """POST /v1/responses: stateless (nothing is stored, so nothing can be continued by id)."""
 
     model: str | None = None
-    input: Text | Annotated[list[ResponseInputMessage], Field(min_length=1)]
+    input: Text | Annotated[list[ResponseInputItem], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     temperature: NonNegFloat | None = None
     top_p: TopP | None = None
     stream: bool = False
+    stream_options: ResponseStreamOptions | None = None
     text: ResponseTextConfig | None = None
-    # No tools are served: an empty list and tool_choice "none" / "auto" mean no tools, anything else is refused.
-    tools: Annotated[list[dict], route_checked({"maxItems": 0})] | None = None
-    tool_choice: Annotated[str, route_checked({"enum": ["none", "auto"]})] | dict | None = None
+    tools: Annotated[list[ResponseFunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Annotated[str, route_checked({"enum": ["none", "auto", "required"]})] | ResponseToolChoice | None = (
+        None
+    )
     parallel_tool_calls: bool | None = None
+    include: list[Annotated[str, route_checked({"enum": RESPONSE_INCLUDES})]] | None = None
+    top_logprobs: NumLogprobs | None = None
+    reasoning: ResponseReasoning | None = None
     previous_response_id: Annotated[str, route_checked({"maxLength": 0})] | None = None
-    # Accepted and unused: nothing is stored.
+    background: Annotated[bool, route_checked({"const": False})] | None = None
+    # Accepted and unused: nothing is stored, the automatic prefix cache needs no key, and there is one service tier.
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     service_tier: str | None = None
     truncation: Annotated[str, route_checked({"enum": ["disabled"]})] | None = None
 
@@ -457,7 +513,7 @@ class ResponseOutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list = Field(default_factory=list)
-    logprobs: list = Field(default_factory=list)
+    logprobs: list[ChatTokenLogprob] = Field(default_factory=list)  # with include message.output_text.logprobs
 
 
 class ResponseOutputMessage(BaseModel):
@@ -466,6 +522,17 @@ class ResponseOutputMessage(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"]
     role: Literal["assistant"] = "assistant"
     content: list[ResponseOutputText]
+
+
+class ResponseFunctionCall(BaseModel):
+    """A function_call output item: a tool call the answer made (call_id), for the client to run."""
+
+    id: str
+    type: Literal["function_call"] = "function_call"
+    status: Literal["in_progress", "completed", "incomplete"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
 
 
 class ResponseUsage(BaseModel):
@@ -489,7 +556,7 @@ class ResponseObject(BaseModel):
     created_at: int = Field(default_factory=_now)
     status: Literal["in_progress", "completed", "incomplete", "failed"]
     model: str
-    output: list[ResponseOutputMessage]
+    output: list[ResponseOutputMessage | ResponseFunctionCall]
     usage: ResponseUsage | None = None
     error: ResponseError | None = None
     incomplete_details: dict[str, str] | None = None
@@ -498,14 +565,18 @@ class ResponseObject(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     text: dict = Field(default_factory=lambda: {"format": {"type": "text"}})
-    tools: list = Field(default_factory=list)
-    tool_choice: str = "none"
-    parallel_tool_calls: bool = False
+    tools: list[dict] = Field(default_factory=list)
+    tool_choice: str | dict[str, str] = "auto"
+    parallel_tool_calls: bool = True
+    top_logprobs: int | None = None
     previous_response_id: None = None
+    background: Literal[False] = False
     store: bool = False
     truncation: Literal["disabled"] = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class ResponseStreamEvent(BaseModel):
