@@ -25,6 +25,7 @@ import numpy as np
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import StructuredOutputsParams
 from tachyllm.structured_output.grammar import Grammar, clean_error
+from tachyllm.structured_output.json_schema import without_undeclared_keys
 
 CACHE_SIZE = 256  # compiled constraints (and refused ones) kept, least recently used dropped first
 # JSON as models write it ({"a": 1, "b": [2, 3]}), with no free whitespace: a model cannot spend
@@ -68,7 +69,7 @@ def grammar_source(params: StructuredOutputsParams) -> str:
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             if not isinstance(schema, dict):
                 raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(without_undeclared_keys(schema), defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
