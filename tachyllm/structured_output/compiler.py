@@ -160,6 +160,18 @@ class GrammarCompiler:
                     ) from None
             return self._ll_tokenizer
 
+    def lark_text(self, text: str) -> str:
+        """A Lark expression that matches `text` as this model writes it. Where `text` is one added token
+        (Hermes' `<tool_call>`), that is a reference to the token, `<[id]>`: llguidance counts every added
+        token as special, whatever the tokenizer's flag, and matches a special token only by reference,
+        never as the bytes it spells. Anything else is a string literal."""
+        token = self._tokenizer.token_id(text)
+        try:
+            special = token is not None and self.ll_tokenizer.is_special_token(token)
+        except GrammarError:  # a tokenizer llguidance refuses: compiling the grammar says so
+            special = False
+        return f"<[{token}]>" if special else json.dumps(text)  # JSON's escapes are Lark's
+
     def _check_size(self, text: str) -> None:
         """Raises GrammarError if a constraint's text (its key's) is larger than the limit allows."""
         size = len(text.encode())
