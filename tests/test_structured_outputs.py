@@ -3,6 +3,7 @@ requests, with speculation, preemption and n > 1; bad constraints refused with a
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -12,6 +13,8 @@ import numpy as np
 import openai
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
 from test_server import error_of, running_server
 from test_spec_decode import NGRAM, draft, with_oracle
@@ -21,6 +24,7 @@ from tachyllm.errors import RequestError
 from tachyllm.runner import kv_cache
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.step import SamplingInput
+from tachyllm.structured_output.json_schema import without_undeclared_keys
 
 COLOR = {
     "type": "object",
@@ -196,6 +200,99 @@ def test_compiled_grammars_are_cached(path):
     assert grammars.compile(StructuredOutputsParams(json=dict(COLOR))) is first
     assert grammars.compile(StructuredOutputsParams(json=json.dumps(COLOR))) is first  # the same JSON text
     assert grammars.compile(StructuredOutputsParams(json=json.dumps(COLOR, indent=1))) is not first
+
+
+# Declared keys are made of these letters; the undeclared key "zz" is never the start of one.
+KEYS = st.text(alphabet="abcdefgh", min_size=1, max_size=4)
+LEAVES = [
+    ({"type": "integer"}, st.integers(-99, 99)),
+    ({"type": "boolean"}, st.booleans()),
+    ({"type": "string", "maxLength": 4}, st.text(alphabet="xyz", max_size=4)),
+    ({"enum": ["p", "q"]}, st.sampled_from(["p", "q"])),
+]
+
+
+@st.composite
+def objects(draw, depth: int = 0):
+    """(an object schema, an instance of it, [(path to each object in the instance, whether its schema
+    allows undeclared keys)]). Some objects say additionalProperties: true or false, most say nothing;
+    some nested ones are $defs that the schema refers to."""
+    allows = draw(st.sampled_from([None, None, True, False]))  # None: additionalProperties left out
+    names = draw(st.lists(KEYS, max_size=3, unique=True))
+    required = [name for name in names if draw(st.booleans())]
+    properties, definitions, value, paths = {}, {}, {}, [((), allows is True)]
+    for name in names:
+        # $refs resolve from the root: only the root's properties refer to its $defs.
+        kind = draw(st.sampled_from(["leaf", "object", "array", "ref"][: 4 - depth])) if depth < 2 else "leaf"
+        present = name in required or draw(st.booleans())
+        if kind == "leaf":
+            schema, values = draw(st.sampled_from(LEAVES))
+            item = draw(values)
+        else:
+            schema, item, inner = draw(objects(depth + 1))
+            if kind == "array":
+                schema, item = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}, [item]
+            if present:
+                inner_path = (name, 0) if kind == "array" else (name,)
+                paths += [(inner_path + path, allowed) for path, allowed in inner]
+            if kind == "ref":
+                definitions[f"d{len(definitions)}"] = schema
+                schema = {"$ref": f"#/$defs/d{len(definitions) - 1}"}
+        properties[name] = schema
+        if present:
+            value[name] = item
+    schema = {"type": "object", "properties": properties, "required": required}
+    if allows is not None:
+        schema["additionalProperties"] = allows
+    if definitions:
+        schema["$defs"] = definitions
+    return schema, value, paths
+
+
+@pytest.fixture(scope="module")
+def grammars(path):
+    return tiny_llm(path).engine.input_processor.grammars
+
+
+@settings(max_examples=80, deadline=None)
+@given(drawn=objects(), data=st.data())
+def test_json_schemas_allow_no_undeclared_keys_unless_they_say_so(grammars, drawn, data):
+    """An object schema without additionalProperties takes no key it does not declare (vLLM's default, OpenAI's
+    strict mode), at any depth, through $refs too; additionalProperties: true still takes one."""
+    schema, value, paths = drawn
+    jsonschema.validate(value, schema)
+    tokenizer = grammars._tokenizer
+
+    def takes(instance) -> bool:
+        tokens = tokenizer.encode(json.dumps(instance), add_special_tokens=False)
+        grammar = grammars.compile(StructuredOutputsParams(json=schema)).start()
+        if grammar.valid_prefix(tokens) < len(tokens):
+            return False
+        for token in tokens:
+            grammar.accept(token)
+        return grammar.is_terminated
+
+    assert takes(value)
+    where, allowed = data.draw(st.sampled_from(paths))
+    with_extra = copy.deepcopy(value)
+    target = with_extra
+    for step in where:
+        target = target[step]
+    target["zz"] = 0
+    assert takes(with_extra) == allowed, (where, with_extra)
+
+
+def test_undeclared_keys_are_closed_as_written_and_intersections_left_open():
+    """Only objects that declare keys are closed; what a schema says of other keys is kept, and an allOf of
+    several schemas (whose keys the grammar engine intersects) stays as written, with the $defs it names."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    closed = without_undeclared_keys({"$defs": {"p": point}, "anyOf": [{"$ref": "#/$defs/p"}, point]})
+    assert closed["$defs"]["p"]["additionalProperties"] is False and closed["anyOf"][1]["additionalProperties"] is False
+    assert point == {"type": "object", "properties": {"x": {"type": "integer"}}}  # the input is not changed
+    for kept in ({"type": "object"}, {**point, "additionalProperties": {"type": "string"}}, {"type": "string"}):
+        assert without_undeclared_keys(kept) == kept
+    both = {"$defs": {"p": point}, "allOf": [{"$ref": "#/$defs/p"}, {"properties": {"y": {"type": "string"}}}]}
+    assert without_undeclared_keys(both) == both
 
 
 def test_sampler_masks_exactly_the_forbidden_tokens():

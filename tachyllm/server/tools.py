@@ -4,8 +4,9 @@ A model whose chat template writes Hermes-style `<tool_call>{...}</tool_call>` b
 its kin) gets the tools through its own template and answers in that format. Any other model (the
 default one included) gets tachyllm's generic format: a system message listing the tools, and a call
 written as one JSON object, `{"tool_calls": [{"name": ..., "arguments": {...}}]}`. Either way,
-`tool_choice` "required" or a named function is enforced by a grammar (structured outputs), and
-"auto" is parsed from what the model wrote. docs/tools.md has the details.
+`tool_choice` "required" or a named function is enforced by a grammar (structured outputs): one call
+of the named function, one or more calls for "required" (one without parallel_tool_calls); "auto" is
+parsed from what the model wrote. docs/tools.md has the details.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import StructuredOutputsParams
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
 from tachyllm.structured_output.compiler import JSON_OPTIONS, GrammarCompiler, GrammarError
+from tachyllm.structured_output.json_schema import without_undeclared_keys
 
 HERMES = "hermes"  # the template's own <tool_call> blocks
 GENERIC = "json"  # tachyllm's JSON object, for templates without tool calls
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _GENERIC_CALL = re.compile(r'\{\s*"tool_calls"')
+_GENERIC_CALL_LIST = re.compile(r'\{\s*"tool_calls"\s*:\s*\[\s*')
+_GENERIC_SEPARATOR = re.compile(r"\s*,\s*")
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -94,6 +99,14 @@ class ToolPlan:
     choice: str  # "auto", "required" or "named"
     named: str | None  # the function tool_choice names
     parallel: bool
+    # The Hermes tags are special tokens of the model's tokenizer: its answers are decoded with special
+    # tokens kept, or the tags (and so the calls) would vanish from the text (vLLM's Hermes parser does the same).
+    keep_special_tokens: bool = False
+
+    @property
+    def forced(self) -> bool:
+        """The grammar makes the whole answer calls ("required", a named function)."""
+        return self.choice != "auto"
 
     @property
     def functions(self) -> list[dict[str, Any]]:
@@ -128,41 +141,54 @@ class ToolPlan:
             return [{**first, "content": f"{first['content']}\n\n{text}"}, *conversation[1:]]
         return [{"role": "system", "content": text}, *conversation]
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that makes the model call a tool ("required", named); None for "auto". Each
-        function's arguments are their own %json schema (so that a schema's "$ref"s resolve in it), in
-        the compact JSON of structured outputs."""
+    def constraint(self, grammars: GrammarCompiler) -> StructuredOutputsParams | None:
+        """The grammar that makes the model call a tool ("required", named); None for "auto". A named
+        function, or "required" without parallel calls, is exactly one call; "required" with them is one
+        or more. Each function's arguments are their own %json schema (so that a schema's "$ref"s
+        resolve in it), in the compact JSON of structured outputs, with no undeclared keys. The Hermes
+        tags are written as `grammars`' model writes them: its special tokens, where they are ones."""
         if self.choice == "auto":
             return None
         allowed = [f for f in self.functions if self.choice != "named" or f["name"] == self.named]
         rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(allowed)))}"]
         for i, f in enumerate(allowed):
-            schema = {**(f.get("parameters") or {"type": "object"}), "x-guidance": JSON_OPTIONS}
+            parameters = without_undeclared_keys(f.get("parameters") or {"type": "object"})
+            schema = {**parameters, "x-guidance": JSON_OPTIONS}
             opening = '{"name": ' + json.dumps(f["name"]) + ', "arguments": '
             rules.append(f"call_{i}: {_literal(opening)} %json {json.dumps(schema)} {_literal('}')}")
+        several = self.choice == "required" and self.parallel
         if self.format == GENERIC:
-            more = f"({_literal(', ')} call)*" if self.parallel else ""
+            more = f"({_literal(', ')} call)*" if several else ""
             head, tail = '{"tool_calls": [', "]}"
             start = f"start: {_literal(head)} call {more} {_literal(tail)}"
         else:
-            newline = "\n"
-            more = f"({_literal(newline)} block)*" if self.parallel else ""
+            newline = _literal("\n")
+            more = f"({newline} block)*" if several else ""
             start = f"start: block {more}"
-            rules.append(f"block: {_literal(HERMES_OPEN + newline)} call {_literal(newline + HERMES_CLOSE)}")
+            opening, closing = grammars.lark_text(HERMES_OPEN), grammars.lark_text(HERMES_CLOSE)
+            rules.append(f"block: {opening} {newline} call {newline} {closing}")
         return StructuredOutputsParams(grammar="\n".join([start, *rules]))
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, tool calls) of an answer; no calls when it holds none that parse as calls of these tools."""
+    def answer(self, text: str, finish_reason: str) -> tuple[str | None, list[ToolCall], str]:
+        """(content, tool calls, finish reason) of a finished answer. An answer that holds calls and that
+        the model ended itself finishes with "tool_calls". One cut by a length limit keeps the calls it
+        completed, without the one it was writing, and its "length". A forced choice's answer is calls
+        only: it never has content, even with no complete call in it."""
+        content, calls = self.parse(text, partial=finish_reason != "stop" or self.forced)
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return (None if self.forced else content), calls, finish_reason
+
+    def parse(self, text: str, partial: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of an answer; no calls when it holds none that parse as calls of these
+        tools. `partial`: the answer may have been cut; the calls it completed count, and the one it did
+        not finish is dropped."""
         names = {f["name"] for f in self.functions}
         if self.format == GENERIC:
-            try:
-                value = json.loads(text)
-            except (json.JSONDecodeError, RecursionError):
-                return text, []
-            written = value.get("tool_calls") if isinstance(value, dict) else None
-            calls = _calls(written if isinstance(written, list) else [], names)
+            written = _generic_calls(text, partial)
+            calls = _calls(written, names) if written is not None else []
             return (None, calls) if calls else (text, [])
-        blocks = _HERMES_BLOCK.findall(text)
+        content, blocks = _hermes_blocks(text, partial)
         parsed = []
         for block in blocks:
             try:
@@ -172,8 +198,45 @@ class ToolPlan:
         calls = _calls(parsed, names)
         if not calls or len(calls) != len(blocks):
             return text, []
-        content = _HERMES_BLOCK.sub("", text).strip()
         return content or None, calls
+
+
+def _generic_calls(text: str, partial: bool) -> list[Any] | None:
+    """The entries of a generic-format answer's "tool_calls" list; None if the answer is not such an
+    object. `partial`: the entries the list completed, whatever follows them."""
+    if not partial:
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        written = value.get("tool_calls") if isinstance(value, dict) else None
+        return written if isinstance(written, list) else None
+    opening = _GENERIC_CALL_LIST.match(text.lstrip())
+    if opening is None:
+        return None
+    rest, at, entries = text.lstrip(), opening.end(), []
+    decoder = json.JSONDecoder()
+    while True:
+        try:
+            entry, at = decoder.raw_decode(rest, at)
+        except (json.JSONDecodeError, RecursionError):
+            return entries
+        entries.append(entry)
+        separator = _GENERIC_SEPARATOR.match(rest, at)
+        if separator is None:
+            return entries
+        at = separator.end()
+
+
+def _hermes_blocks(text: str, partial: bool) -> tuple[str, list[str]]:
+    """(the text around the calls, stripped; the JSON of each <tool_call> block). `partial`: a block
+    opened after the last complete one is dropped, with whatever follows it."""
+    if partial:
+        ends = [m.end() for m in _HERMES_BLOCK.finditer(text)]
+        unfinished = text.find(HERMES_OPEN, ends[-1] if ends else 0)
+        if unfinished >= 0:
+            text = text[:unfinished]
+    return _HERMES_BLOCK.sub("", text).strip(), _HERMES_BLOCK.findall(text)
 
 
 def _calls(written: list[Any], names: set[str]) -> list[ToolCall]:
@@ -205,7 +268,7 @@ class ToolCallStream:
         if self._holding:
             return ""
         if self.plan.format == GENERIC:
-            if self.plan.choice != "auto":
+            if self.plan.forced:
                 self._holding = True  # the grammar makes the whole answer a call
                 return ""
             state = _generic_start(self.text)
@@ -225,15 +288,17 @@ class ToolCallStream:
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out
 
-    def finish(self, complete: bool) -> tuple[str, list[ToolCall]]:
-        """(content still to send, tool calls) at the end; `complete`: the model ended the answer itself
-        (not cut by a length limit), so its calls count."""
-        calls = self.plan.parse(self.text)[1] if complete else []
+    def finish(self, finish_reason: str) -> tuple[str, list[ToolCall], str]:
+        """(content still to send, tool calls, finish reason) at the end, as ToolPlan.answer has them."""
+        content, calls, finish_reason = self.plan.answer(self.text, finish_reason)
+        if content is None:
+            return "", calls, finish_reason
         if not calls:
-            return self.text[self.sent :], []
-        # The content before the first call was sent; Hermes text after the last call goes now.
-        tail = self.text[self.text.rfind(HERMES_CLOSE) + len(HERMES_CLOSE) :] if self.plan.format == HERMES else ""
-        return tail.strip(), calls
+            return self.text[self.sent :], [], finish_reason
+        # The content before the first call was sent; Hermes text around the later calls goes now (a
+        # "length" answer's unfinished call dropped, as in `answer`).
+        held = _hermes_blocks(self.text[self.sent :], partial=finish_reason == "length")[0]
+        return held, calls, finish_reason
 
 
 def _generic_start(text: str) -> str:
@@ -246,7 +311,7 @@ def _generic_start(text: str) -> str:
     return "maybe" if head[0] == "{" and '"tool_calls"'.startswith(head[1:].lstrip()) else "no"
 
 
-def tool_plan(body: p.ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
+def tool_plan(body: p.ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan | None:
     """The request's tools as a plan (None: no tools, or tool_choice "none"); 400 for a choice that
     names no given tool or asks for tools without any."""
     choice = body.tool_choice
@@ -268,7 +333,14 @@ def tool_plan(body: p.ChatCompletionRequest, chat_template: str | None) -> ToolP
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     kind = "named" if named else (choice or "auto")
     parallel = body.parallel_tool_calls is not False
-    return ToolPlan(tool_format(chat_template), tools, kind, named, parallel)
+    fmt = tool_format(tokenizer.chat_template)
+    return ToolPlan(fmt, tools, kind, named, parallel, keep_special_tokens=fmt == HERMES and _special_tags(tokenizer))
+
+
+def _special_tags(tokenizer: Tokenizer) -> bool:
+    """Whether the tokenizer has a Hermes tag as a special token (which decoding drops by default)."""
+    ids = [tokenizer.token_id(tag) for tag in (HERMES_OPEN, HERMES_CLOSE)]
+    return any(token is not None and tokenizer.is_special(token) for token in ids)
 
 
 async def check_tool_schemas(compiler: GrammarCompiler, plan: ToolPlan) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import StructuredOutputsParams
 from tachyllm.structured_output.grammar import Grammar, clean_error
+from tachyllm.structured_output.json_schema import without_undeclared_keys
 
 CACHE_SIZE = 256  # compiled constraints (and refused ones) kept, least recently used dropped first
 # JSON as models write it ({"a": 1, "b": [2, 3]}), with no free whitespace: a model cannot spend
@@ -68,7 +69,7 @@ def grammar_source(params: StructuredOutputsParams) -> str:
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             if not isinstance(schema, dict):
                 raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(without_undeclared_keys(schema), defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
@@ -158,6 +159,18 @@ class GrammarCompiler:
                         f"structured outputs cannot use this model's tokenizer: {clean_error(str(e))}"
                     ) from None
             return self._ll_tokenizer
+
+    def lark_text(self, text: str) -> str:
+        """A Lark expression that matches `text` as this model writes it. Where `text` is one added token
+        (Hermes' `<tool_call>`), that is a reference to the token, `<[id]>`: llguidance counts every added
+        token as special, whatever the tokenizer's flag, and matches a special token only by reference,
+        never as the bytes it spells. Anything else is a string literal."""
+        token = self._tokenizer.token_id(text)
+        try:
+            special = token is not None and self.ll_tokenizer.is_special_token(token)
+        except GrammarError:  # a tokenizer llguidance refuses: compiling the grammar says so
+            special = False
+        return f"<[{token}]>" if special else json.dumps(text)  # JSON's escapes are Lark's
 
     def _check_size(self, text: str) -> None:
         """Raises GrammarError if a constraint's text (its key's) is larger than the limit allows."""

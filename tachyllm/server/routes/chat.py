@@ -46,7 +46,7 @@ router = APIRouter()
 async def chat_completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body, model = await parse_generation_request(request, p.ChatCompletionRequest, state)
     bias = logit_bias(body.logit_bias)
-    plan = tool_plan(body, model.engine.tokenizer.chat_template)
+    plan = tool_plan(body, model.engine.tokenizer)
     if plan is not None:
         await check_tool_schemas(model.processor.grammars, plan)
     prompt = await chat_prompt(
@@ -62,8 +62,10 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
         requested, max_param = body.max_tokens, "max_tokens"
     max_tokens = resolve_max_tokens(model, requested, len(prompt.token_ids), "messages", max_param)
     top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    constraint = plan.constraint() if plan is not None else None
+    constraint = plan.constraint(model.processor.grammars) if plan is not None else None
     params = sampling_params(body, max_tokens, top_logprobs, bias, constraint, defaults=model.sampling_defaults)
+    if plan is not None and plan.keep_special_tokens:
+        params.skip_special_tokens = False
     state.check_requested_tokens([prompt], [params], max_param)
     await compile_constraint(model, params, constraint_param(body))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -78,10 +80,9 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     choices = []
     for c in out.outputs:
         reason, message = finish_reason(out, c, constraint_param(body)), p.AssistantMessage(content=c.text)
-        if plan is not None and reason == "stop":
-            content, calls = plan.parse(c.text)
-            if calls:
-                message, reason = p.AssistantMessage(content=content, tool_calls=tool_calls(calls)), "tool_calls"
+        if plan is not None:
+            content, calls, reason = plan.answer(c.text, reason)
+            message = p.AssistantMessage(content=content, tool_calls=tool_calls(calls) or None)
         logprobs = None if top_logprobs is None else chat_logprobs(c, 0, top_logprobs)
         choices.append(p.ChatChoice(index=c.index, message=message, logprobs=logprobs, finish_reason=reason))
     num_output_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -138,9 +139,8 @@ async def chat_events(
                     held = tool_streams[update.index]
                     text = held.feed(text)
                     if reason is not None:
-                        rest, calls = held.finish(reason == "stop")
+                        rest, calls, reason = held.finish(reason)
                         text += rest
-                        reason = "tool_calls" if calls else reason
                     if not text and reason is None and logprobs is None:
                         continue  # held back, and nothing else to send
                 deltas = [
