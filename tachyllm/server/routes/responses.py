@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from tachyllm.engine.input_processor import Prompt
+from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
@@ -65,13 +66,15 @@ async def create_response(request: Request, state: ServerState = Depends(server_
     model = state.model(body.model)
     reject_unsupported(body)
     messages = input_messages(body)
-    plan = response_tool_plan(body, messages, model.engine.tokenizer.chat_template)
+    plan = response_tool_plan(body, messages, model.engine.tokenizer)
     if plan is not None:
         await check_tool_schemas(model.processor.grammars, plan)
     prompt = await chat_prompt(model, messages, plan, param="input")
     max_tokens = resolve_max_tokens(model, body.max_output_tokens, len(prompt.token_ids), "input", "max_output_tokens")
-    tool_constraint = plan.constraint() if plan is not None else None
+    tool_constraint = plan.constraint(model.processor.grammars) if plan is not None else None
     params = sampling_params(body, max_tokens, tool_constraint, model.sampling_defaults)
+    if plan is not None and plan.keep_special_tokens:
+        params.skip_special_tokens = False
     state.check_requested_tokens([prompt], [params], "max_output_tokens")
     constraint_param = "tools" if tool_constraint is not None else "text.format"
     await compile_constraint(model, params, constraint_param)
@@ -88,10 +91,9 @@ async def create_response(request: Request, state: ServerState = Depends(server_
     out = finals[0]
     choice = out.outputs[0]
     answer = Answer(choice.text, reason=finish_reason(out, choice, constraint_param), num_tokens=len(choice.token_ids))
-    if plan is not None and answer.reason == "stop":
-        content, calls = plan.parse(choice.text)
-        if calls:
-            answer.text, answer.calls = content or "", calls
+    if plan is not None:
+        content, answer.calls, answer.reason = plan.answer(choice.text, answer.reason)
+        answer.text = content or ""
     if top_logprobs is not None:
         answer.logprobs = chat_logprobs(choice, 0, top_logprobs).content
     finish(response, answer, prompt)
@@ -174,7 +176,7 @@ def part_texts(content: str | list[p.ResponseContentPart], where: str) -> str:
 
 
 def response_tool_plan(
-    body: p.ResponsesRequest, messages: list[p.ChatMessage], chat_template: str | None
+    body: p.ResponsesRequest, messages: list[p.ChatMessage], tokenizer: Tokenizer
 ) -> ToolPlan | None:
     """The request's function tools as chat's tool plan (tools.py): the flat tools and the named
     tool_choice nested as chat has them. No tools with tool_choice "auto" or "none" mean no tools."""
@@ -210,7 +212,7 @@ def response_tool_plan(
     as_chat = p.ChatCompletionRequest(
         messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls
     )
-    return tool_plan(as_chat, chat_template)
+    return tool_plan(as_chat, tokenizer)
 
 
 def output_logprobs(body: p.ResponsesRequest) -> int | None:
@@ -364,7 +366,7 @@ async def response_events(
                 if held is not None:
                     text = held.feed(text)
                     if update.finish_reason is not None:
-                        rest, answer.calls = held.finish(update.finish_reason == "stop")
+                        rest, answer.calls, answer.reason = held.finish(update.finish_reason)
                         text += rest
                 if not text:
                     continue
