@@ -65,7 +65,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--max-queue-len", type=positive_int, default=None,
-        help="answer 503 while this many requests wait to run (default: unlimited)",
+        help="answer 503 while this many requests wait for a batch slot, beyond the --max-num-seqs running "
+        "(default: unlimited)",
     )  # fmt: skip
     g.add_argument(
         "--max-request-body-bytes", type=byte_size, default=4 << 20,
