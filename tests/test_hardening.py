@@ -113,6 +113,10 @@ BAD_INPUTS = [
     (CMPL, {"json": {"prompt": ["a", "b", "c", "d"]}}, 400, "prompt", None),
     (CMPL, {"json": {"prompt": [[1], [2], [3], [4], [5]]}}, 400, "prompt", None),
     (CMPL, {"json": {"prompt": ["a", "b", "c"], "n": 4, "max_tokens": 200}}, 400, "max_tokens", None),
+    # /tokenize returns at most --max-request-tokens ids: counted, or known from the prompt's length.
+    ("/tokenize", {"json": {"prompt": "fox " * 3000}}, 400, "prompt", None),
+    ("/tokenize", {"json": {"prompt": "x" * 60_000}}, 400, "prompt", None),
+    ("/tokenize", {"json": {"messages": [{"role": "user", "content": "fox " * 3000}]}}, 400, "messages", None),
     (CMPL, {"json": {"prompt": BIG}}, 413, None, "request_too_large"),
     (CMPL, {"json": {"prompt": "hi", "junk": "x" * 70_000}}, 413, None, "request_too_large"),
     # No Content-Length: a body sent in chunks is cut off once it passes the limit.
