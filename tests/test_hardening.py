@@ -489,7 +489,8 @@ def test_hung_step_makes_health_503_and_the_server_exit(model_path):
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(model_path):
     text = ("Paged attention stores keys and values in fixed-size blocks. " * 70_000)[: 4 << 20]
     with (
-        graceful_server(model_path, "--max-request-body-bytes", "16M") as (base, _),
+        # A bound above the prompt's ~1.9M tokens: /tokenize answers them all.
+        graceful_server(model_path, "--max-request-body-bytes", "16M", "--max-request-tokens", "4000000") as (base, _),
         httpx.Client(base_url=base, timeout=60) as c,
     ):
         assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 1}).status_code == 200  # warm

