@@ -120,15 +120,17 @@ class RequestGuard:
             receive = self.limited(receive)
         await self.app(scope, receive, send)
 
-    def check(self, method: str, headers: dict[str, str], request_line_host: str | None = None) -> None:
+    def check(self, method: str, headers: dict[str, str], line_host: str | None = None) -> None:
+        """`line_host`: the host the request line names (absolute form), which HTTP/1.1 makes the
+        request's host."""
         host = headers.get("host")
-        for value in (host, request_line_host):
+        for value in (host, line_host):
             if value is not None and not is_valid_host(value):
                 raise header_error(f"{value!r} is not a valid host (name or address, and an optional port)")
-        if request_line_host is not None:
-            if host is not None and host_name(host) != host_name(request_line_host):
-                raise header_error(f"the request line names the host {request_line_host!r}, the Host header {host!r}")
-            host = request_line_host
+        if line_host is not None:
+            if host is not None and host_name(host) != host_name(line_host):
+                raise header_error(f"the request line names the host {line_host!r}, the Host header {host!r}")
+            host = line_host
         # Browsers always send Host; a client without one is no page being rebound.
         if self.allowed_hosts is not None and host is not None and host_name(host) not in self.allowed_hosts:
             raise APIError(

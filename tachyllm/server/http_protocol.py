@@ -33,8 +33,8 @@ from tachyllm.server.guard import CONNECTION_REFUSED, REQUEST_LINE_HOST, request
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    header_timeout: float = 20.0  # seconds; 0 = none
-    max_connections: int | None = None  # None = no cap
+    header_timeout: float  # seconds (--header-read-timeout); 0 = none
+    max_connections: int | None  # --max-connections; None = no cap
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
