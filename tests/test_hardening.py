@@ -27,7 +27,7 @@ from tachyllm.entrypoints.serve import GracefulServer
 from tachyllm.errors import EngineCorruptedError
 from tachyllm.outputs import RequestOutput
 from tachyllm.server.app import build_app
-from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
+from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tachyllm.server.errors import APIError
 from tachyllm.server.state import ServedModel, ServerState
 
@@ -116,6 +116,10 @@ BAD_INPUTS = [
     (CMPL, {"json": {"prompt": ["a", "b", "c", "d"]}}, 400, "prompt", None),
     (CMPL, {"json": {"prompt": [[1], [2], [3], [4], [5]]}}, 400, "prompt", None),
     (CMPL, {"json": {"prompt": ["a", "b", "c"], "n": 4, "max_tokens": 200}}, 400, "max_tokens", None),
+    # /tokenize returns at most --max-request-tokens ids: counted, or known from the prompt's length.
+    ("/tokenize", {"json": {"prompt": "fox " * 3000}}, 400, "prompt", None),
+    ("/tokenize", {"json": {"prompt": "x" * 60_000}}, 400, "prompt", None),
+    ("/tokenize", {"json": {"messages": [{"role": "user", "content": "fox " * 3000}]}}, 400, "messages", None),
     (CMPL, {"json": {"prompt": BIG}}, 413, None, "request_too_large"),
     (CMPL, {"json": {"prompt": "hi", "junk": "x" * 70_000}}, 413, None, "request_too_large"),
     # No Content-Length: a body sent in chunks is cut off once it passes the limit.
@@ -531,7 +535,8 @@ def test_a_request_while_exiting_for_a_failed_engine_is_told_the_failure():
 def test_tokenizing_a_huge_prompt_does_not_block_the_server(model_path):
     text = ("Paged attention stores keys and values in fixed-size blocks. " * 70_000)[: 4 << 20]
     with (
-        graceful_server(model_path, "--max-request-body-bytes", "16M") as (base, _),
+        # A bound above the prompt's ~1.9M tokens: /tokenize answers them all.
+        graceful_server(model_path, "--max-request-body-bytes", "16M", "--max-request-tokens", "4000000") as (base, _),
         httpx.Client(base_url=base, timeout=60) as c,
     ):
         assert c.post(CMPL, json={"prompt": "hi", "max_tokens": 1}).status_code == 200  # warm
@@ -615,8 +620,8 @@ def test_admission_is_exact_in_a_burst(model_path):
                             assert (await r.aread()) and r.json()["error"]["code"] == "queue_full"
                         return r.status_code
 
-                # The batch is filled first: a burst arriving before the engine's first step would
-                # otherwise fill the queue with requests that all could have run. By one request of
+                # The batch is filled first, so that the burst finds no free slot and only the queue
+                # has room (the cold burst is test_a_cold_burst_fills_the_batch_then_the_queue). By one request of
                 # `seqs` prompts, admitted and scheduled together: separate requests can start steps
                 # apart on a loaded machine, and the first could finish (nothing holds a batch that is
                 # not full) before the last had started, leaving a slot for the burst.
@@ -638,6 +643,46 @@ def test_admission_is_exact_in_a_burst(model_path):
             assert engine_idle(c)
     assert set(statuses) <= {200, 503}
     assert statuses.count(200) == 1 + queue, statuses.count(200)  # the batch's request, then the queue
+
+
+def test_a_cold_burst_fills_the_batch_then_the_queue(model_path):
+    # Free batch slots are room: a burst reaching an idle engine admits max_num_seqs + max_queue_len
+    # requests, not max_queue_len alone (every request counted as queued until a step scheduled it).
+    seqs, queue, burst_size = 32, 8, 300
+    release = threading.Event()
+
+    def hold_steps(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward":  # no step ends, so no request finishes and frees a slot mid-burst
+            release.wait(60)
+
+    args = build_parser().parse_args(["serve", "--model", model_path, *ENGINE_FLAGS, "--max-num-seqs", str(seqs)])
+    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
+
+    async def burst() -> tuple[int, list[str]]:
+        params = SamplingParams(max_tokens=4, temperature=0)
+        admissions = [
+            engine.add_requests([(f"burst-{i}", "The quick brown fox", params)], max_queued=queue)
+            for i in range(burst_size)
+        ]
+        results = await asyncio.gather(*admissions, return_exceptions=True)
+        release.set()
+        refusals = [r for r in results if isinstance(r, BaseException)]
+        assert all(isinstance(r, QueueFullError) for r in refusals), refusals[:3]
+        finish_reasons = []
+        for streams in results:
+            if not isinstance(streams, BaseException):
+                finish_reasons += [[out async for out in streams[0]][-1].outputs[0].finish_reason]
+        return burst_size - len(refusals), finish_reasons
+
+    try:
+        with faults.injected(hold_steps):
+            admitted, finish_reasons = asyncio.run(burst())
+        assert engine.snapshot.kv_cache_usage == 0 and engine.num_unfinished == 0
+    finally:
+        release.set()
+        engine.shutdown(10.0)
+    assert admitted == seqs + queue
+    assert finish_reasons == ["length"] * admitted
 
 
 def test_disconnect_storm_returns_every_block(http):

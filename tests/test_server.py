@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -583,6 +584,21 @@ def test_auth(limited_url, limited_http):
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{limited_url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_the_security_doc_lists_the_routes_the_key_protects(limited_url):
+    section = (Path(__file__).parent.parent / "docs/security.md").read_text()
+    section = section.split("## What the API key protects", 1)[1].split("\n## ", 1)[0]
+    prose, _, table = section.partition("| route |")
+    documented_protected = set(re.findall(r"`(/[^`]*)`", prose))
+    documented_open = set(re.findall(r"^\| `(/[^`]*)`", table, re.MULTILINE))
+    with httpx.Client(base_url=limited_url, timeout=10) as anonymous:
+        paths = anonymous.get("/openapi.json").json()["paths"]
+        assert documented_protected | documented_open == {*paths, "/openapi.json"}
+        for path, operations in paths.items():
+            for method in operations:
+                response = anonymous.request(method, path.replace("{model_id}", "tiny"), json={})
+                assert (response.status_code == 401) == (path in documented_protected), (method, path)
 
 
 def test_served_model_names(limited_http, model_path):

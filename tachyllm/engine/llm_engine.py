@@ -47,6 +47,10 @@ class EngineSnapshot:
     num_running: int = 0  # requests with a sequence in the running batch
     num_waiting: int = 0  # requests admitted to the engine but not running (preempted ones included)
     num_unstarted: int = 0  # requests admitted to the engine and never scheduled yet
+    # Never-started requests that find no free batch slot (max_num_seqs) before them: the queue proper.
+    num_queued: int = 0
+    # Batch slots that neither a running nor a waiting sequence will take.
+    free_batch_slots: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
     stats: StepStats = field(default_factory=StepStats)
 
@@ -321,11 +325,22 @@ class LLMEngine:
         """Running / waiting / never-started requests, KV-cache usage and a copy of the counters."""
         running = {s.request.request_id for s in self.scheduler.running}
         waiting = {s.request.request_id for s in self.scheduler.waiting} - running
+        # Waiting sequences take the free batch slots in the scheduler's order; a never-started request
+        # with a sequence left over queues.
+        free_slots = self.scheduler.max_num_seqs - len(self.scheduler.running)
+        queued = set()
+        for seq in self.scheduler.waiting:
+            if free_slots > 0:
+                free_slots -= 1
+            elif seq.request.metrics.first_scheduled_time is None:
+                queued.add(seq.request.request_id)
         stats = self.stats
         return EngineSnapshot(
             num_running=len(running),
             num_waiting=len(waiting),
             num_unstarted=sum(r.metrics.first_scheduled_time is None for r in self.requests.values()),
+            num_queued=len(queued),
+            free_batch_slots=max(free_slots, 0),
             kv_cache_usage=self.block_manager.usage,
             stats=replace(
                 stats,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import logging
 import math
 import os
@@ -195,10 +196,15 @@ class GracefulServer(uvicorn.Server):
 
 
 def make_server(app: FastAPI, args: argparse.Namespace) -> GracefulServer:
+    # Loaded with the app (it imports the server's modules): the other subcommands start without them.
+    from tachyllm.server.http_protocol import ConnectionLimits, GuardedHttpProtocol
+
+    limits = ConnectionLimits(args.header_read_timeout, args.max_connections)
     config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
+        http=functools.partial(GuardedHttpProtocol, limits=limits),  # type: ignore[arg-type]
         log_config=None,  # keep the `tachy` logging setup
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=5,  # after the drain, streams only need to flush their last bytes

@@ -77,7 +77,12 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         app.include_router(routes.router, dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
     # Refusals (host, content type, size) happen before routing, for every route; CORS, when on,
     # is added last and so wraps them: an allowed page can read a refusal too.
-    app.add_middleware(RequestGuard, max_body_bytes=args.max_request_body_bytes, allowed_hosts=allowed_hosts(args))
+    app.add_middleware(
+        RequestGuard,
+        max_body_bytes=args.max_request_body_bytes,
+        allowed_hosts=allowed_hosts(args),
+        body_timeout=args.body_read_timeout,
+    )
     if args.allowed_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -52,7 +52,7 @@ class EngineDeadError(TachyError):
 
 
 class QueueFullError(TachyError):
-    """Admitting the requests would leave more than the allowed number waiting to start."""
+    """Admitting the requests would leave more than the allowed number waiting for a batch slot."""
 
     def __init__(self, num_queued: int, limit: int) -> None:
         super().__init__(f"{num_queued} requests are waiting to start (limit {limit})")
@@ -122,6 +122,22 @@ class _Add:
     arrival_time: float
     priority: int
     accepted: asyncio.Future  # resolved on stream.loop once the engine took (or refused) the request
+    slots: int = 0  # free batch slots its sequences were counted into when it was admitted
+    queued: bool = False  # counted as waiting for a batch slot when it was admitted
+
+
+@dataclass
+class _PendingAdds:
+    """Adds admitted and not yet in the engine's snapshot: what admission counts besides the snapshot."""
+
+    requests: int = 0
+    slots: int = 0  # the free batch slots they take
+    queued: int = 0  # those that wait for a batch slot
+
+    def count(self, adds: list[_Add], sign: int = 1) -> None:
+        self.requests += sign * len(adds)
+        self.slots += sign * sum(add.slots for add in adds)
+        self.queued += sign * sum(add.queued for add in adds)
 
 
 @dataclass
@@ -171,7 +187,7 @@ class AsyncEngine:
         self._listeners: list[OutputListener] = []
         self._cond = threading.Condition()
         self._ops: list[_Add | _Abort] = []  # guarded by _cond
-        self._pending_adds = 0  # adds not yet reflected in _snapshot; guarded by _cond
+        self._pending = _PendingAdds()  # guarded by _cond
         self._snapshot = EngineSnapshot()  # guarded by _cond
         self._stopping = False  # shutdown() was called; the loop ends after its next iteration
         self._closed = False  # the loop has ended; guarded by _cond
@@ -226,9 +242,10 @@ class AsyncEngine:
     ) -> list[RequestStream]:
         """Queues (request id, prompt, params) requests all or none, and waits until the engine took
         them. With `max_queued`, raises QueueFullError instead when more than that many requests
-        would be waiting to start; the check and the queueing happen under one lock, so the limit is
-        exact however many callers race for it. A refusal by the engine (RequestError) closes the
-        others and raises."""
+        would be waiting for a batch slot: the batch's free slots (max_num_seqs) take the requests
+        first, in arrival order, so that a burst reaching an idle engine fills its batch and then
+        the queue. The check and the queueing happen under one lock, so the limit is exact however
+        many callers race for it. A refusal by the engine (RequestError) closes the others and raises."""
         # Grammars compile off the event loop and the engine thread; the engine's own compile is then
         # a cache hit (a refused constraint raises RequestError here, before anything is queued).
         for params in {id(p): p for _, _, p in requests if p.structured_outputs is not None}.values():
@@ -242,10 +259,15 @@ class AsyncEngine:
         with self._cond:
             if self._closed:  # the loop is gone: nobody would ever answer
                 raise self._stopped_error()
-            queued = self._snapshot.num_unstarted + self._pending_adds
-            if max_queued is not None and queued + len(adds) > max_queued:
+            queued = self._snapshot.num_queued + self._pending.queued
+            free_slots = max(self._snapshot.free_batch_slots - self._pending.slots, 0)
+            for add in adds:
+                add.slots = min(free_slots, add.params.n)
+                add.queued = add.slots < add.params.n
+                free_slots -= add.slots
+            if max_queued is not None and queued + sum(add.queued for add in adds) > max_queued:
                 raise QueueFullError(queued, max_queued)
-            self._pending_adds += len(adds)
+            self._pending.count(adds)
             self._ops.extend(adds)
             self._cond.notify()
         try:
@@ -284,16 +306,16 @@ class AsyncEngine:
 
     @property
     def num_queued(self) -> int:
-        """Requests waiting to start: never scheduled yet, counting those submitted since the last step."""
+        """Requests waiting for a batch slot, counting those submitted since the last step."""
         with self._cond:
-            return 0 if self._closed else self._snapshot.num_unstarted + self._pending_adds
+            return 0 if self._closed else self._snapshot.num_queued + self._pending.queued
 
     @property
     def num_unfinished(self) -> int:
         with self._cond:
             if self._closed:
                 return 0
-            return self._snapshot.num_running + self._snapshot.num_waiting + self._pending_adds
+            return self._snapshot.num_running + self._snapshot.num_waiting + self._pending.requests
 
     @property
     def is_running(self) -> bool:
@@ -347,6 +369,7 @@ class AsyncEngine:
     def _run(self, build_engine: Callable[[], LLMEngine], built: threading.Event) -> None:
         try:
             self._engine = build_engine()
+            self._publish([])  # admission counts the idle engine's free batch slots from the start
         except BaseException as e:
             self._build_error = e
             with self._cond:
@@ -372,14 +395,14 @@ class AsyncEngine:
                 self._busy_since = time.monotonic()
                 outbox = _Outbox()
                 outputs = self._apply(ops, outbox)
-                num_adds = sum(isinstance(op, _Add) for op in ops)
+                applied_adds = [op for op in ops if isinstance(op, _Add)]
                 # Snapshot and metrics are updated before answers go out, so whoever reacts to an
                 # answer (sends the next request, scrapes /metrics) sees the state that produced it.
                 if stopping:
                     outputs += self._engine.abort_all()
                 elif ops:
-                    self._publish(num_adds)
-                    num_adds = 0
+                    self._publish(applied_adds)
+                    applied_adds = []
                     outbox.flush()  # acceptances go out before the step, not after it
                 if not stopping and engine.has_unfinished_requests():
                     outputs += engine.step()
@@ -393,7 +416,7 @@ class AsyncEngine:
                     break
                 if not self._abandoned:
                     self._deliver(outputs, outbox)
-                self._publish(num_adds)
+                self._publish(applied_adds)
                 self._notify_listeners(outputs)
                 outbox.flush()
                 if stopping:
@@ -432,11 +455,12 @@ class AsyncEngine:
             if stream is not None:
                 outbox.post(stream.loop, stream.put, out)
 
-    def _publish(self, num_applied_adds: int) -> None:
+    def _publish(self, applied_adds: list[_Add]) -> None:
+        """The engine's state for admission; the adds it now holds (or refused) leave the pending count."""
         snapshot = self._engine.snapshot()
         with self._cond:
             self._snapshot = snapshot
-            self._pending_adds -= num_applied_adds
+            self._pending.count(applied_adds, sign=-1)
 
     def _notify_listeners(self, outputs: list[RequestOutput]) -> None:
         if not outputs:

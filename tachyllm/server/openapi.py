@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from tachyllm.server import protocol as p
+from tachyllm.server.state import RequestLimits
 
 _ERRORS = {
     400: "invalid request: the error's `param` names the field",
@@ -67,8 +68,9 @@ def route_doc(
     }
 
 
-def openapi_document(app: FastAPI, vocab_size: int, max_n: int) -> dict[str, Any]:
-    """The document, with this server's own bounds: token ids below its vocabulary size, n at most --max-n."""
+def openapi_document(app: FastAPI, vocab_size: int, limits: RequestLimits) -> dict[str, Any]:
+    """The document, with this server's own bounds: token ids below its vocabulary size, n at most
+    --max-n, a completions request's prompts at most --max-prompts-per-request."""
     if app.openapi_schema is None:
         # Behind a proxy's path prefix (--root-path), clients reach the routes under it.
         servers = [{"url": app.root_path}] if app.root_path else None
@@ -83,7 +85,10 @@ def openapi_document(app: FastAPI, vocab_size: int, max_n: int) -> dict[str, Any
             n = schema.get("properties", {}).get("n")
             for option in n.get("anyOf", []) if n else []:
                 if option.get("type") == "integer":
-                    option["maximum"] = max_n
+                    option["maximum"] = limits.max_n
+        for option in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+            if option.get("items", {}).get("type") in ("string", "array"):  # several prompts, not one of token ids
+                option["maxItems"] = limits.max_prompts
         app.openapi_schema = doc
     return app.openapi_schema
 

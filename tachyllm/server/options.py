@@ -65,11 +65,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--max-queue-len", type=positive_int, default=None,
-        help="answer 503 while this many requests wait to run (default: unlimited)",
+        help="answer 503 while this many requests wait for a batch slot, beyond the --max-num-seqs running "
+        "(default: unlimited)",
     )  # fmt: skip
     g.add_argument(
         "--max-request-body-bytes", type=byte_size, default=4 << 20,
         help="refuse request bodies larger than this with 413, e.g. 4M (default: 4 MiB)",
+    )  # fmt: skip
+    g.add_argument(
+        "--header-read-timeout", type=non_negative_float, default=20.0,
+        help="seconds a request's headers may take to arrive (from the connection's opening, or the request's first "
+        "byte on a reused connection); slower clients get 408 and are disconnected; 0 = no limit (default: 20)",
+    )  # fmt: skip
+    g.add_argument(
+        "--body-read-timeout", type=non_negative_float, default=60.0,
+        help="seconds a request's body may take to arrive after its headers; slower clients get 408 and are "
+        "disconnected; 0 = no limit (default: 60)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-connections", type=positive_int, default=None,
+        help="most open client connections; a request on a connection beyond them gets 503 and the connection is "
+        "closed (default: no cap but the process's file-descriptor limit)",
     )  # fmt: skip
     g.add_argument(
         "--max-n", type=positive_int, default=128, help="largest n (choices per prompt) a request may ask for"

@@ -34,6 +34,22 @@ def route_checked(schema: dict) -> object:
     return Field(json_schema_extra=schema)
 
 
+def route_checked_rules(*rules: dict) -> ConfigDict:
+    """Documents in a model's JSON schema rules that tie its fields together (each a JSON schema the
+    body must match as well), which the route checks itself, as route_checked's values, with a
+    message naming the field. A subclass's rules replace its parent's: it lists them all."""
+    return ConfigDict(json_schema_extra={"allOf": list(rules)})
+
+
+NULL: dict = {"type": "null"}
+
+
+def only_one_given(fields: dict[str, dict]) -> dict:
+    """At most one of `fields` is given: a rule whose branches each leave all fields but one unset,
+    unset meaning what each field's schema says (its value when absent, usually null)."""
+    return {"anyOf": [{"properties": {g: unset for g, unset in fields.items() if g != f}} for f in fields]}
+
+
 NonNegFloat = Annotated[float, Field(ge=0)]
 Probability = Annotated[float, Field(ge=0, le=1)]
 TopP = Annotated[float, Field(gt=0, le=1)]
@@ -90,23 +106,82 @@ class JsonSchemaFormat(Request):
     strict: bool | None = None
 
 
+# A json_schema format needs its schema.
+FORMAT_RULE = {
+    "anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        {
+            "required": ["json_schema"],
+            "properties": {
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}
+            },
+        },
+    ]
+}
+
+
 class ResponseFormat(Request):
+    model_config = route_checked_rules(FORMAT_RULE)
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+NonEmptyText = Annotated[str, route_checked({"minLength": 1})]
+Choices = Annotated[list[str], route_checked({"minItems": 1})]
 
 
 class StructuredOutputsField(Request):
     """vLLM's structured_outputs: exactly one constraint."""
 
+    model_config = route_checked_rules(
+        {
+            "anyOf": [
+                {"required": [name], "properties": {name: {"type": given}}}
+                for name, given in (
+                    ("json", ["object", "string"]),
+                    ("regex", "string"),
+                    ("choice", "array"),
+                    ("grammar", "string"),
+                )
+            ]
+            + [{"required": ["json_object"], "properties": {"json_object": {"const": True}}}]
+        },
+        only_one_given(
+            {"json": NULL, "regex": NULL, "choice": NULL, "grammar": NULL, "json_object": {"enum": [None, False]}}
+        ),
+    )
+
     json_: dict | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: NonEmptyText | None = None
+    choice: Choices | None = None
+    grammar: NonEmptyText | None = None
     json_object: bool | None = None
+
+
+CONSTRAINT_FIELDS_UNSET = {
+    "response_format": {"anyOf": [NULL, {"properties": {"type": {"const": "text"}}}]},
+    **{name: NULL for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+}
+# One structured-output constraint at most.
+ONE_CONSTRAINT_RULE = only_one_given(CONSTRAINT_FIELDS_UNSET)
+# Prompt logprobs are not streamed (as in vLLM).
+PROMPT_LOGPROBS_RULE = {
+    "anyOf": [{"properties": {"prompt_logprobs": NULL}}, {"properties": {"stream": {"const": False}}}]
+}
+# Continuing the final message is no new turn: no generation prompt (as in vLLM).
+CONTINUE_RULE = {
+    "anyOf": [
+        {"properties": {"continue_final_message": {"const": False}}},
+        {"required": ["add_generation_prompt"], "properties": {"add_generation_prompt": {"const": False}}},
+    ]
+}
 
 
 class SamplingFields(Request):
     """Fields that completions and chat completions share."""
+
+    model_config = route_checked_rules(ONE_CONSTRAINT_RULE, PROMPT_LOGPROBS_RULE)
 
     model: str | None = None
     max_tokens: PositiveInt | None = None
@@ -115,7 +190,7 @@ class SamplingFields(Request):
     n: PositiveInt | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -125,7 +200,7 @@ class SamplingFields(Request):
         Annotated[
             dict[str, Bias],
             Field(max_length=MAX_LISTED_TOKENS),
-            route_checked({"propertyNames": {"pattern": "^[0-9]+$"}}),
+            route_checked({"propertyNames": {"pattern": "^[0-9]{1,10}$"}}),
         ]
         | None
     ) = None
@@ -145,12 +220,24 @@ class SamplingFields(Request):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
     guided_json: dict | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonEmptyText | None = None
 
 
 class CompletionRequest(SamplingFields):
+    model_config = route_checked_rules(
+        ONE_CONSTRAINT_RULE,
+        PROMPT_LOGPROBS_RULE,
+        # max_tokens 0 with echo only (the prompt alone).
+        {
+            "anyOf": [
+                {"properties": {"max_tokens": {"anyOf": [NULL, {"minimum": 1}]}}},
+                {"required": ["echo"], "properties": {"echo": {"const": True}}},
+            ]
+        },
+    )
+
     prompt: (
         Text
         | Annotated[list[Text], Field(min_length=1)]
@@ -165,7 +252,13 @@ class CompletionRequest(SamplingFields):
     suffix: Annotated[str, route_checked({"maxLength": 0})] | None = None
 
 
+# A text part has its text.
+TEXT_PART_RULE = {"required": ["text"], "properties": {"text": {"type": "string"}}}
+
+
 class ContentPart(Request):
+    model_config = route_checked_rules(TEXT_PART_RULE)
+
     type: Annotated[str, route_checked({"enum": ["text"]})]
     text: str | None = None
     # OpenAI's other parts, declared so that the route refuses them by their type.
@@ -187,7 +280,39 @@ class ToolCallIn(Request):
     function: FunctionCallIn
 
 
+# What a message other than an assistant's has: content, and no tool calls.
+CONTENT_GIVEN = {"type": ["string", "array"]}
+NO_TOOL_CALLS = {"anyOf": [NULL, {"maxItems": 0}]}
+
+
 class ChatMessage(Request):
+    # Content is required but for an assistant's (which may carry tool calls instead); only an
+    # assistant's carries tool calls, and a tool's names the call it answers.
+    model_config = route_checked_rules(
+        {
+            "anyOf": [
+                {"properties": {"role": {"const": "assistant"}}},
+                {
+                    "required": ["content"],
+                    "properties": {
+                        "role": {"enum": ["system", "developer", "user"]},
+                        "content": CONTENT_GIVEN,
+                        "tool_calls": NO_TOOL_CALLS,
+                    },
+                },
+                {
+                    "required": ["content", "tool_call_id"],
+                    "properties": {
+                        "role": {"const": "tool"},
+                        "content": CONTENT_GIVEN,
+                        "tool_call_id": {"type": "string"},
+                        "tool_calls": NO_TOOL_CALLS,
+                    },
+                },
+            ]
+        }
+    )
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -226,7 +351,31 @@ class NamedToolChoice(Request):
     function: NamedFunction
 
 
+TOOLS_GIVEN = {"type": "array", "minItems": 1}
+
+
 class ChatCompletionRequest(SamplingFields):
+    # ONE_CONSTRAINT_RULE is left out: with the rules below, schemathesis can no longer generate bodies.
+    model_config = route_checked_rules(
+        PROMPT_LOGPROBS_RULE,
+        CONTINUE_RULE,
+        # A tool_choice that calls tools needs tools, and no other constraint.
+        {
+            "anyOf": [
+                {"properties": {"tool_choice": {"enum": [None, "none"]}}},
+                {"required": ["tools"], "properties": {"tools": TOOLS_GIVEN, "tool_choice": {"const": "auto"}}},
+                {"required": ["tools"], "properties": {"tools": TOOLS_GIVEN, **CONSTRAINT_FIELDS_UNSET}},
+            ]
+        },
+        # top_logprobs with logprobs only.
+        {
+            "anyOf": [
+                {"properties": {"top_logprobs": {"anyOf": [NULL, {"maximum": 0}]}}},
+                {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+            ]
+        },
+    )
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
@@ -247,6 +396,8 @@ class ChatCompletionRequest(SamplingFields):
 
 class ResponseContentPart(Request):
     """A text part of a Responses API input message: the client's (input_text) or an earlier answer's (output_text)."""
+
+    model_config = route_checked_rules(TEXT_PART_RULE)
 
     type: Annotated[str, route_checked({"enum": ["input_text", "output_text"]})]
     text: str | None = None
@@ -279,6 +430,15 @@ class ResponseInputItem(Request):
 
 class ResponseTextFormat(Request):
     """text.format: OpenAI's response formats, the json_schema one flattened."""
+
+    model_config = route_checked_rules(
+        {
+            "anyOf": [
+                {"properties": {"type": {"enum": ["text", "json_object"]}}},
+                {"required": ["schema"], "properties": {"schema": {"type": "object"}}},
+            ]
+        }
+    )
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -345,7 +505,7 @@ class ResponsesRequest(Request):
     include: list[Annotated[str, route_checked({"enum": RESPONSE_INCLUDES})]] | None = None
     top_logprobs: NumLogprobs | None = None
     reasoning: ResponseReasoning | None = None
-    previous_response_id: Annotated[str, route_checked({"maxLength": 0})] | None = None
+    previous_response_id: Annotated[str, route_checked({"not": {}})] | None = None
     background: Annotated[bool, route_checked({"const": False})] | None = None
     # Accepted and unused: nothing is stored, the automatic prefix cache needs no key, and there is one service tier.
     store: bool | None = None
@@ -359,6 +519,19 @@ class ResponsesRequest(Request):
 
 class TokenizeRequest(Request):
     """vLLM's /tokenize: either a prompt or chat messages."""
+
+    model_config = route_checked_rules(
+        {
+            "anyOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": NULL}},
+                {
+                    "required": ["messages"],
+                    "properties": {"messages": {"type": "array"}, "prompt": NULL},
+                    **CONTINUE_RULE,
+                },
+            ]
+        },
+    )
 
     model: str | None = None
     prompt: str | None = None

@@ -192,6 +192,16 @@ class ServerState:
                 param=max_param,
             )
 
+    def check_tokens_returned(self, num_tokens: int, param: str, at_least: bool = False) -> None:
+        """/tokenize answers at most --max-request-tokens ids (its answer would otherwise grow with the body)."""
+        if num_tokens > self.limits.max_request_tokens:
+            count = f"at least {num_tokens}" if at_least else str(num_tokens)
+            raise bad_request(
+                f"the {param} has {count} tokens, more than this server's limit of "
+                f"{self.limits.max_request_tokens} per request (--max-request-tokens)",
+                param=param,
+            )
+
     async def drain(self, timeout: float) -> None:
         """Refuses new requests, waits up to `timeout` s for the admitted ones, then aborts the rest."""
         self.draining = True

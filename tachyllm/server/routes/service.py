@@ -43,5 +43,5 @@ async def prometheus_metrics(state: ServerState = Depends(server_state)) -> Resp
 @router.get("/openapi.json", include_in_schema=False)
 async def openapi(request: Request, state: ServerState = Depends(server_state)) -> Response:
     vocab_size = max(m.engine.vocab_size for m in state.models)
-    document = openapi_document(request.app, vocab_size, state.limits.max_n)
+    document = openapi_document(request.app, vocab_size, state.limits)
     return Response(json.dumps(document), media_type="application/json")

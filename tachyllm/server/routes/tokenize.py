@@ -29,11 +29,16 @@ async def tokenize(request: Request, state: ServerState = Depends(server_state))
     engine = model.engine
     tokenizer = engine.tokenizer
     if body.messages is not None:
+        param = "messages"
         ids = await chat_token_ids(
             model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
         )
     else:
+        param = "prompt"
+        # No token spells more than max_token_chars characters: a longer prompt is refused untokenized.
+        state.check_tokens_returned(-(-len(body.prompt) // tokenizer.max_token_chars), param, at_least=True)
         ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+    state.check_tokens_returned(len(ids), param)
 
     def respond() -> Response:
         strs = [tokenizer.id_to_token(t) for t in ids] if body.return_token_strs else None
