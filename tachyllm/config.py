@@ -6,7 +6,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -238,6 +238,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self._parse_byte_sizes()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.max_num_batched_tokens is None:
             # On a GPU a step's overhead is its launches, not its tokens: fewer, larger prefill steps.
@@ -301,6 +302,23 @@ class EngineConfig:
             from tachyllm.backends import resolve_backend_name  # the backends import the model layers' kernels
 
             resolve_backend_name(self.backend, torch.device(self.device))
+
+    def _parse_byte_sizes(self) -> None:
+        """Byte-size options given as text (LLM(kv_cache_memory="2G"), as on the command line) parsed as their
+        flag parses them; anything but a whole number of bytes or such a text is refused, naming the option."""
+        for option_field in fields(self):
+            value = getattr(self, option_field.name)
+            if option_field.metadata.get("parse") is not byte_size or value is None:
+                continue
+            try:
+                parsed = byte_size(value) if isinstance(value, str) else value
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, int) or isinstance(parsed, bool):
+                raise ConfigError(
+                    f"{option_field.name} must be a number of bytes or a size such as 512M or 2G, got {value!r}"
+                )
+            setattr(self, option_field.name, parsed)
 
     def resolve_dtype(self) -> torch.dtype:
         """'auto' is bfloat16: half the bytes of fp32 per weight, multiplied by the C++ kernel with

@@ -14,7 +14,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from tachyllm.argtypes import none_or
+from tachyllm.argtypes import none_or, one_of
 from tachyllm.config import EngineConfig
 
 
@@ -60,8 +60,13 @@ def add_engine_args(parser: argparse.ArgumentParser, repeatable: dict[str, str] 
         else:
             options["type"] = _value_parser(field, hints[field.name])
             choices = field.metadata.get("choices")
-            # An optional field unset by "none" (a Ray Serve YAML's null) must pass its choices too.
-            options["choices"] = (*choices, None) if choices is not None and field.default is None else choices
+            if choices is not None and field.default is None:
+                # An optional field is unset by "none" (a Ray Serve YAML's null): one more choice, and --help
+                # says so (argparse's choices= would list Python's None, which the command line cannot spell).
+                options["type"] = none_or(one_of(choices, options["type"]))
+                options["metavar"] = "{" + ",".join(map(str, (*choices, "none"))) + "}"
+            else:
+                options["choices"] = choices
         group.add_argument(flag, **options)
 
 

@@ -129,7 +129,7 @@ def test_optional_numbers_take_none_and_strings_keep_it():
     "argv, message",
     [
         (["--dtype", "float8"], "invalid choice: 'float8'"),
-        (["--quant-activation-bits", "4"], "invalid choice: 4"),
+        (["--quant-activation-bits", "4"], "invalid choice: '4' (choose from 8, 16 or none)"),
         (["--block-size", "big"], "invalid int value: 'big'"),
         (["--max-model-len", "x"], "invalid int value: 'x'"),
     ],
