@@ -15,6 +15,7 @@ import torch
 from tachyllm.argtypes import byte_size
 from tachyllm.chat_template import chat_template_flag, read_chat_template
 from tachyllm.errors import ConfigError
+from tachyllm.sampling_params import MAX_LOGPROBS
 from tachyllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("tachyllm")
@@ -105,6 +106,11 @@ class EngineConfig:
 
     model: str | None = option(
         None, "GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = option(
+        None,
+        "a tokenizer to use instead of the model's: a Hugging Face tokenizer directory (tokenizer.json) or a GGUF"
+        " file, a local path (default: the model's own)",
     )
     dtype: str = option(
         "auto",
@@ -212,6 +218,11 @@ class EngineConfig:
         "structured outputs: seconds a request waits for its constraint to compile; past it the request is refused"
         " (the compile finishes in the background and is cached) (default: 10)",
     )
+    max_logprobs: int = option(
+        MAX_LOGPROBS,
+        "most alternatives a request may ask for per token (logprobs, top_logprobs, prompt_logprobs); more is"
+        " refused; -1 = the whole vocabulary (default: 20)",
+    )
     # vLLM's flag name. Graphs need a CUDA device and a backend whose step metadata they can capture.
     enforce_eager: bool = option(
         False,
@@ -290,6 +301,8 @@ class EngineConfig:
             raise ConfigError(f"tp_all_reduce must be shm or gloo (or unset), got {self.tp_all_reduce!r}")
         if self.tp_all_reduce is not None and self.device.startswith("cuda"):
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.max_constraint_bytes < 1:
             raise ConfigError(f"max_constraint_bytes must be >= 1, got {self.max_constraint_bytes}")
         if not self.constraint_compile_timeout > 0:

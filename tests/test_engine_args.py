@@ -45,6 +45,8 @@ def test_defaults_round_trip():
 # (argv, field, parsed value): a non-default value of every field.
 NON_DEFAULTS = [
     (["--model", "m.gguf"], "model", "m.gguf"),
+    (["--tokenizer", "tok-dir"], "tokenizer", "tok-dir"),
+    (["--max-logprobs", "5"], "max_logprobs", 5),
     (["--dtype", "float32"], "dtype", "float32"),
     (["--device", "cpu:0"], "device", "cpu:0"),
     (["--max-model-len", "512"], "max_model_len", 512),

@@ -18,10 +18,10 @@ from tachyllm.core.sequence import Request, Sequence
 from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
-from tachyllm.errors import EngineCorruptedError, RequestError, WorkerError
+from tachyllm.errors import ConfigError, EngineCorruptedError, RequestError, WorkerError
 from tachyllm.host_malloc import keep_freed_memory, use_one_arena
 from tachyllm.kernels.kv_quant import KV_STORAGE
-from tachyllm.loading import Checkpoint, load_checkpoint
+from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
@@ -69,7 +69,12 @@ class LLMEngine:
             )
         ckpt = load_checkpoint(config.model)
         self.model_config = mc = ckpt.config
-        self.tokenizer = ckpt.tokenizer
+        self.tokenizer = ckpt.tokenizer if config.tokenizer is None else load_tokenizer(config.tokenizer)
+        if config.tokenizer is not None and self.tokenizer.vocab_size > mc.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the model's vocabulary "
+                f"({mc.vocab_size}): its ids past {mc.vocab_size - 1} have no embedding"
+            )
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.model_name = config.model or DEFAULT_MODEL_NAME
@@ -162,7 +167,7 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(
             mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
+            config.enable_chunked_prefill, mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
         ), eos, ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout))  # fmt: skip
         self.eos_token_ids = eos
         self.scheduler = Scheduler(

@@ -15,7 +15,8 @@ from tqdm import tqdm
 from tachyllm.chat_template import read_chat_template
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.errors import RequestError
+from tachyllm.engine_args import HUB_FLAGS, NO_HUB
+from tachyllm.errors import ConfigError, RequestError
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.outputs import RequestMetrics, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
@@ -30,6 +31,11 @@ class LLM:
     """LLM(model=None loads the embedded SmolLM2-135M-Instruct). Keyword options are EngineConfig's."""
 
     def __init__(self, model: str | None = None, **options):
+        # vLLM's hub options: trust_remote_code means nothing here (no checkpoint code runs); the others fetch.
+        options.pop("trust_remote_code", None)
+        hub = sorted(name for name in options if f"--{name.replace('_', '-')}" in HUB_FLAGS)
+        if hub:
+            raise ConfigError(f"{', '.join(hub)}: {NO_HUB}")
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(options) - known)
         if unknown:
