@@ -49,6 +49,8 @@ class EngineSnapshot:
     num_unstarted: int = 0  # requests admitted to the engine and never scheduled yet
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
     stats: StepStats = field(default_factory=StepStats)
+    # The KV cache's configuration as vLLM's cache_config_info labels it (LLMEngine.cache_config_info).
+    cache_config: dict[str, str] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -158,6 +160,14 @@ class LLMEngine:
             )  # fmt: skip
 
         self.stats = StepStats()
+        # vLLM's CacheConfig.metrics_info() names for what applies here (num_gpu_blocks: the KV blocks, on
+        # whatever device), as /metrics' cache_config_info labels them.
+        self.cache_config_info = {
+            "block_size": str(config.block_size),
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "num_gpu_blocks": str(num_blocks),
+        }
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key(),
             window=mc.sliding_window, window_blocks=layout.window_blocks,
@@ -262,7 +272,8 @@ class LLMEngine:
         # skipped the check (its cost then falls on this thread).
         grammar = self.input_processor.compile_grammar(params)
 
-        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
+        metrics = RequestMetrics(arrival_time or time.time(), params_n=params.n, params_max_tokens=params.max_tokens)
+        req = Request(request_id, text, token_ids, params, metrics, priority)
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -318,7 +329,9 @@ class LLMEngine:
                 finished_reasons=dict(stats.finished_reasons),
                 spec_accepted_per_pos=list(stats.spec_accepted_per_pos),
                 spec_draft_tokens_per_pos=list(stats.spec_draft_tokens_per_pos),
+                iteration_token_steps=list(stats.iteration_token_steps),
             ),
+            cache_config=self.cache_config_info,
         )
 
     # -- the step ----------------------------------------------------------------------------
@@ -371,6 +384,7 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         updates = self.scheduler.update_from_output(batch, result, seconds)
         self.stats.num_steps += 1
+        self.stats.record_iteration(batch.num_tokens)
         if self.speculator is not None:
             self.speculator.observe(batch, result, seconds)
         outputs = self._process(updates)
