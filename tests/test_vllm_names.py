@@ -244,3 +244,39 @@ def test_an_unknown_tool_call_parser_lists_ours():
     done = tachy_cli("serve", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
     assert done.returncode == 2 and done.stderr.count("\n") == 1
     assert "tachyllm has no tool call parser 'llama3_json'; its parsers: hermes" in done.stderr
+
+
+# -- get_tokenizer as transformers users call it -------------------------------------------------------
+
+
+def test_get_tokenizer_answers_transformers_calls(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("The quick brown fox")
+    encoded = tokenizer("The quick brown fox")
+    assert encoded.input_ids == encoded["input_ids"] == ids and encoded.attention_mask == [1] * len(ids)
+    batch = tokenizer(["The quick", "brown fox jumps"])
+    assert batch.input_ids == [tokenizer.encode("The quick"), tokenizer.encode("brown fox jumps")]
+    assert [len(mask) for mask in batch["attention_mask"]] == [len(i) for i in batch.input_ids]
+    assert tokenizer.batch_decode(batch.input_ids) == ["The quick", "brown fox jumps"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert tokens == [tokenizer.id_to_token(i) for i in ids] and tokenizer.convert_ids_to_tokens(ids[0]) == tokens[0]
+    assert tokenizer.convert_tokens_to_ids(tokens) == ids and tokenizer.convert_tokens_to_ids("<no such>") is None
+    vocab = tokenizer.get_vocab()
+    assert tokenizer.pad_token_id == vocab["<|endoftext|>"] and tokenizer.eos_token_id == vocab["<|im_end|>"]
+    assert len(tokenizer) == tokenizer.vocab_size
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    assert tokenizer.decode(chat, skip_special_tokens=False).startswith("<|im_start|>user\nhi")
+    with pytest.raises(AttributeError):
+        encoded.token_type_ids
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        tokenizer.convert_ids_to_tokens([10**6])
+
+
+def test_pad_token_id_survives_the_checkpoint_cache(llm):
+    from tachyllm.loading.tokenizer import Tokenizer
+
+    tokenizer = llm.get_tokenizer()
+    assert Tokenizer.from_state(tokenizer.to_state()).pad_token_id == tokenizer.pad_token_id is not None
+    state = tokenizer.to_state()
+    del state["pad_token_id"]  # a cache written before the pad token was kept
+    assert Tokenizer.from_state(state).pad_token_id is None

@@ -46,8 +46,10 @@ class LLM:
         self._warned_thread = False
 
     def get_tokenizer(self) -> Tokenizer:
-        """The model's tokenizer (with --chat-template's template, if one was given): encode, decode,
-        apply_chat_template (text, or token ids with tokenize=True), get_vocab, special token ids."""
+        """The model's tokenizer (or --tokenizer's; with --chat-template's template, if one was given): encode,
+        decode, apply_chat_template (text, or token ids with tokenize=True), get_vocab, special token ids, and
+        what code written for a transformers tokenizer calls: tokenizer(text).input_ids, batch_decode,
+        convert_ids_to_tokens, convert_tokens_to_ids, pad_token_id, eos_token_id, len()."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
