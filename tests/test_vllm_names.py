@@ -156,7 +156,7 @@ def test_max_logprobs_bounds_each_request(model_path):
 
 def test_max_logprobs_is_a_400_on_the_server(model_path):
     args = build_parser().parse_args(
-        ["serve", model_path, "--dtype", "float32", "--kv-cache-memory", "4M", "--max-logprobs", "1"]
+        ["serve", "--model", model_path, "--dtype", "float32", "--kv-cache-memory", "4M", "--max-logprobs", "1"]
     )
     engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
     try:
@@ -226,18 +226,38 @@ def test_logging_flags_take_vllms_names():
 
 
 def test_tool_call_parser_picks_the_format(model_path):
+    """The tiny model's ChatML template writes no <tool_call>: json by default. Under hermes the tools go to
+    the template (which ignores them) instead of the generic format's system message: a shorter prompt."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "max_tokens": 1}
+    prompt_tokens = {}
     for flags, fmt in [
         ([], "json"),
         (["--tool-call-parser", "hermes"], "hermes"),
         (["--tool-call-parser", "json"], "json"),
     ]:
-        args = build_parser().parse_args(["serve", model_path, "--enable-auto-tool-choice", *flags])
-        app = build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args)
-        served = app.state.server.models[0]
+        argv = [
+            "serve",
+            "--model",
+            model_path,
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "4M",
+            "--enable-auto-tool-choice",
+        ]
+        args = build_parser().parse_args([*argv, *flags])
+        engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
         try:
-            assert served.tool_format == fmt
+            app = build_app(engine, args)
+            assert app.state.server.models[0].tool_format == fmt
+            response = TestClient(app, base_url="http://127.0.0.1").post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            prompt_tokens[tuple(flags)] = response.json()["usage"]["prompt_tokens"]
         finally:
-            served.engine.shutdown(10)
+            engine.shutdown(10)
+    assert prompt_tokens[()] == prompt_tokens[("--tool-call-parser", "json")]
+    assert prompt_tokens[("--tool-call-parser", "hermes")] < prompt_tokens[()]
 
 
 def test_an_unknown_tool_call_parser_lists_ours():

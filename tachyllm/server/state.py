@@ -82,7 +82,7 @@ class ServedModel:
     @property
     def tool_format(self) -> str:
         """How this model writes tool calls (tools.py): --tool-call-parser, else its chat template's."""
-        return self.tool_call_parser or tool_format(self.engine.tokenizer.chat_template)
+        return tool_format(self.engine.tokenizer.chat_template, self.tool_call_parser)
 
     @property
     def name(self) -> str:
