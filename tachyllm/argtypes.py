@@ -40,10 +40,29 @@ def none_or(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def one_of(choices: tuple, kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`kind`, which must be one of `choices` (argparse's own check, for a parser whose choices its
+    `choices=` cannot list, as an optional one's unset by "none": none_or(one_of(...)))."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {', '.join(map(str, choices))} or none)"
+            )
+        return value
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
 def byte_size(text: str) -> int:
     """Plain bytes or a size like 512M / 2G / 1.5GiB (binary units)."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except OverflowError:  # "infG"
+        raise ValueError(f"not a finite size: {text!r}") from None

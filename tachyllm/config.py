@@ -6,7 +6,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import torch
 from tachyllm.argtypes import byte_size
 from tachyllm.chat_template import chat_template_flag, read_chat_template
 from tachyllm.errors import ConfigError
+from tachyllm.sampling_params import MAX_LOGPROBS
 from tachyllm.speculative_config import SpeculativeConfig
 
 logger = logging.getLogger("tachyllm")
@@ -105,6 +106,11 @@ class EngineConfig:
 
     model: str | None = option(
         None, "GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = option(
+        None,
+        "a tokenizer to use instead of the model's: a Hugging Face tokenizer directory (tokenizer.json) or a GGUF"
+        " file, a local path (default: the model's own)",
     )
     dtype: str = option(
         "auto",
@@ -212,6 +218,11 @@ class EngineConfig:
         "structured outputs: seconds a request waits for its constraint to compile; past it the request is refused"
         " (the compile finishes in the background and is cached) (default: 10)",
     )
+    max_logprobs: int = option(
+        MAX_LOGPROBS,
+        "most alternatives a request may ask for per token (logprobs, top_logprobs, prompt_logprobs); more is"
+        " refused; -1 = the whole vocabulary (default: 20)",
+    )
     # vLLM's flag name. Graphs need a CUDA device and a backend whose step metadata they can capture.
     enforce_eager: bool = option(
         False,
@@ -238,6 +249,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self._parse_byte_sizes()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.max_num_batched_tokens is None:
             # On a GPU a step's overhead is its launches, not its tokens: fewer, larger prefill steps.
@@ -289,6 +301,8 @@ class EngineConfig:
             raise ConfigError(f"tp_all_reduce must be shm or gloo (or unset), got {self.tp_all_reduce!r}")
         if self.tp_all_reduce is not None and self.device.startswith("cuda"):
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
+        if self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.max_constraint_bytes < 1:
             raise ConfigError(f"max_constraint_bytes must be >= 1, got {self.max_constraint_bytes}")
         if not self.constraint_compile_timeout > 0:
@@ -301,6 +315,23 @@ class EngineConfig:
             from tachyllm.backends import resolve_backend_name  # the backends import the model layers' kernels
 
             resolve_backend_name(self.backend, torch.device(self.device))
+
+    def _parse_byte_sizes(self) -> None:
+        """Byte-size options given as text (LLM(kv_cache_memory="2G"), as on the command line) parsed as their
+        flag parses them; anything but a whole number of bytes or such a text is refused, naming the option."""
+        for option_field in fields(self):
+            value = getattr(self, option_field.name)
+            if option_field.metadata.get("parse") is not byte_size or value is None:
+                continue
+            try:
+                parsed = byte_size(value) if isinstance(value, str) else value
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, int) or isinstance(parsed, bool):
+                raise ConfigError(
+                    f"{option_field.name} must be a number of bytes or a size such as 512M or 2G, got {value!r}"
+                )
+            setattr(self, option_field.name, parsed)
 
     def resolve_dtype(self) -> torch.dtype:
         """'auto' is bfloat16: half the bytes of fp32 per weight, multiplied by the C++ kernel with

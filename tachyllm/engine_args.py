@@ -14,7 +14,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from tachyllm.argtypes import none_or
+from tachyllm.argtypes import none_or, one_of
 from tachyllm.config import EngineConfig
 
 
@@ -43,6 +43,36 @@ class KeepEvery(argparse.Action):
         setattr(namespace, f"{self.dest}_all", [*every, values])
 
 
+# vLLM's flags that fetch a model from the Hugging Face hub. tachyllm opens local files only.
+NO_HUB = (
+    "tachyllm has no model hub: models and tokenizers are local paths (a GGUF file or a Hugging Face model "
+    "directory); download the model first and give its path"
+)
+HUB_FLAGS = {
+    "--revision": "the hub revision (branch, tag or commit) of the model",
+    "--tokenizer-revision": "the hub revision of the tokenizer",
+    "--download-dir": "where to download hub models",
+}
+
+
+class NoModelHub(argparse.Action):
+    """A vLLM hub flag: refused with NO_HUB, in one line, whatever its value."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise argparse.ArgumentError(self, NO_HUB)
+
+
+def add_hub_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model hub (vLLM's flags; models are local paths here)")
+    for flag, what in HUB_FLAGS.items():
+        group.add_argument(flag, action=NoModelHub, default=argparse.SUPPRESS, metavar="X", help=f"{what}: refused")
+    group.add_argument(
+        "--trust-remote-code", action="store_true", default=argparse.SUPPRESS,
+        help="accepted and ignored: tachyllm runs its own implementation of each model family, never a checkpoint's"
+        " Python code",
+    )  # fmt: skip
+
+
 def add_engine_args(parser: argparse.ArgumentParser, repeatable: dict[str, str] | None = None) -> None:
     """`repeatable`: fields whose flag may be given several times (KeepEvery), with the help text to
     append."""
@@ -60,9 +90,15 @@ def add_engine_args(parser: argparse.ArgumentParser, repeatable: dict[str, str] 
         else:
             options["type"] = _value_parser(field, hints[field.name])
             choices = field.metadata.get("choices")
-            # An optional field unset by "none" (a Ray Serve YAML's null) must pass its choices too.
-            options["choices"] = (*choices, None) if choices is not None and field.default is None else choices
+            if choices is not None and field.default is None:
+                # An optional field is unset by "none" (a Ray Serve YAML's null): one more choice, and --help
+                # says so (argparse's choices= would list Python's None, which the command line cannot spell).
+                options["type"] = none_or(one_of(choices, options["type"]))
+                options["metavar"] = "{" + ",".join(map(str, (*choices, "none"))) + "}"
+            else:
+                options["choices"] = choices
         group.add_argument(flag, **options)
+    add_hub_args(parser)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

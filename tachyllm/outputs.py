@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 
@@ -63,6 +64,9 @@ class RequestMetrics:
     spec_num_accepted_tokens: int = 0
     # Output tokens of each sample (choice), set when the request finishes.
     sample_output_tokens: list[int] = field(default_factory=list)
+    num_preemptions: int = 0  # times a sequence of the request was preempted for lack of KV blocks
+    params_n: int = 1  # the request's n and max_tokens (vLLM's request_params_* metrics)
+    params_max_tokens: int | None = None
 
     @property
     def queue_time(self) -> float | None:
@@ -134,6 +138,10 @@ class DeltaAccumulator:
         return out
 
 
+# Upper bounds of the tokens-per-step histogram (vLLM's iteration_tokens_total buckets).
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 @dataclass
 class StepStats:
     """Counters the engine accumulates; the server and logs read them."""
@@ -152,6 +160,14 @@ class StepStats:
     # that reached position i, and accepted / draft tokens overall.
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    # Steps by the tokens their forward computed: [i] counts steps of at most ITERATION_TOKEN_BUCKETS[i]
+    # tokens (and more than the bound before); the last entry, steps above every bound.
+    iteration_token_steps: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    iteration_tokens: int = 0  # their sum
+
+    def record_iteration(self, num_tokens: int) -> None:
+        self.iteration_token_steps[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, num_tokens)] += 1
+        self.iteration_tokens += num_tokens
 
     def record_spec(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1

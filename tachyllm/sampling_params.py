@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default of --max-logprobs, vLLM's and OpenAI's bound on top_logprobs
 # A temperature below this is greedy: dividing logits by it would overflow float32 (vLLM's rule).
 GREEDY_TEMPERATURE = 1e-5
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound on each logit_bias value
@@ -100,7 +100,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # a stop string that ends the output is part of its text
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    # Words never generated (vLLM's rule): the last token of a word's tokens is banned wherever the output
+    # ends with the tokens before it; a one-token word is banned everywhere. The InputProcessor tokenizes
+    # each word, as written and after a space, into bad_words_token_ids.
+    bad_words: list[str] | None = None
+    # Keep only the last N prompt tokens (left truncation); -1: the last max_model_len.
+    truncate_prompt_tokens: int | None = None
     stop_strings: list[str] = field(init=False, repr=False)
+    bad_words_token_ids: list[list[int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -112,6 +120,9 @@ class SamplingParams:
             self.stop_strings = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {t: float(v) for t, v in self.logit_bias.items()} if self.logit_bias else None
+        self.allowed_token_ids = list(self.allowed_token_ids) if self.allowed_token_ids is not None else None
+        self.bad_words = list(self.bad_words) if self.bad_words else None
+        self.bad_words_token_ids = []
 
     def _validate(self) -> None:
         def bad(name: str, value: object, why: str) -> ValueError:
@@ -145,12 +156,11 @@ class SamplingParams:
             raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
-        if self.prompt_logprobs is not None and (
-            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        # The upper bound is the engine's (--max-logprobs): the InputProcessor checks it.
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "must be an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "must be an integer >= 0 or None")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise bad("stop", self.stop, "must be a non-empty string or a list of non-empty strings")
@@ -167,6 +177,19 @@ class SamplingParams:
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "must be a bool")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (
+            not isinstance(allowed, (list, tuple)) or not allowed or not all(is_int(t) and t >= 0 for t in allowed)
+        ):
+            raise bad("allowed_token_ids", allowed, "must be a non-empty list of non-negative token ids or None")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise bad("bad_words", words, "must be a list of words (non-blank strings) or None")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not is_int(truncate) or (truncate < 1 and truncate != -1)):
+            raise bad("truncate_prompt_tokens", truncate, "must be an integer >= 1, -1 (max_model_len) or None")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams or None")
 
@@ -174,11 +197,17 @@ class SamplingParams:
         """(field, id) of every token id these params name that a vocabulary of vocab_size lacks."""
         named = [("stop_token_ids", t) for t in self.stop_token_ids]
         named += [("logit_bias", t) for t in self.logit_bias or {}]
+        named += [("allowed_token_ids", t) for t in self.allowed_token_ids or []]
         return [(name, t) for name, t in named if t >= vocab_size]
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """allowed_token_ids or bad words remove tokens from the row's choices (Sampler.process)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def uses_penalties(self) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import uvicorn
 from conftest import serving
@@ -230,3 +231,102 @@ def test_offline_throughput_and_latency(tmp_path, model_path, capsys):
     assert r["machine_bandwidth_gbs"] == 10 and r["bandwidth_source"] == "given"
     assert r["achieved_bandwidth_gbs"] == pytest.approx(r["weight_bytes"] * r["decode_steps_per_s"] / 1e9)
     assert "decode step" in capsys.readouterr().out
+
+
+# -- vLLM's `vllm bench serve` command line ------------------------------------------------------------
+
+SHAREGPT = [
+    {"conversations": [{"from": "human", "value": "The quick brown fox jumps over the lazy dog."},
+                       {"from": "gpt", "value": "Paged attention stores keys and values in blocks."}]},
+    {"conversations": [{"from": "human", "value": "def add(a, b): return a + b"},
+                       {"from": "gpt", "value": "Schedulers batch requests continuously, numbers 42."}]},
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "too short a prompt to keep"}]},
+    {"conversations": [{"from": "human", "value": "only one message here"}]},
+    {"id": "no conversations at all"},
+]  # fmt: skip
+
+
+def test_sharegpt_is_read_as_vllm_reads_it(model_path, tmp_path):
+    from tachyllm.bench.datasets import DatasetSpec, build_sessions
+    from tachyllm.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(model_path)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(SHAREGPT))
+    spec = DatasetSpec("sharegpt", num_prompts=5, path=str(path))
+    sessions = build_sessions(spec, tokenizer, np.random.default_rng(0))
+    prompts = {s.turns[0].text: s.turns[0].output_len for s in sessions}
+    assert len(sessions) == 5 and set(prompts) == {SHAREGPT[0]["conversations"][0]["value"],
+                                                   SHAREGPT[1]["conversations"][0]["value"]}  # fmt: skip
+    reply = SHAREGPT[0]["conversations"][1]["value"]
+    assert prompts[SHAREGPT[0]["conversations"][0]["value"]] == len(tokenizer.encode(reply, add_special_tokens=False))
+    fixed = build_sessions(DatasetSpec("sharegpt", 2, path=str(path), sharegpt_output_len=7), tokenizer,
+                           np.random.default_rng(0))  # fmt: skip
+    assert [s.turns[0].output_len for s in fixed] == [7, 7]
+    for bad, message in [(None, "needs --dataset-path"), (tmp_path / "missing.json", "cannot read the ShareGPT file")]:
+        with pytest.raises(ValueError, match=message):
+            build_sessions(DatasetSpec("sharegpt", 2, path=bad and str(bad)), tokenizer, np.random.default_rng(0))
+    (tmp_path / "short.json").write_text(json.dumps(SHAREGPT[2:]))
+    with pytest.raises(ValueError, match="holds no usable ShareGPT conversation"):
+        build_sessions(
+            DatasetSpec("sharegpt", 2, path=str(tmp_path / "short.json")), tokenizer, np.random.default_rng(0)
+        )
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--backend", "tgi"], "'tgi' is not an OpenAI-compatible backend"),
+        (["--endpoint", "/v1/embeddings"], "unknown endpoint '/v1/embeddings'"),
+        (["--percentile-metrics", "ttft,latency"], "expected a comma list of ttft, tpot, itl, e2el"),
+    ],
+)
+def test_vllm_bench_flags_refuse_what_they_cannot_mean(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_vllm_bench_serve_command_runs_unchanged(tmp_path, model_path, capsys):
+    args = build_parser().parse_args(
+        ["serve", "--model", model_path, "--port", "0", "--dtype", "float32", "--kv-cache-memory", "4M",
+         "--log-stats-interval", "0"]
+    )  # fmt: skip
+    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
+    with serving(server) as url:
+        port = url.rsplit(":", 1)[1]
+        vllm_style = [
+            "bench", "serve", "--backend", "vllm", "--model", model_path, "--endpoint", "/v1/completions",
+            "--port", port, "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4",
+            "--num-prompts", "3", "--ignore-eos", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "vllm.json", "--metric-percentiles", "50,99", "--percentile-metrics", "ttft,tpot",
+            "--disable-tqdm", "--trust-remote-code", "--seed", "1",
+        ]  # fmt: skip
+        assert main(vllm_style) == 0
+        summary = capsys.readouterr().out
+        result = json.loads((tmp_path / "vllm.json").read_text())
+        m = result["runs"][0]["metrics"]
+        assert (m["completed"], m["failed"], m["total_output_tokens"]) == (3, 0, 12)
+        assert {"p50", "p99"} <= set(m["ttft_ms"]) and result["settings"]["endpoint"] == "completions"
+        assert "P50 TTFT (ms):" in summary and "P99 TPOT (ms):" in summary
+        assert "Inter-token Latency" not in summary and "End-to-end Latency" not in summary
+        assert f"127.0.0.1:{port}/v1/completions" in summary
+
+        sharegpt = tmp_path / "sharegpt.json"
+        sharegpt.write_text(json.dumps(SHAREGPT))
+        chat_style = [
+            "bench", "serve", "--backend", "openai-chat", "--model", model_path, "--port", port,
+            "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), "--num-prompts", "2",
+            "--sharegpt-output-len", "3", "--ignore-eos", "--save-result", "--result-dir", str(tmp_path / "out"),
+            "--disable-tqdm",
+        ]  # fmt: skip
+        (tmp_path / "out").mkdir()
+        assert main(chat_style) == 0
+        (saved,) = (tmp_path / "out").glob(f"openai-chat-infqps-{Path(model_path).name}-*.json")
+        chat = json.loads(saved.read_text())
+        assert chat["settings"]["endpoint"] == "chat" and chat["runs"][0]["metrics"]["completed"] == 2
+        assert chat["runs"][0]["metrics"]["total_output_tokens"] == 6
+
+        mismatch = main(["bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/completions", "--port", port])
+        assert mismatch == 2
+        assert "--backend openai-chat sends chat requests, not to --endpoint /v1/completions" in capsys.readouterr().err

@@ -45,6 +45,8 @@ def test_defaults_round_trip():
 # (argv, field, parsed value): a non-default value of every field.
 NON_DEFAULTS = [
     (["--model", "m.gguf"], "model", "m.gguf"),
+    (["--tokenizer", "tok-dir"], "tokenizer", "tok-dir"),
+    (["--max-logprobs", "5"], "max_logprobs", 5),
     (["--dtype", "float32"], "dtype", "float32"),
     (["--device", "cpu:0"], "device", "cpu:0"),
     (["--max-model-len", "512"], "max_model_len", 512),
@@ -129,7 +131,7 @@ def test_optional_numbers_take_none_and_strings_keep_it():
     "argv, message",
     [
         (["--dtype", "float8"], "invalid choice: 'float8'"),
-        (["--quant-activation-bits", "4"], "invalid choice: 4"),
+        (["--quant-activation-bits", "4"], "invalid choice: '4' (choose from 8, 16 or none)"),
         (["--block-size", "big"], "invalid int value: 'big'"),
         (["--max-model-len", "x"], "invalid int value: 'x'"),
     ],

@@ -197,7 +197,7 @@ def test_with_speculative_decoding(tiny, spec):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5, True, "2"])
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2"])
 def test_bad_values_are_refused(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)

@@ -51,7 +51,6 @@ def draw(logits: list[float], params: SamplingParams, n: int = 4000) -> torch.Te
         ("repetition_penalty", 0),
         ("presence_penalty", 3),
         ("frequency_penalty", -3),
-        ("logprobs", 21),
         ("logprobs", -1),
         ("min_tokens", 100),
         ("stop", ""),

@@ -94,8 +94,8 @@ def one(samples, name: str, **labels: str) -> float:
     return value
 
 
-def run_request(http: TestClient) -> dict:
-    body = {"prompt": "The quick brown fox", "max_tokens": 4, "n": 2, "temperature": 0, "ignore_eos": True}
+def run_request(http: TestClient, prompt: str = "The quick brown fox") -> dict:
+    body = {"prompt": prompt, "max_tokens": 4, "n": 2, "temperature": 0, "ignore_eos": True}
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200
     return response.json()["usage"]
@@ -177,3 +177,47 @@ def test_our_dashboard_queries_only_exported_series(model_path):
         assert all("model_name" in labels for labels, _ in samples[name])
     for expr in queries:  # every selector filters by the dashboard's model variable
         assert all(sel == '{model_name=~"$model_name"}' for sel in re.findall(r"\{[^}]*\}", expr.replace("{{", "")))
+
+
+def test_vllm_request_parameter_cache_and_step_families(model_path):
+    """vLLM's request_params_*, prompt_tokens_cached, request_prefill_kv_computed_tokens,
+    request_num_preemptions, iteration_tokens_total, num_requests_waiting_by_reason and cache_config_info."""
+    with app_client(model_path, "--metrics-prefix", "vllm", "--served-model-name", "smol", "--block-size", "4") as http:
+        prompt = "The quick brown fox jumps over the lazy dog. " * 2
+        usage = run_request(http, prompt)
+        run_request(http, prompt)  # the same prompt again: its full blocks come from the prefix cache
+        samples = scrape(http)
+    for name in ("vllm:request_params_n_sum", "vllm:iteration_tokens_total_count", "vllm:cache_config_info"):
+        assert all(labels["model_name"] == "smol" and labels["engine"] == "0" for labels, _ in samples[name])
+    assert one(samples, "vllm:request_params_n_count") == 2 and one(samples, "vllm:request_params_n_sum") == 4
+    assert one(samples, "vllm:request_params_n_bucket", le="1.0") == 0
+    assert one(samples, "vllm:request_params_n_bucket", le="2.0") == 2
+    assert one(samples, "vllm:request_params_max_tokens_sum") == 8
+    cached = one(samples, "vllm:prompt_tokens_cached_total")
+    assert 0 < cached < 2 * usage["prompt_tokens"] and cached % 4 == 0
+    assert one(samples, "vllm:request_prefill_kv_computed_tokens_sum") == 2 * usage["prompt_tokens"] - cached
+    assert one(samples, "vllm:request_num_preemptions_count") == 2
+    assert one(samples, "vllm:request_num_preemptions_sum") == 0
+    steps = one(samples, "vllm:iteration_tokens_total_count")
+    assert steps >= 2 * 4 and one(samples, "vllm:iteration_tokens_total_bucket", le="+Inf") == steps
+    # Every generated token and every computed prompt token was some step's.
+    assert one(samples, "vllm:iteration_tokens_total_sum") >= 16 + 2 * usage["prompt_tokens"] - cached
+    assert one(samples, "vllm:iteration_tokens_total_bucket", le="1.0") <= steps
+    assert one(samples, "vllm:num_requests_waiting_by_reason", reason="capacity") == 0
+    assert one(samples, "vllm:num_requests_waiting_by_reason", reason="deferred") == 0
+    ((labels, value),) = samples["vllm:cache_config_info"]
+    assert value == 1 and labels["block_size"] == "4" and labels["enable_prefix_caching"] == "True"
+    assert int(labels["num_gpu_blocks"]) > 0 and labels["cache_dtype"] == "auto"
+
+
+def test_request_preemptions_are_counted(model_path):
+    """A KV cache of 16 blocks for n = 6 samples of 8 blocks each (sampled, so that they differ and share no
+    blocks): some are preempted, and the request's histogram counts them as vllm:num_preemptions_total does."""
+    with app_client(model_path, "--metrics-prefix", "vllm", "--kv-cache-memory", "32K", "--block-size", "4") as http:
+        body = {"prompt": "The quick brown fox", "max_tokens": 26, "n": 6, "seed": 0, "ignore_eos": True}
+        response = http.post("/v1/completions", json=body)
+        samples = scrape(http)
+    assert response.status_code == 200, response.text
+    total = one(samples, "vllm:num_preemptions_total")
+    assert total > 0
+    assert one(samples, "vllm:request_num_preemptions_sum") == total

@@ -10,7 +10,7 @@ from tachyllm.argtypes import non_negative_int, positive_float, positive_int
 from tachyllm.bench.datasets import DATASETS
 from tachyllm.bench.offline import cmd_bench_latency, cmd_bench_throughput
 from tachyllm.bench.plot import cmd_bench_plot
-from tachyllm.bench.serve import cmd_bench_serve
+from tachyllm.bench.serve import BACKENDS, PERCENTILE_METRICS, cmd_bench_serve, endpoint_kind
 from tachyllm.engine_args import add_engine_args
 
 
@@ -35,35 +35,83 @@ def parse_percentiles(text: str) -> list[float]:
     return values
 
 
+def parse_backend(text: str) -> str:
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an OpenAI-compatible backend; tachy bench serve takes vllm or openai (completions) "
+            "and openai-chat (chat completions)"
+        )
+    return text
+
+
+def parse_endpoint(text: str) -> str:
+    try:
+        return endpoint_kind(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in PERCENTILE_METRICS for name in names):
+        raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(PERCENTILE_METRICS)}, got {text!r}")
+    return names
+
+
 def add_workload_args(p: argparse.ArgumentParser, datasets: tuple[str, ...]) -> None:
+    """The workload; vLLM's bench names (--dataset-name, --random-input-len, ...) are the same flags."""
     g = p.add_argument_group("workload")
-    g.add_argument("--dataset", default="random", choices=datasets)
+    g.add_argument("--dataset", "--dataset-name", default="random", choices=datasets)
     g.add_argument(
-        "--dataset-path", default=None, help='JSONL for --dataset file: one {"prompt": str, "output_len": int} per line'
-    )
+        "--dataset-path", default=None,
+        help='--dataset file: JSONL, one {"prompt": str, "output_len": int} per line; sharegpt: a local ShareGPT JSON',
+    )  # fmt: skip
     g.add_argument(
         "--num-prompts", type=positive_int, default=100, help="requests in all (conversation turns count one each)"
     )
     g.add_argument(
         "--input-len",
+        "--random-input-len",
         type=positive_int,
         default=1024,
         help="prompt tokens (random; per turn or suffix for the others)",
     )
-    g.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of each request")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
+    g.add_argument(
+        "--output-len", "--random-output-len", type=positive_int, default=128, help="max_tokens of each request"
+    )
+    g.add_argument(
+        "--range-ratio", "--random-range-ratio", type=float, default=0.0,
+        help="lengths drawn uniformly from [len*(1-r), len*(1+r)]",
+    )  # fmt: skip
 
 
 def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="load-test an OpenAI-compatible server (tachy, llama.cpp, vLLM, ...)")
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is accepted)")
-    g.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    g.add_argument(
+        "--base-url", default=None,
+        help="server root (a trailing /v1 is accepted) (default: http://HOST:PORT, http://127.0.0.1:8000)",
+    )  # fmt: skip
+    g.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
+    g.add_argument("--port", type=positive_int, default=8000, help="the server's port, without --base-url")
+    g.add_argument(
+        "--endpoint", type=parse_endpoint, default=None, metavar="{completions,chat}",
+        help="the API: completions or chat, or its path (/v1/completions, /v1/chat/completions) "
+        "(default: --backend's, else completions)",
+    )  # fmt: skip
+    g.add_argument(
+        "--backend", type=parse_backend, default=None, metavar="{vllm,openai,openai-chat}",
+        help="vLLM's name for the API: vllm and openai send completions, openai-chat chat completions",
+    )  # fmt: skip
     g.add_argument(
         "--model",
         default=None,
         help="model name to request (default: the server's first); also the tokenizer when it is a local path",
     )
+    g.add_argument(
+        "--served-model-name", default=None,
+        help="the model name to request when it is not --model (then only the tokenizer's path)",
+    )  # fmt: skip
     g.add_argument(
         "--tokenizer",
         default=None,
@@ -84,6 +132,10 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--num-groups", type=positive_int, default=4, help="shared-prefix: number of distinct prefixes")
     g.add_argument("--num-turns", type=positive_int, default=3, help="conversation: user turns per session")
+    g.add_argument(
+        "--sharegpt-output-len", type=positive_int, default=None,
+        help="sharegpt: max_tokens of every request (default: the length of each conversation's reply)",
+    )  # fmt: skip
     g = p.add_argument_group("load")
     g.add_argument(
         "--request-rate",
@@ -113,10 +165,16 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("report")
     g.add_argument(
         "--percentiles",
+        "--metric-percentiles",
         type=parse_percentiles,
         default=[90.0, 99.0],
         help="comma list besides mean and median (default 90,99)",
     )
+    g.add_argument(
+        "--percentile-metrics", type=parse_percentile_metrics, default=list(PERCENTILE_METRICS),
+        metavar="METRICS", help=f"the latencies the summary reports, comma list of {','.join(PERCENTILE_METRICS)} "
+        "(default: all; the result file holds all)",
+    )  # fmt: skip
     g.add_argument(
         "--goodput",
         nargs="+",
@@ -133,6 +191,13 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--result-json", default=None, metavar="FILE", help="write every figure and the settings here")
     g.add_argument(
+        "--save-result", action="store_true",
+        help="vLLM's spelling: write the result file, --result-filename in --result-dir "
+        "(default name: BACKEND-RATEqps-MODEL-YYYYmmdd-HHMMSS.json)",
+    )  # fmt: skip
+    g.add_argument("--result-filename", default=None, metavar="FILE", help="with --save-result: its name")
+    g.add_argument("--result-dir", default=None, metavar="DIR", help="with --save-result: its folder (default: .)")
+    g.add_argument(
         "--save-detailed",
         action="store_true",
         help="--result-json also holds every request's TTFT, ITLs, latency, lengths and error",
@@ -141,7 +206,9 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--plot", default=None, metavar="FILE.png", help="throughput vs TTFT/TPOT p99 over the sweep's points"
     )
     g.add_argument("--label", default=None, help="this run's name in plots (default: MODEL @ URL)")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", "--disable-tqdm", action="store_true", help="no progress bar")
+    g = p.add_argument_group("vLLM's flags that mean nothing here")
+    g.add_argument("--trust-remote-code", action="store_true", help="accepted and ignored: tokenizers are local files")
     p.set_defaults(func=cmd_bench_serve)
 
 

@@ -16,7 +16,9 @@ import numpy as np
 
 from tachyllm.loading import Tokenizer
 
-DATASETS = ("random", "shared-prefix", "conversation", "file")
+DATASETS = ("random", "shared-prefix", "conversation", "file", "sharegpt")
+# vLLM's bounds on a ShareGPT conversation it keeps (benchmark_dataset.is_valid_sequence).
+SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT_LEN, SHAREGPT_MAX_TOTAL_LEN = 4, 1024, 2048
 
 
 @dataclass
@@ -40,7 +42,8 @@ class DatasetSpec:
     prefix_len: int = 512  # shared-prefix: tokens every request of a group starts with
     num_groups: int = 4  # shared-prefix: distinct prefixes
     num_turns: int = 3  # conversation: user turns per session
-    path: str | None = None  # file: JSONL of {"prompt": str, "output_len": int (optional)}
+    path: str | None = None  # file: JSONL of {"prompt": str, "output_len": int (optional)}; sharegpt: its JSON
+    sharegpt_output_len: int | None = None  # sharegpt: max_tokens of every request (default: each reply's length)
 
 
 def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator) -> list[int]:
@@ -95,6 +98,8 @@ def build_sessions(spec: DatasetSpec, tokenizer: Tokenizer, rng: np.random.Gener
         return [Session(turns[k : k + spec.num_turns]) for k in range(0, n, spec.num_turns)]
     if spec.kind == "file":
         return [Session([turn]) for turn in read_prompt_file(spec.path, spec.output_len, n)]
+    if spec.kind == "sharegpt":
+        return [Session([turn]) for turn in read_sharegpt(spec.path, tokenizer, n, spec.sharegpt_output_len, rng)]
     raise ValueError(f"unknown dataset {spec.kind!r}; choose from {', '.join(DATASETS)}")
 
 
@@ -113,4 +118,40 @@ def read_prompt_file(path: str | None, default_output_len: int, n: int) -> list[
             raise ValueError(f'{path}:{number}: expected {{"prompt": str, "output_len": int}}: {e}') from e
     if not turns:
         raise ValueError(f"{path} holds no prompts")
+    return [turns[k % len(turns)] for k in range(n)]
+
+
+def read_sharegpt(
+    path: str | None, tokenizer: Tokenizer, n: int, output_len: int | None, rng: np.random.Generator
+) -> list[Turn]:
+    """n requests drawn as vLLM's ShareGPT dataset draws them: conversations in random order, each one's first
+    message the prompt and the reply's token count its max_tokens (or `output_len`), keeping those of 4 to
+    1024 prompt tokens, 4 or more output tokens and 2048 at most together; cycling when fewer are kept."""
+    if path is None:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json (a local ShareGPT file)")
+    try:
+        records = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the ShareGPT file {path}: {e}") from e
+    if not isinstance(records, list):
+        raise ValueError(f'{path}: expected a ShareGPT JSON list of {{"conversations": [...]}}')
+    turns: list[Turn] = []
+    for index in rng.permutation(len(records)):
+        conversation = records[index].get("conversations") if isinstance(records[index], dict) else None
+        if not isinstance(conversation, list) or len(conversation) < 2:
+            continue
+        try:
+            prompt, reply = str(conversation[0]["value"]), str(conversation[1]["value"])
+        except (KeyError, TypeError):
+            continue
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        wanted = output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+        too_short = prompt_len < SHAREGPT_MIN_LEN or (output_len is None and wanted < SHAREGPT_MIN_LEN)
+        if too_short or prompt_len > SHAREGPT_MAX_PROMPT_LEN or prompt_len + wanted > SHAREGPT_MAX_TOTAL_LEN:
+            continue
+        turns.append(Turn(prompt, wanted))
+        if len(turns) == n:
+            break
+    if not turns:
+        raise ValueError(f"{path} holds no usable ShareGPT conversation (two messages, within vLLM's lengths)")
     return [turns[k % len(turns)] for k in range(n)]

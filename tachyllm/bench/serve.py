@@ -82,6 +82,41 @@ def json_rate(rate: float) -> float | str:
 
 # -- argument parsing ----------------------------------------------------------------------------
 
+# vLLM's --backend names for the two APIs this client speaks.
+BACKENDS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
+PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def endpoint_kind(text: str) -> str:
+    """--endpoint: a kind (completions, chat) or its path as vLLM's bench takes it (/v1/completions)."""
+    by_path = {path: kind for kind, path in ENDPOINTS.items()}
+    if text in ENDPOINTS or text in by_path:
+        return by_path.get(text, text)
+    raise ValueError(f"unknown endpoint {text!r}; choose from {', '.join([*ENDPOINTS, *by_path])}")
+
+
+def apply_vllm_flags(args: argparse.Namespace) -> None:
+    """vLLM's bench flags on this command's own: --host/--port as the --base-url, --backend as the
+    --endpoint, --served-model-name as the model requested, --save-result as a --result-json file."""
+    args.base_url = args.base_url or f"http://{args.host}:{args.port}"
+    from_backend = BACKENDS[args.backend] if args.backend else None
+    if from_backend and args.endpoint and args.endpoint != from_backend:
+        raise ValueError(
+            f"--backend {args.backend} sends {from_backend} requests, not to --endpoint {ENDPOINTS[args.endpoint]}"
+        )
+    args.endpoint = args.endpoint or from_backend or "completions"
+    if args.served_model_name:
+        args.tokenizer = args.tokenizer or args.model  # --model then names the tokenizer only, as in vLLM
+        args.model = args.served_model_name
+    if args.save_result or args.result_filename:
+        if args.result_json:
+            raise ValueError("give the result file once: --result-json, or --save-result with --result-filename")
+        rate = "+".join(str(json_rate(r)) for r in args.request_rate)
+        model = Path(args.model).name if args.model else "model"
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        name = args.result_filename or f"{args.backend or 'vllm'}-{rate}qps-{model}-{stamp}.json"
+        args.result_json = str(Path(args.result_dir or ".") / name)
+
 
 def parse_slos(items: list[str] | None) -> dict[str, float]:
     slos: dict[str, float] = {}
@@ -198,6 +233,7 @@ async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str
         num_groups=args.num_groups,
         num_turns=args.num_turns,
         path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len,
     )
     slos = parse_slos(args.goodput)
     points: list[PointResult] = []
@@ -221,9 +257,8 @@ async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str
             stats = server_stats(before, after) if before is not None and after is not None else None
             detailed = detailed_results(results) if args.save_detailed else None
             point = PointResult(rate, concurrency, args.seed, metrics, stats, detailed)
-            print(
-                format_summary(point, f"{root_url(args.base_url)}{ENDPOINTS[args.endpoint]}", model, args.percentiles)
-            )
+            url = f"{root_url(args.base_url)}{ENDPOINTS[args.endpoint]}"
+            print(format_summary(point, url, model, args.percentiles, args.percentile_metrics))
             points.append(point)
     return model, points
 
@@ -233,7 +268,14 @@ async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str
 WIDTH = 60
 
 
-def format_summary(point: PointResult, url: str, model: str, percentiles: list[float]) -> str:
+def format_summary(
+    point: PointResult,
+    url: str,
+    model: str,
+    percentiles: list[float],
+    latencies: tuple[str, ...] | list[str] = PERCENTILE_METRICS,
+) -> str:
+    """`latencies`: which of PERCENTILE_METRICS get a section."""
     m = point.metrics
     lines = [" Serving Benchmark Result ".center(WIDTH, "=")]
 
@@ -275,6 +317,8 @@ def format_summary(point: PointResult, url: str, model: str, percentiles: list[f
         ("Inter-token Latency", "ITL", m.itl_ms),
         ("End-to-end Latency", "E2EL", m.e2el_ms),
     ):
+        if short.lower() not in latencies:
+            continue
         section(title)
         for key in keys:
             row(f"{key.capitalize() if key in ('mean', 'median') else key.upper()} {short} (ms):", dist.get(key, "-"))
@@ -311,6 +355,7 @@ def settings(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    apply_vllm_flags(args)
     if args.save_detailed and not args.result_json:
         raise ValueError("--save-detailed writes into the --result-json file: give one")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request

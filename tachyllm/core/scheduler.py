@@ -401,6 +401,7 @@ class Scheduler:
         self.running.remove(seq)
         self.add(seq)
         self.stats.num_preemptions += 1
+        seq.request.metrics.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
         """Ends seq wherever it is (waiting or running) and returns its blocks at once."""

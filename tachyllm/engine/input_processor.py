@@ -8,12 +8,12 @@ engine thread steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tachyllm.errors import RequestError
 from tachyllm.loading.tokenizer import Tokenizer
-from tachyllm.sampling_params import SamplingParams
+from tachyllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from tachyllm.structured_output.compiler import CompiledGrammar, ConstraintLimits, GrammarCompiler, GrammarError
 
 
@@ -27,6 +27,7 @@ class InputLimits:
     block_size: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    max_logprobs: int = MAX_LOGPROBS  # alternatives a request may ask for per token (--max-logprobs)
 
     @property
     def context_limit(self) -> int:
@@ -109,6 +110,19 @@ class InputProcessor:
             kind = params.structured_outputs.kind
             raise RequestError(f"structured outputs ({kind}): {e}", param="structured_outputs") from None
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences that spell each word: as written (leading spaces dropped) and after a space,
+        where that is a different sequence of as many tokens (vLLM's rule: a word at the start of the text and
+        in the middle of it)."""
+        sequences = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        return sequences
+
     def encode(self, text: str) -> list[int]:
         """The token ids of a text prompt (a BOS first, when the model wants one)."""
         return self.tokenizer.encode(text)
@@ -144,13 +158,32 @@ class InputProcessor:
         return Prompt(text, token_ids)
 
     def process_request(self, prompt: Prompt, params: SamplingParams) -> ProcessedRequest:
-        """Checks what `params` name (token ids) and ask for (room in the context and the KV cache)."""
+        """Checks what `params` name (token ids) and ask for (room in the context and the KV cache); cuts the
+        prompt to its truncate_prompt_tokens and tokenizes its bad_words (the ProcessedRequest's params are
+        then a copy)."""
         limits = self.limits
         if unknown := params.token_ids_at_or_above(limits.vocab_size):
             name, token = unknown[0]
             raise RequestError(
                 f"{name}: token id {token} is not in the vocabulary (ids 0 to {limits.vocab_size - 1})", param=name
             )
+        for name in ("logprobs", "prompt_logprobs"):
+            wanted = getattr(params, name)
+            if wanted is not None and wanted > limits.max_logprobs:
+                raise RequestError(
+                    f"{name}: {wanted} alternatives per token were requested, more than this engine's max_logprobs "
+                    f"({limits.max_logprobs})",
+                    param=name,
+                )
+        if params.truncate_prompt_tokens is not None:
+            keep = limits.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            if len(prompt.token_ids) > keep:  # the text no longer matches the ids: not kept
+                prompt = Prompt(None, prompt.token_ids[-keep:])
+        if params.bad_words:
+            params = replace(params)
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+            if any(t >= limits.vocab_size for word in params.bad_words_token_ids for t in word):
+                raise RequestError("bad_words: a word's tokens are not in the model's vocabulary", param="bad_words")
         prompt_len = len(prompt.token_ids)
         total = prompt_len + params.max_tokens
         if total > limits.max_model_len:

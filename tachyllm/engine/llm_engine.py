@@ -18,10 +18,10 @@ from tachyllm.core.sequence import Request, Sequence
 from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
 from tachyllm.engine.output_processor import OutputProcessor
 from tachyllm.engine.stats_logger import StatsLogger
-from tachyllm.errors import EngineCorruptedError, RequestError, WorkerError
+from tachyllm.errors import ConfigError, EngineCorruptedError, RequestError, WorkerError
 from tachyllm.host_malloc import keep_freed_memory, use_one_arena
 from tachyllm.kernels.kv_quant import KV_STORAGE
-from tachyllm.loading import Checkpoint, load_checkpoint
+from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
@@ -53,6 +53,8 @@ class EngineSnapshot:
     free_batch_slots: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use
     stats: StepStats = field(default_factory=StepStats)
+    # The KV cache's configuration as vLLM's cache_config_info labels it (LLMEngine.cache_config_info).
+    cache_config: dict[str, str] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -77,7 +79,12 @@ class LLMEngine:
             )
         ckpt = load_checkpoint(config.model)
         self.model_config = mc = ckpt.config
-        self.tokenizer = ckpt.tokenizer
+        self.tokenizer = ckpt.tokenizer if config.tokenizer is None else load_tokenizer(config.tokenizer)
+        if config.tokenizer is not None and self.tokenizer.vocab_size > mc.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens, more than the model's vocabulary "
+                f"({mc.vocab_size}): its ids past {mc.vocab_size - 1} have no embedding"
+            )
         if config.chat_template is not None:
             self.tokenizer = self.tokenizer.with_chat_template(config.chat_template)
         self.model_name = config.model or DEFAULT_MODEL_NAME
@@ -163,6 +170,14 @@ class LLMEngine:
             )  # fmt: skip
 
         self.stats = StepStats()
+        # vLLM's CacheConfig.metrics_info() names for what applies here (num_gpu_blocks: the KV blocks, on
+        # whatever device), as /metrics' cache_config_info labels them.
+        self.cache_config_info = {
+            "block_size": str(config.block_size),
+            "cache_dtype": config.kv_cache_dtype,
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "num_gpu_blocks": str(num_blocks),
+        }
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key(),
             window=mc.sliding_window, window_blocks=layout.window_blocks,
@@ -172,7 +187,7 @@ class LLMEngine:
         )
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(
             mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
+            config.enable_chunked_prefill, mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
         ), eos, ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout))  # fmt: skip
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
@@ -267,7 +282,8 @@ class LLMEngine:
         # skipped the check (its cost then falls on this thread).
         grammar = self.input_processor.compile_grammar(params)
 
-        req = Request(request_id, text, token_ids, params, RequestMetrics(arrival_time or time.time()), priority)
+        metrics = RequestMetrics(arrival_time or time.time(), params_n=params.n, params_max_tokens=params.max_tokens)
+        req = Request(request_id, text, token_ids, params, metrics, priority)
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -347,7 +363,9 @@ class LLMEngine:
                 finished_reasons=dict(stats.finished_reasons),
                 spec_accepted_per_pos=list(stats.spec_accepted_per_pos),
                 spec_draft_tokens_per_pos=list(stats.spec_draft_tokens_per_pos),
+                iteration_token_steps=list(stats.iteration_token_steps),
             ),
+            cache_config=self.cache_config_info,
         )
 
     # -- the step ----------------------------------------------------------------------------
@@ -400,6 +418,7 @@ class LLMEngine:
         seconds = time.perf_counter() - t0
         updates = self.scheduler.update_from_output(batch, result, seconds)
         self.stats.num_steps += 1
+        self.stats.record_iteration(batch.num_tokens)
         if self.speculator is not None:
             self.speculator.observe(batch, result, seconds)
         outputs = self._process(updates)

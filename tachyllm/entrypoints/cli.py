@@ -115,12 +115,32 @@ def cmd_chat(args: argparse.Namespace) -> int:
         turn += 1
 
 
+# The namespace attribute naming the innermost (sub)command parser that parsed a command line.
+_PARSED_BY = "_parsed_by"
+
+
 class OneLineErrors(argparse.ArgumentParser):
     """A bad flag or value is one line on stderr (not argparse's usage block, which for `tachy serve`
-    runs to dozens of lines) and exit status 2; subcommands' parsers are of this class too."""
+    runs to dozens of lines) and exit status 2; subcommands' parsers are of this class too. Arguments
+    no parser knows are told by the subcommand that was given them (`tachy serve: error: unrecognized
+    arguments: ... (see tachy serve --help)`), not by `tachy`, whose help does not list its subcommands' flags."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if not hasattr(namespace, _PARSED_BY):  # a subcommand's parser returned first and set it
+            setattr(namespace, _PARSED_BY, self)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        parser = getattr(namespace, _PARSED_BY)
+        delattr(namespace, _PARSED_BY)
+        if extras:
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,8 @@ from tqdm import tqdm
 from tachyllm.chat_template import read_chat_template
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.errors import RequestError
+from tachyllm.engine_args import HUB_FLAGS, NO_HUB
+from tachyllm.errors import ConfigError, RequestError
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.outputs import RequestMetrics, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
@@ -30,6 +31,11 @@ class LLM:
     """LLM(model=None loads the embedded SmolLM2-135M-Instruct). Keyword options are EngineConfig's."""
 
     def __init__(self, model: str | None = None, **options):
+        # vLLM's hub options: trust_remote_code means nothing here (no checkpoint code runs); the others fetch.
+        options.pop("trust_remote_code", None)
+        hub = sorted(name for name in options if f"--{name.replace('_', '-')}" in HUB_FLAGS)
+        if hub:
+            raise ConfigError(f"{', '.join(hub)}: {NO_HUB}")
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(options) - known)
         if unknown:
@@ -40,8 +46,10 @@ class LLM:
         self._warned_thread = False
 
     def get_tokenizer(self) -> Tokenizer:
-        """The model's tokenizer (with --chat-template's template, if one was given): encode, decode,
-        apply_chat_template (text, or token ids with tokenize=True), get_vocab, special token ids."""
+        """The model's tokenizer (or --tokenizer's; with --chat-template's template, if one was given): encode,
+        decode, apply_chat_template (text, or token ids with tokenize=True), get_vocab, special token ids, and
+        what code written for a transformers tokenizer calls: tokenizer(text).input_ids, batch_decode,
+        convert_ids_to_tokens, convert_tokens_to_ids, pad_token_id, eos_token_id, len()."""
         return self.engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -154,6 +154,15 @@ class GracefulServer(uvicorn.Server):
         self._spawn(self._watch_engine())
         await super().serve(sockets)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            # The address actually bound (uvicorn's own line repeats --port, 0 included): how a client
+            # or a test finds a server started with --port 0.
+            for sock in [sock for server in self.servers for sock in server.sockets]:
+                host, port = sock.getsockname()[:2]
+                logger.info("serving on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self._signals += 1
         if self._loop is None or self._signals > 2:

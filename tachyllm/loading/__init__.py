@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from gguf import ReaderTensor
+from gguf import GGUFReader, ReaderTensor
 
 from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError, TachyError
@@ -23,7 +23,7 @@ from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.loading.weights import Select, WeightSource
 
-__all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint"]
+__all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint", "load_tokenizer"]
 
 logger = logging.getLogger("tachyllm")
 
@@ -64,6 +64,23 @@ def load_checkpoint(path: str | None) -> Checkpoint:
         # Parsers fail with struct/Key/Value errors on damaged files; callers get one readable line.
         raise ModelLoadError(f"cannot load {source}: corrupt or unreadable ({_one_line(exc)})") from exc
     raise ModelLoadError(f"cannot load {source}: not a GGUF file or a Hugging Face model directory")
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer alone (--tokenizer): a Hugging Face directory's tokenizer.json, or a GGUF file's vocabulary."""
+    location = Path(path)
+    if not location.exists():
+        raise ModelLoadError(f"tokenizer path does not exist: {path}")
+    try:
+        if location.is_dir():
+            return Tokenizer.from_hf_dir(location)
+        if location.suffix.lower() == ".gguf" or _has_gguf_magic(location):
+            return Tokenizer.from_gguf(GGUFReader(path))
+    except TachyError as exc:
+        raise ModelLoadError(f"cannot load the tokenizer {path}: {exc}") from exc
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer {path}: corrupt or unreadable ({_one_line(exc)})") from exc
+    raise ModelLoadError(f"cannot load the tokenizer {path}: not a GGUF file or a Hugging Face tokenizer directory")
 
 
 def _load_gguf(source: str) -> Checkpoint:

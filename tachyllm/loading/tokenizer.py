@@ -58,6 +58,16 @@ _BYTE_LEVEL_PRE: dict[str, tuple[tuple[str, ...], bool]] = {
 _SPM_SPACE = "\u2581"  # SentencePiece writes spaces as "▁"
 
 
+class BatchEncoding(dict):
+    """What calling a tokenizer returns, as transformers has it: a dict whose keys are also attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and chat-template rendering for one model."""
 
@@ -69,10 +79,12 @@ class Tokenizer:
         eos_token_id: int | None,
         add_bos: bool,
         chat_template: str | None,
+        pad_token_id: int | None = None,
     ) -> None:
         self._backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
         self.add_bos = add_bos and bos_token_id is not None
         self.chat_template = chat_template
         # A GGUF vocabulary may repeat a string, leaving holes in the id range, so the size is the
@@ -108,6 +120,7 @@ class Tokenizer:
             eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"),
             add_bos=gguf_value(reader, "tokenizer.ggml.add_bos_token", add_bos_default),
             chat_template=gguf_value(reader, "tokenizer.chat_template"),
+            pad_token_id=gguf_value(reader, "tokenizer.ggml.padding_token_id"),
         )
 
     @classmethod
@@ -132,6 +145,7 @@ class Tokenizer:
             eos_token_id=_token_id(backend, config.get("eos_token")),
             add_bos=add_bos,
             chat_template=_hf_chat_template(directory, config),
+            pad_token_id=_token_id(backend, config.get("pad_token")),
         )
 
     def to_json(self) -> str:
@@ -146,6 +160,7 @@ class Tokenizer:
             "eos_token_id": self.eos_token_id,
             "add_bos": self.add_bos,
             "chat_template": self.chat_template,
+            "pad_token_id": self.pad_token_id,
         }
 
     @classmethod
@@ -156,6 +171,7 @@ class Tokenizer:
             eos_token_id=state["eos_token_id"],
             add_bos=state["add_bos"],
             chat_template=state["chat_template"],
+            pad_token_id=state.get("pad_token_id"),  # absent from checkpoint caches written before it was kept
         )
 
     def with_chat_template(self, chat_template: str) -> Tokenizer:
@@ -224,6 +240,31 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self.special_ids
+
+    # -- Hugging Face's spellings, for code written against a transformers tokenizer (vLLM's get_tokenizer) --
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
+        """{"input_ids", "attention_mask"} of a text, or a list of each for a list of texts (unpadded)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+        encoded = [self.encode(t, add_special_tokens) for t in text]
+        return BatchEncoding(input_ids=encoded, attention_mask=[[1] * len(ids) for ids in encoded])
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
+        return self.id_to_token(ids) if isinstance(ids, int) else [self.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        """None for a token the vocabulary lacks."""
+        if isinstance(tokens, str):
+            return self._backend.token_to_id(tokens)
+        return [self._backend.token_to_id(t) for t in tokens]
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     # -- chat ---------------------------------------------------------------------------------
 

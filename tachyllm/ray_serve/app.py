@@ -87,7 +87,10 @@ class Ingress:
         serve_grpc_on_node_ip()
         names = list(engines)
         infos = await asyncio.gather(*(engines[name].describe.remote() for name in names))
-        models = [ServedModel([name], RemoteEngine(name, engines[name], info)) for name, info in zip(names, infos)]
+        models = [
+            ServedModel([name], RemoteEngine(name, engines[name], info), options.tool_call_parser)
+            for name, info in zip(names, infos)
+        ]
         app_name = serve.get_replica_context().app_name
         hub = routing_hub(app_name)
 

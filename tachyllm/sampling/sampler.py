@@ -91,9 +91,11 @@ class Sampler:
         return logits.index_copy(0, index, torch.where(allowed, logits[index], float("-inf")))
 
     def process(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
-        """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens,
-        penalties, logit biases."""
+        """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens, tokens
+        outside allowed_token_ids or ending a bad word masked, penalties, logit biases."""
         logits = self._suppress_stops_before_min_tokens(logits[:, : self.vocab_size], seqs)
+        if any(s.params.restricts_tokens for s in seqs):
+            logits = self._restrict_tokens(logits, seqs)
         if any(s.params.uses_penalties for s in seqs):
             logits = self._apply_penalties(logits, seqs)
         if any(s.params.logit_bias for s in seqs):
@@ -153,6 +155,18 @@ class Sampler:
             logits = logits.flatten().index_fill(0, index, float("-inf")).view(logits.shape)
         return logits
 
+    def _restrict_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+        """-inf for every token outside a row's allowed_token_ids and for the tokens that would end one of
+        its bad words now: one host mask over the batch, one transfer."""
+        banned = torch.zeros(logits.shape, dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            if s.params.allowed_token_ids is not None:
+                banned[i] = True
+                banned[i, s.params.allowed_token_ids] = False
+            if s.params.bad_words_token_ids:
+                banned[i, bad_word_endings(s.params.bad_words_token_ids, s.output_token_ids)] = True
+        return logits.masked_fill(to_device(banned, torch.bool, logits.device), float("-inf"))
+
     def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         flat, values = [], []
@@ -191,6 +205,17 @@ class Sampler:
         logits = torch.where(seen & logits.isfinite(), penalised, logits)
         # OpenAI presence / frequency penalties count output tokens only.
         return logits - freq * out_counts - pres * (out_counts > 0)
+
+
+def bad_word_endings(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> list[int]:
+    """The tokens that would complete a bad word now: each word's last token where the output ends with
+    the tokens before it (vLLM's rule: only generated tokens count, not the prompt's)."""
+    endings = []
+    for word in bad_words_token_ids:
+        before = word[:-1]
+        if len(before) <= len(output_token_ids) and output_token_ids[len(output_token_ids) - len(before) :] == before:
+            endings.append(word[-1])
+    return endings
 
 
 def logprob_rows(

@@ -32,7 +32,7 @@ from tachyllm.version import __version__
 
 def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     """The server of one engine in this process."""
-    served = ServedModel(list(args.served_model_name or [engine.model_name]), engine)
+    served = ServedModel(list(args.served_model_name or [engine.model_name]), engine, args.tool_call_parser)
     metrics = ServerMetrics(served.name, engine.max_model_len, metrics_options(args))
     engine.add_output_listener(metrics.observe)
 

@@ -13,11 +13,12 @@ import logging
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 from tachyllm.engine.llm_engine import EngineSnapshot
-from tachyllm.outputs import RequestOutput, StepStats
+from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -26,6 +27,14 @@ _LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 600.0,
 )  # fmt: skip
+
+
+# vLLM's buckets of the request's n and of its preemptions.
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+# vLLM's reasons a request waits: for room (all of tachyllm's waiting requests), or deferred by a transient
+# constraint (LoRA budget, KV transfer: none here).
+_WAITING_REASONS = ("capacity", "deferred")
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -94,6 +103,19 @@ class ServerMetrics:
         self.max_generation_len = histogram(
             "request_max_num_generation_tokens", "Generated tokens of a finished request's longest sample.", lengths
         )
+        self.params_n = histogram("request_params_n", "The n request parameter of finished requests.", _N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The max_tokens request parameter of finished requests.", lengths
+        )
+        self.kv_computed = histogram(
+            "request_prefill_kv_computed_tokens",
+            "Prompt tokens a finished request's prefill computed (its prompt less the prefix-cache hits).",
+            lengths,
+        )
+        self.request_preemptions = histogram(
+            "request_num_preemptions", "Preemptions of each finished request.", _PREEMPTION_BUCKETS
+        )
+        self.prompt_cached = counter("prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
@@ -121,6 +143,16 @@ class ServerMetrics:
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
         # The name vLLM used before kv_cache_usage_perc, which its older dashboards still query.
         self.kv_usage_old = gauge("gpu_cache_usage_perc", "Same as kv_cache_usage_perc.") if prefix == "vllm" else None
+        waiting_by_reason = Gauge(
+            f"{prefix}:num_requests_waiting_by_reason",
+            "Requests waiting, by reason: capacity (for room to run), deferred (none here); they sum to the waiting.",
+            [*label, "reason"],
+            registry=self.registry,
+        )
+        self._waiting_by_reason = {r: waiting_by_reason.labels(*values, r) for r in _WAITING_REASONS}
+        self._cache_info_exported = False
+        self._iteration_tokens = _IterationTokens(f"{prefix}:iteration_tokens_total", self._labels)
+        self.registry.register(self._iteration_tokens)
 
         self._exported = StepStats()  # counter values already added to the registry
         self._progress: dict[str, _Progress] = {}  # engine thread only
@@ -133,7 +165,8 @@ class ServerMetrics:
             progress = self._progress.setdefault(out.request_id, _Progress())
             new_tokens = m.num_generated_tokens - progress.num_tokens
             if new_tokens > 0:
-                if progress.num_tokens == 0:
+                if progress.num_tokens == 0:  # the prefill is done: its cache hits are known
+                    self.prompt_cached.inc(out.num_cached_tokens)
                     if m.ttft is not None:
                         self.ttft.observe(m.ttft)
                     new_tokens -= 1  # the first token has no interval before it
@@ -177,6 +210,11 @@ class ServerMetrics:
             self.decode.observe(m.last_token_time - m.first_token_time)
         if m.mean_tpot is not None:
             self.tpot.observe(m.mean_tpot)
+        self.params_n.observe(m.params_n)
+        if m.params_max_tokens is not None:
+            self.params_max_tokens.observe(m.params_max_tokens)
+        self.kv_computed.observe(prompt_len - out.num_cached_tokens)
+        self.request_preemptions.observe(m.num_preemptions)
 
     # -- event loop ---------------------------------------------------------------------------
     def sync(self, snapshot: EngineSnapshot) -> None:
@@ -206,6 +244,18 @@ class ServerMetrics:
         self._exported = now
         self.running.set(snapshot.num_running)
         self.waiting.set(snapshot.num_waiting)
+        self._waiting_by_reason["capacity"].set(snapshot.num_waiting)
+        self._iteration_tokens.stats = now
+        if snapshot.cache_config and not self._cache_info_exported:  # constant: labelled once
+            labels = {**snapshot.cache_config, **self._labels}  # vLLM's has no model_name; every series here has
+            info = Gauge(
+                f"{self.options.prefix}:cache_config_info",
+                "Information of the KV cache's configuration (a constant 1 carrying it in its labels).",
+                list(labels),
+                registry=self.registry,
+            )
+            info.labels(**labels).set(1)
+            self._cache_info_exported = True
         self.kv_usage.set(snapshot.kv_cache_usage)
         if self.kv_usage_old is not None:
             self.kv_usage_old.set(snapshot.kv_cache_usage)
@@ -229,6 +279,28 @@ def merge_expositions(parts: list[tuple[dict[str, str], bytes]]) -> bytes:
     registry = CollectorRegistry()
     registry.register(_Fixed(list(families.values())))
     return generate_latest(registry)
+
+
+class _IterationTokens:
+    """The tokens-per-step histogram, read from the engine's counts (StepStats.iteration_token_steps) at each
+    scrape: the engine observes every step, which no output listener sees (a step may emit nothing)."""
+
+    def __init__(self, name: str, labels: dict[str, str]) -> None:
+        self._name, self._labels = name, labels
+        self.stats = StepStats()
+
+    def collect(self) -> list[Metric]:
+        family = HistogramMetricFamily(
+            self._name, "Histogram of number of tokens per engine step.", labels=list(self._labels)
+        )
+        cumulative, buckets = 0, []
+        for bound, steps in zip(
+            [*map(floatToGoString, ITERATION_TOKEN_BUCKETS), "+Inf"], self.stats.iteration_token_steps
+        ):
+            cumulative += steps
+            buckets.append((bound, cumulative))
+        family.add_metric(list(self._labels.values()), buckets, self.stats.iteration_tokens)
+        return [family]
 
 
 class _Fixed:

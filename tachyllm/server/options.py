@@ -13,6 +13,9 @@ from tachyllm.argtypes import byte_size, non_negative_float, positive_int
 from tachyllm.errors import ConfigError
 
 METRICS_PREFIXES = ("tachy", "vllm")  # server/metrics.py: MetricsOptions.prefix
+# The tool-call formats of server/tools.py: hermes (the template's <tool_call> blocks), json (tachyllm's
+# generic JSON object, for templates without tool calls).
+TOOL_CALL_PARSERS = ("hermes", "json")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -44,6 +47,15 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0-65535 (0 = any free one), got {port}")
     return port
+
+
+def tool_call_parser(text: str) -> str:
+    if text not in TOOL_CALL_PARSERS:
+        raise argparse.ArgumentTypeError(
+            f"tachyllm has no tool call parser {text!r}; its parsers: hermes (<tool_call> blocks, as Qwen2.5 and "
+            "Hermes write them), json (tachyllm's generic format, for any model)"
+        )
+    return text
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +145,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--log-stats-interval", type=non_negative_float, default=10.0,
         help="seconds between engine stats log lines; 0 = never",
     )  # fmt: skip
+    g.add_argument(
+        "--disable-log-stats", dest="log_stats_interval", action="store_const", const=0.0,
+        help="no engine stats log lines (--log-stats-interval 0)",
+    )  # fmt: skip
     g.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    g.add_argument(
+        "--enable-log-requests", dest="disable_log_requests", action="store_false",
+        help="a log line per finished request (the default; vLLM's flag)",
+    )  # fmt: skip
+    g.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help="accepted for vLLM's command lines: tool_choice auto is always served (docs/tools.md)",
+    )  # fmt: skip
+    g.add_argument(
+        "--tool-call-parser", type=tool_call_parser, default=None, metavar="{hermes,json}",
+        help="the tool-call format: hermes (<tool_call> blocks) or json (tachyllm's generic JSON object) "
+        "(default: hermes when the chat template writes <tool_call> blocks, else json)",
+    )  # fmt: skip
     g.add_argument(
         "--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default=None,
         help="level of uvicorn's own loggers, its access log included (default: tachy's --log-level)",

@@ -13,7 +13,7 @@ from tachyllm.errors import ConfigError, RequestError
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
 from tachyllm.server.state import ServedModel, ServerState
-from tachyllm.server.tools import ToolPlan, render_history, tool_format
+from tachyllm.server.tools import ToolPlan, render_history
 
 R = TypeVar("R")
 
@@ -103,7 +103,7 @@ def rendered_conversation(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) as the chat template renders them: tool calls and results in the history in
     the model's tool format, and the request's tools (tools.py)."""
-    fmt = plan.format if plan is not None else tool_format(model.engine.tokenizer.chat_template)
+    fmt = plan.format if plan is not None else model.tool_format
     conversation = render_history(chat_conversation(messages), fmt)
     if plan is None:
         return conversation, None

@@ -18,6 +18,7 @@ from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import EngineDeadError, RequestStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.metrics import merge_expositions
+from tachyllm.server.tools import tool_format
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -76,6 +77,12 @@ class ServedModel:
 
     names: list[str]
     engine: EngineClient
+    tool_call_parser: str | None = None  # --tool-call-parser; None: the chat template's format
+
+    @property
+    def tool_format(self) -> str:
+        """How this model writes tool calls (tools.py): --tool-call-parser, else its chat template's."""
+        return tool_format(self.engine.tokenizer.chat_template, self.tool_call_parser)
 
     @property
     def name(self) -> str:

@@ -39,7 +39,10 @@ def _literal(text: str) -> str:
     return json.dumps(text)
 
 
-def tool_format(chat_template: str | None) -> str:
+def tool_format(chat_template: str | None, parser: str | None = None) -> str:
+    """`parser` (--tool-call-parser: HERMES or GENERIC), else the template's own format."""
+    if parser is not None:
+        return parser
     return HERMES if chat_template and HERMES_OPEN in chat_template else GENERIC
 
 
@@ -311,9 +314,9 @@ def _generic_start(text: str) -> str:
     return "maybe" if head[0] == "{" and '"tool_calls"'.startswith(head[1:].lstrip()) else "no"
 
 
-def tool_plan(body: p.ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan | None:
-    """The request's tools as a plan (None: no tools, or tool_choice "none"); 400 for a choice that
-    names no given tool or asks for tools without any."""
+def tool_plan(body: p.ChatCompletionRequest, tokenizer: Tokenizer, parser: str | None = None) -> ToolPlan | None:
+    """The request's tools as a plan in tool_format(tokenizer.chat_template, parser) (None: no tools, or
+    tool_choice "none"); 400 for a choice that names no given tool or asks for tools without any."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
@@ -333,7 +336,7 @@ def tool_plan(body: p.ChatCompletionRequest, tokenizer: Tokenizer) -> ToolPlan |
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
     kind = "named" if named else (choice or "auto")
     parallel = body.parallel_tool_calls is not False
-    fmt = tool_format(tokenizer.chat_template)
+    fmt = tool_format(tokenizer.chat_template, parser)
     return ToolPlan(fmt, tools, kind, named, parallel, keep_special_tokens=fmt == HERMES and _special_tags(tokenizer))
 
 

@@ -46,7 +46,7 @@ router = APIRouter()
 async def chat_completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body, model = await parse_generation_request(request, p.ChatCompletionRequest, state)
     bias = logit_bias(body.logit_bias)
-    plan = tool_plan(body, model.engine.tokenizer)
+    plan = tool_plan(body, model.engine.tokenizer, model.tool_call_parser)
     if plan is not None:
         await check_tool_schemas(model.processor.grammars, plan)
     prompt = await chat_prompt(

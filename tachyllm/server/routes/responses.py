@@ -66,7 +66,7 @@ async def create_response(request: Request, state: ServerState = Depends(server_
     model = state.model(body.model)
     reject_unsupported(body)
     messages = input_messages(body)
-    plan = response_tool_plan(body, messages, model.engine.tokenizer)
+    plan = response_tool_plan(body, messages, model.engine.tokenizer, model.tool_call_parser)
     if plan is not None:
         await check_tool_schemas(model.processor.grammars, plan)
     prompt = await chat_prompt(model, messages, plan, param="input")
@@ -176,7 +176,7 @@ def part_texts(content: str | list[p.ResponseContentPart], where: str) -> str:
 
 
 def response_tool_plan(
-    body: p.ResponsesRequest, messages: list[p.ChatMessage], tokenizer: Tokenizer
+    body: p.ResponsesRequest, messages: list[p.ChatMessage], tokenizer: Tokenizer, parser: str | None
 ) -> ToolPlan | None:
     """The request's function tools as chat's tool plan (tools.py): the flat tools and the named
     tool_choice nested as chat has them. No tools with tool_choice "auto" or "none" mean no tools."""
@@ -212,7 +212,7 @@ def response_tool_plan(
     as_chat = p.ChatCompletionRequest(
         messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls
     )
-    return tool_plan(as_chat, tokenizer)
+    return tool_plan(as_chat, tokenizer, parser)
 
 
 def output_logprobs(body: p.ResponsesRequest) -> int | None:
