@@ -283,6 +283,8 @@ class ToolCallIn(Request):
 # What a message other than an assistant's has: content, and no tool calls.
 CONTENT_GIVEN = {"type": ["string", "array"]}
 NO_TOOL_CALLS = {"anyOf": [NULL, {"maxItems": 0}]}
+# A response message's own fields, sent back on an assistant message only.
+NO_ANSWER_FIELDS = {"tool_calls": NO_TOOL_CALLS, "refusal": NULL, "annotations": NULL}
 
 
 class ChatMessage(Request):
@@ -297,7 +299,7 @@ class ChatMessage(Request):
                     "properties": {
                         "role": {"enum": ["system", "developer", "user"]},
                         "content": CONTENT_GIVEN,
-                        "tool_calls": NO_TOOL_CALLS,
+                        **NO_ANSWER_FIELDS,
                     },
                 },
                 {
@@ -306,7 +308,7 @@ class ChatMessage(Request):
                         "role": {"const": "tool"},
                         "content": CONTENT_GIVEN,
                         "tool_call_id": {"type": "string"},
-                        "tool_calls": NO_TOOL_CALLS,
+                        **NO_ANSWER_FIELDS,
                     },
                 },
             ]
@@ -323,8 +325,8 @@ class ChatMessage(Request):
     # function_call are refused unless null.
     refusal: str | None = None
     annotations: list[dict] | None = None
-    audio: dict | None = None
-    function_call: FunctionCallIn | None = None
+    audio: Annotated[dict, route_checked({"not": {}})] | None = None
+    function_call: Annotated[FunctionCallIn, route_checked({"not": {}})] | None = None
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
@@ -410,10 +412,41 @@ class ResponseContentPart(Request):
     detail: str | None = None
 
 
+# The fields of each type of Responses API input item, and those it must have.
+RESPONSE_ITEM_FIELDS = {
+    "message": ("type", "id", "status", "role", "content"),
+    "function_call": ("type", "id", "status", "call_id", "name", "arguments"),
+    "function_call_output": ("type", "id", "status", "call_id", "name", "output"),
+}
+RESPONSE_ITEM_REQUIRED = {
+    "message": ("role", "content"),
+    "function_call": ("call_id", "name", "arguments"),
+    "function_call_output": ("call_id", "output"),
+}
+RESPONSE_ITEM_ANY_FIELD = sorted({name for fields in RESPONSE_ITEM_FIELDS.values() for name in fields})
+
+
+def response_item_rule() -> dict:
+    """Each item type with its required fields given and the other types' fields unset (a message's type
+    may be left out)."""
+    branches = []
+    for kind, fields in RESPONSE_ITEM_FIELDS.items():
+        required = RESPONSE_ITEM_REQUIRED[kind]
+        properties: dict = {name: NULL for name in RESPONSE_ITEM_ANY_FIELD if name not in fields}
+        properties |= {name: {"not": NULL} for name in required}
+        properties["type"] = {"enum": [kind, None] if kind == "message" else [kind]}
+        branches.append(
+            {"required": list(required) + ([] if kind == "message" else ["type"]), "properties": properties}
+        )
+    return {"anyOf": branches}
+
+
 class ResponseInputItem(Request):
     """An item of the Responses API's input: a message (an earlier response's output message too), a
     function call an earlier response made, or a function call's output (the client's answer to it).
     One model for the three, as ChatMessage is one for every role: the route checks each type's fields."""
+
+    model_config = route_checked_rules(response_item_rule())
 
     type: Annotated[str, route_checked({"enum": ["message", "function_call", "function_call_output"]})] | None = None
     id: str | None = None
@@ -455,6 +488,8 @@ class ResponseTextConfig(Request):
 class ResponseFunctionTool(Request):
     """A tool of the Responses API: OpenAI's function tool, flat (chat nests it under "function")."""
 
+    model_config = route_checked_rules({"required": ["name"], "properties": {"name": {"type": "string"}}})
+
     type: Annotated[str, route_checked({"enum": ["function"]})]
     name: FunctionName | None = None  # required of a function tool, checked by the route
     description: str | None = None
@@ -464,6 +499,8 @@ class ResponseFunctionTool(Request):
 
 class ResponseToolChoice(Request):
     """A tool_choice object of the Responses API: {"type": "function", "name": ...} names the tool to call."""
+
+    model_config = route_checked_rules({"required": ["name"], "properties": {"name": {"type": "string"}}})
 
     type: Annotated[str, route_checked({"enum": ["function"]})]
     name: FunctionName | None = None
@@ -487,6 +524,16 @@ RESPONSE_INCLUDES = ["message.output_text.logprobs", "reasoning.encrypted_conten
 
 class ResponsesRequest(Request):
     """POST /v1/responses: stateless (nothing is stored, so nothing can be continued by id)."""
+
+    # A tool_choice that calls tools needs tools.
+    model_config = route_checked_rules(
+        {
+            "anyOf": [
+                {"properties": {"tool_choice": {"enum": [None, "none", "auto"]}}},
+                {"required": ["tools"], "properties": {"tools": TOOLS_GIVEN}},
+            ]
+        }
+    )
 
     model: str | None = None
     input: Text | Annotated[list[ResponseInputItem], Field(min_length=1)]

@@ -47,17 +47,6 @@ STREAM_EVENTS = (
     "then response.completed or response.incomplete (response.failed on a failure)"
 )
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# The fields each input item type may carry (set and not null); the others belong to another type.
-ITEM_FIELDS = {
-    "message": {"type", "id", "status", "role", "content"},
-    "function_call": {"type", "id", "status", "call_id", "name", "arguments"},
-    "function_call_output": {"type", "id", "status", "call_id", "name", "output"},
-}
-ITEM_REQUIRED = {
-    "message": ("role", "content"),
-    "function_call": ("call_id", "name", "arguments"),
-    "function_call_output": ("call_id", "output"),
-}
 
 
 @router.post("/v1/responses", **route_doc(p.ResponsesRequest, p.ResponseObject, generates=True, events=STREAM_EVENTS))
@@ -145,17 +134,17 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
 def checked_item_type(item: p.ResponseInputItem, where: str) -> str:
     """The item's type (a message when it has none), once its fields are those of that type."""
     kind = item.type or "message"
-    if kind not in ITEM_FIELDS:
+    if kind not in p.RESPONSE_ITEM_FIELDS:
         raise bad_request(
             f"input items of type {kind!r} are not supported; send messages, function_call and "
             "function_call_output items (nothing is stored, so no item can be referred to by its id)",
             param=f"{where}.type",
         )
     given = {name for name in item.model_fields_set if getattr(item, name) is not None}
-    foreign = sorted(given - ITEM_FIELDS[kind])
+    foreign = sorted(given - set(p.RESPONSE_ITEM_FIELDS[kind]))
     if foreign:
         raise bad_request(f"{foreign[0]} is not a field of a {kind} item", param=f"{where}.{foreign[0]}")
-    missing = [name for name in ITEM_REQUIRED[kind] if name not in given]
+    missing = [name for name in p.RESPONSE_ITEM_REQUIRED[kind] if name not in given]
     if missing:
         raise bad_request(f"a {kind} item needs {missing[0]}", param=f"{where}.{missing[0]}")
     return kind
