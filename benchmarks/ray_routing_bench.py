@@ -1,4 +1,4 @@
-"""Routing on Ray Serve, side by side in one run (issue #18): tachyllm's precise prefix-cache router vs
+"""Routing on Ray Serve, side by side in one run: tachyllm's precise prefix-cache router vs
 Ray Serve's default (power of two choices) vs round robin, 2 replicas of the default model (SmolLM2-135M
 Q4_1), one thread each, plus one replica alone for the hit rate a single cache reaches on the same work.
 
