@@ -25,6 +25,38 @@ Engine options are also the keyword arguments of `LLM(...)` and the keys of a mo
 `--name / --no-name` is a boolean; an optional number also takes `none`.
 """
 
+# The request-level options, which no flag carries: written here, on the same page.
+SAMPLING_PARAMETERS = """## Sampling parameters
+
+Per request, `SamplingParams` (offline) or the request body (server, [server.md](server.md)):
+`temperature` (0, or below 1e-5, = greedy), `top_k`, `top_p`, `min_p`, `repetition_penalty`,
+`presence_penalty`, `frequency_penalty`, `seed` (same seed, same output, whatever else is in the batch:
+[determinism.md](determinism.md)), `n`, `max_tokens`, `min_tokens`, `stop` (strings, never emitted),
+`stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `logprobs`, `prompt_logprobs` (vLLM's: each
+prompt token's logprob and top-N), `logit_bias` (token id to a bias in [-100, 100]), `skip_special_tokens`,
+`spaces_between_special_tokens`, `structured_outputs` ([structured_outputs.md](structured_outputs.md)).
+Invalid values raise `ValueError` naming the field; a token id outside the vocabulary fails that request
+alone (`RequestOutput.error`). `output_kind` says what each output of `LLMEngine.step()` holds:
+`CUMULATIVE` (everything so far), `DELTA` (what the step added) or `FINAL_ONLY` (`LLM.generate`).
+"""
+
+# The environment variables tachyllm reads: (name, default, meaning).
+ENVIRONMENT = (
+    (
+        "TACHY_CACHE_DIR",
+        "`~/.cache/tachyllm`",
+        "checkpoint cache: a GGUF file's parsed config, tokenizer and dequantized float32 weights, written at its "
+        "first load so that later starts skip parsing and dequantizing; a changed file gets a new entry, a damaged "
+        "one is rebuilt; `off` disables it",
+    ),
+    ("TACHY_NATIVE", "on", "`0`: do not build or load the C++ kernels (the engine runs its PyTorch code path)"),
+    ("TACHY_NATIVE_DIR", "`<cache>/tachyllm/native/<key>`", "where the C++ kernels are built (once per version)"),
+    ("TACHY_NATIVE_MARCH", "`native`", "the compiler's `-march` for the C++ kernels, e.g. `haswell` (AVX2, FMA)"),
+    ("TACHY_HUGE_PAGES", "on", "`0`: keep a CPU model's weights on malloc's pages, not 2 MiB transparent huge pages"),
+    ("TACHY_API_KEY", "unset", "the server's `--api-key`"),
+    ("OMP_NUM_THREADS", "the usable CPUs", "compute threads when `--threads` is not given"),
+)
+
 # The argument groups of `tachy serve` worth a section, in page order, with the sentence that opens it.
 SECTIONS = {
     "engine": "The model, its numerics, the KV cache, scheduling and speculation (`EngineConfig`).",
@@ -79,6 +111,9 @@ def render() -> str:
     lines = [HEADER]
     for title, intro in SECTIONS.items():
         lines += _section(groups[title], title.capitalize(), intro)
+    lines.append(SAMPLING_PARAMETERS)
+    lines += ["## Environment variables", "", "| variable | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{name}` | {default} | {meaning} |" for name, default, meaning in ENVIRONMENT]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
