@@ -27,8 +27,9 @@ class Rule:
 
 
 RULES = (
-    Rule("a work session", re.compile(r"\bsessions?[ -]\d+", re.IGNORECASE)),
-    Rule("an issue reference", re.compile(r"\bissues? #?\d+|(?<![\w&/#])#\d+\b", re.IGNORECASE)),
+    # \s: a reference wrapped onto the next line counts too.
+    Rule("a work session", re.compile(r"\bsessions?(?:\s+|-)\d+", re.IGNORECASE)),
+    Rule("an issue reference", re.compile(r"\bissues?\s+#?\d+|(?<![\w&/#])#\d+\b", re.IGNORECASE)),
     Rule("a path outside the repository", re.compile(r"\.\./shared\b|(?<![\w.~-])/(?:root|home|work|tmp)/")),
     Rule("a throwaway", re.compile(r"\bthrow-?away\b", re.IGNORECASE)),
 )
@@ -62,12 +63,13 @@ def findings_in(path: Path) -> list[Finding]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         return []
-    return [
-        Finding(path, number, rule.name, line)
-        for number, line in enumerate(text.splitlines(), start=1)
-        for rule in RULES
-        if rule.pattern.search(line)
-    ]
+    lines = text.splitlines()
+    findings = []
+    for rule in RULES:
+        for match in rule.pattern.finditer(text):
+            number = text.count("\n", 0, match.start()) + 1
+            findings.append(Finding(path, number, rule.name, lines[number - 1]))
+    return sorted(findings, key=lambda f: f.line)
 
 
 def main(argv: list[str]) -> int:

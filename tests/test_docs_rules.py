@@ -30,6 +30,7 @@ def test_the_repository_keeps_the_docs_rule():
     [
         "Measured in sess" + "ion 12 on the quiet host.",
         "as sess" + "ions 20-24 showed",
+        "a simulation with sess" + "ion\n17's costs",
         "See iss" + "ue #" + "22, point 1.",
         "the fix of #" + "17 made it faster",
         "numbers from ../sh" + "ared/reference.md",
