@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Write a haiku about fast inference.
 
-.PHONY: install test lint serve generate chat clean
+.PHONY: install test lint options-doc serve generate chat clean
 
 install: $(STAMP)
 
@@ -24,14 +24,22 @@ $(STAMP): pyproject.toml $(wildcard tachyllm/kernels/csrc/*)
 test: $(STAMP)
 	$(PY) -m pytest -q; tests=$$?; $(MAKE) --no-print-directory lint && exit $$tests
 
-# All three checks run even when one fails. The import layers: [tool.importlinter] in pyproject.toml
-# (no cache: it would be written into the checkout).
+# Every check runs even when one fails. The import layers: [tool.importlinter] in pyproject.toml
+# (no cache: it would be written into the checkout). The docs rule and docs/options.md: CONTRIBUTING.md.
 lint: $(STAMP)
 	status=0; \
 	$(VENV)/bin/ruff check . || status=1; \
 	$(VENV)/bin/ruff format --check . || status=1; \
 	$(VENV)/bin/lint-imports --no-cache || status=1; \
+	$(VENV)/bin/clang-format --dry-run --Werror tachyllm/kernels/csrc/*.cpp tachyllm/kernels/csrc/*.h || status=1; \
+	$(VENV)/bin/shellcheck -x benchmarks/*.sh benchmarks/competitors/*.sh || status=1; \
+	$(PY) scripts/check_docs_rules.py || status=1; \
+	$(PY) -m tachyllm.entrypoints.options_doc --check docs/options.md || status=1; \
 	exit $$status
+
+# docs/options.md is generated from the flag definitions; run this after changing an option.
+options-doc: $(STAMP)
+	$(PY) -m tachyllm.entrypoints.options_doc > docs/options.md
 
 serve: $(STAMP)
 	$(VENV)/bin/tachy serve --host 127.0.0.1 --port 8000

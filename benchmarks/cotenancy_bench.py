@@ -1,4 +1,4 @@
-"""Performance under co-tenancy (issue #16): tachyllm and llama.cpp, quiet and beside a CPU-bound process.
+"""Performance under co-tenancy: tachyllm and llama.cpp, quiet and beside a CPU-bound process.
 
 Both engines run the same GGUF file (the embedded SmolLM2-135M-Instruct, Q4_1): tachyllm with
 `--quantization gguf` (its Q4_1 kernels; 8-bit activations by default, llama.cpp's Q8_1 rounding),

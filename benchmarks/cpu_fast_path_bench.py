@@ -1,4 +1,4 @@
-"""The CPU fast path (issue #8): the engine with and without its C++ kernels, side by side in one run.
+"""The CPU fast path: the engine with and without its C++ kernels, side by side in one run.
 
 For each of bf16 weights and the GGUF's own Q4_1 weights (`--quantization gguf`), with the C++
 kernels (tachyllm/kernels/csrc) and with the pure-PyTorch path (what TACHY_NATIVE=0 gives), and
@@ -109,7 +109,8 @@ def main() -> None:
         fast, slow = (r for r in rows if r[0] == name)
         ratio_b = f", batch {fast[3] / slow[3]:.2f}x" if slow[3] else ""
         print(f"{name}: C++ kernels / PyTorch path: single stream {fast[2] / slow[2]:.2f}x{ratio_b}")
-    # vLLM is not installed here; its figures are issue #8's measurements on this machine type.
+    # vLLM runs in an environment of its own (benchmarks/competitors); the figure is its offline run on the
+    # reference machine.
     for name, enabled, one, many, _ in rows:
         if enabled and many is not None:
             print(f"{name}: offline {many / VLLM_OFFLINE_TOK_S:.2f}x vLLM CPU bf16's {VLLM_OFFLINE_TOK_S} tok/s, "

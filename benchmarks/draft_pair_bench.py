@@ -1,4 +1,4 @@
-"""A real draft/target pair (issue #22): Qwen2.5-Coder-0.5B-Instruct drafting for
+"""A real draft/target pair: Qwen2.5-Coder-0.5B-Instruct drafting for
 Qwen2.5-Coder-1.5B-Instruct, both Q4_K_M GGUF (assembled from PyPI by qwen_coder_models.py).
 
     .venv/bin/python benchmarks/draft_pair_bench.py [--threads 2] [--configs none,draft-k4,...]

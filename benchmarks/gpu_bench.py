@@ -1,5 +1,5 @@
 """tachyllm on one CUDA GPU, side by side in one run with Hugging Face transformers (and vLLM when the
-machine has it), on random-weight models built on the device: issue #21's performance list.
+machine has it), on random-weight models built on the device.
 
 Models (bf16, random weights, saved with save_pretrained into a temporary directory together with a
 synthetic byte-level BPE tokenizer of the full vocabulary; prompts are random token ids):

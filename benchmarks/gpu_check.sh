@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The one prepared check for a session lent a CUDA GPU (issue #21; docs/benchmarks.md, "GPU"):
-# the environment, tests/test_cuda.py, then benchmarks/gpu_bench.py in the time that is left,
-# everything written under $OUT. The device machine reaches no package index, and its image lacks
-# some of tachyllm's dependencies (llguidance, gguf, pydantic, fastapi, uvicorn): where a folder .whl
-# holds their wheels (benchmarks/gpu_wheels.sh makes it here; the device call carries it), they are
-# installed into /tmp/site first. It records which modules are still missing.
+# The GPU check in one command, for a machine with one CUDA GPU (docs/benchmarks.md, "GPU"): the
+# environment, tests/test_cuda.py, then benchmarks/gpu_bench.py in the time that is left, everything
+# written under $OUT. For a machine that reaches no package index and lacks some of tachyllm's
+# dependencies (llguidance, gguf, pydantic, fastapi, uvicorn): where the folder .whl holds their wheels
+# (benchmarks/gpu_wheels.sh downloads them on a machine that has access), they are installed into
+# $OUT/site first. env.txt records which modules are still missing.
 #
 #   OUT=/some/dir benchmarks/gpu_check.sh                     # from the repository root, ~9.5 minutes
 #   GPU_CHECK_SECONDS=300 GPU_TEST_ARGS="-n 4" GPU_BENCH_ARGS="--models llama3-8b" benchmarks/gpu_check.sh
@@ -12,15 +12,15 @@
 # Files under $OUT: wheels.log, env.txt (GPU, versions, importable modules), test_cuda.log and test_cuda.xml,
 # gpu_bench.log, gpu_bench.md (the benchmark's one result file: tables, then JSON), summary.txt.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/gpu_check_out}
 PYTHON=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_SECONDS:-560}  # the whole script; a device command may run 600 s
 TEST_SECONDS=${GPU_TEST_SECONDS:-240}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        >"$OUT/wheels.log" 2>&1 && PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$OUT/site" \
+        .whl/*.whl >"$OUT/wheels.log" 2>&1 && PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export OUT PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Fills .whl (ignored by git) with the wheels that the GPU machine's image lacks, for its Python 3.12:
-# benchmarks/gpu_check.sh installs them there. Run here, from the repository root; the device call
-# names .whl in `carry`. Versions: tachyllm's pins (pyproject.toml) and their own dependencies.
+# Fills .whl (ignored by git) with the wheels a GPU machine without a package index may lack, for a
+# Python 3.12 there; benchmarks/gpu_check.sh installs them on that machine. Run it from the repository
+# root where PyPI is reachable, then copy .whl along with the checkout. Versions: tachyllm's pins
+# (pyproject.toml) and their own dependencies.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo "/.whl/" >>.git/info/exclude; }

@@ -1,4 +1,4 @@
-"""lm-eval-harness (`lm-eval`, the `bench` extra) against `tachy serve` (issue #20), on two small tasks
+"""lm-eval-harness (`lm-eval`, the `bench` extra) against `tachy serve`, on two small tasks
 built from the repository's own held-out text (tachyllm/data/heldout.txt); nothing is downloaded.
 
   tachy_heldout_mc         loglikelihood (multiple_choice): a sentence's opening and four endings, its
@@ -14,8 +14,9 @@ the tasks read local jsonl files.
 
 lm-eval pins its own dependencies: install it in a venv of its own and pass its command:
 
-    python3 -m venv /tmp/lmeval && /tmp/lmeval/bin/pip install "lm-eval[api]==0.4.13"
-    .venv/bin/python benchmarks/lm_eval_bench.py --lm-eval /tmp/lmeval/bin/lm_eval
+    python3 -m venv ~/.cache/tachyllm-bench/lmeval
+    ~/.cache/tachyllm-bench/lmeval/bin/pip install "lm-eval[api]==0.4.13"
+    .venv/bin/python benchmarks/lm_eval_bench.py --lm-eval ~/.cache/tachyllm-bench/lmeval/bin/lm_eval
     .venv/bin/python benchmarks/lm_eval_bench.py --lm-eval ... --base-url http://127.0.0.1:8000
 
 Without --base-url it starts `tachy serve` on the default model (extra flags after `--`) and stops it

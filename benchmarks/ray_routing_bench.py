@@ -1,4 +1,4 @@
-"""Routing on Ray Serve, side by side in one run (issue #18): tachyllm's precise prefix-cache router vs
+"""Routing on Ray Serve, side by side in one run: tachyllm's precise prefix-cache router vs
 Ray Serve's default (power of two choices) vs round robin, 2 replicas of the default model (SmolLM2-135M
 Q4_1), one thread each, plus one replica alone for the hit rate a single cache reaches on the same work.
 
@@ -8,7 +8,7 @@ Workloads, each measured with the unchanged `tachy bench serve` against the Ray 
   shared-prefix  many users sharing a few long system prompts (completions endpoint)
 Every (router, workload) run starts on freshly deployed replicas (cold caches). Rounds alternate the
 router order. Reported per run: prefix-cache hit rate (the replicas' own counters), TTFT p50/p99,
-output throughput; then ranges over rounds and the ratios the issue targets (hit rate vs one replica,
+output throughput; then ranges over rounds and the ratios that judge a router (hit rate vs one replica,
 TTFT p99 of the default router vs the prefix router, by round and over all rounds' requests pooled).
 
     .venv/bin/python benchmarks/ray_routing_bench.py                 # ~55 min on 2 cores

@@ -1,4 +1,4 @@
-"""Structured outputs on the default model (issue #19), side by side in one process:
+"""Structured outputs on the default model, side by side in one process:
 
 1. throughput: 64 concurrent chat requests, 128 output tokens each, all constrained by one JSON schema
    vs the same requests unconstrained; output tokens/s, runs alternating (A B A B ...);

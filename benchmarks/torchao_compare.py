@@ -12,7 +12,8 @@ rounds, each a batch of calls sized to ~`--batch-ms`), and the median over round
 shared machine's drift hits all columns alike. Error: max |y - ref| / max |ref| against the bf16
 layer computed exactly (fp32 matmul of the same bf16 weight and input), 32 tokens.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=/tmp/torchao_pkg .venv/bin/python benchmarks/torchao_compare.py [--threads 1]
+    pip install --no-deps --target TORCHAO_DIR torchao==0.18.0   # outside .venv
+    OMP_NUM_THREADS=1 PYTHONPATH=TORCHAO_DIR .venv/bin/python benchmarks/torchao_compare.py [--threads 1]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What tensor parallelism costs where it cannot help (issue #23): the default model (SmolLM2-135M,
+"""What tensor parallelism costs where it cannot help: the default model (SmolLM2-135M,
 bf16) at TP=1 with 2 threads against TP=2 with 1 thread each, on one 2-core host, its sums over
 each of the --tp-all-reduce ways (shared memory, gloo).
 

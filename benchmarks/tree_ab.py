@@ -1,6 +1,6 @@
-"""Two checkouts of tachyllm side by side, for a change that must not slow anything down (issue #17's
-redesign): the same measurements, each in a fresh process importing one tree or the other, in
-alternating rounds (A B A B ...), so that drift of a shared machine hits both alike.
+"""Two checkouts of tachyllm side by side, for a change that must not slow anything down (a
+refactoring, a new code path beside the old): the same measurements, each in a fresh process importing
+one tree or the other, in alternating rounds (A B A B ...), so that drift of a shared machine hits both alike.
 
     .venv/bin/python benchmarks/tree_ab.py --a ../baseline --b . --rounds 2
 

@@ -1,4 +1,4 @@
-"""The cuda backend's Triton kernels against their PyTorch alternatives, on a GPU (issue #21):
+"""The cuda backend's Triton kernels against their PyTorch alternatives, on a GPU:
 
 - quantized GEMMs (kernels/triton/quant_matmul.py) at Llama-3-8B's linear shapes, for 1 / 16 / 256
   rows: int4 (group 128) and int8 in the Triton kernels, against the bf16 matmul of the same shape

@@ -427,8 +427,8 @@ def default_threads() -> int:
 
 
 # libgomp's idle threads spin up to GOMP_SPINCOUNT iterations (default 300,000) before they
-# sleep; on cores shared with another busy process that spinning collapses decoding (issue #16,
-# docs/cpu_fast_path.md#threads). 300 avoids the collapse but slows a quiet machine's single
+# sleep; on cores shared with another busy process that spinning collapses decoding
+# (docs/cpu_fast_path.md#threads). 300 avoids the collapse but slows a quiet machine's single
 # stream, so it is advice, not a default (measurements: docs/design_measurements.md#openmp-spin-count).
 LOW_SPINCOUNT = 300
 OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")

@@ -6,7 +6,7 @@ activations). glibc serves every block above its mmap threshold (at most 32 MB b
 fresh mmap and unmaps it on free, so each step faults every page of those tensors in again, and a
 thread other than the main one gets its own arenas, whose heaps cannot hold a block over 64 MB at
 all. Measured: a 64-row Gemma-3-270M step spent more time in the kernel than in its matrix products
-(docs/benchmarks.md, "Page faults"). So, as engines that tell their users to preload tcmalloc or
+(docs/design_measurements.md#malloc-arena-and-large-blocks). So, as engines that tell their users to preload tcmalloc or
 jemalloc get by other means: one arena for every thread, large blocks from the heap, and freed
 memory kept for reuse instead of being trimmed, from the moment the engine is built.
 

@@ -6,7 +6,7 @@ stop at. Linux maps 2 MiB at once (transparent huge pages) where the process ask
 common `madvise` setting, and glibc's malloc, which holds PyTorch's CPU tensors, does not ask. So once
 a model's weights are final they move, storage by storage, into one anonymous mapping marked
 MADV_HUGEPAGE (one mapping: small tensors share huge pages instead of each rounding up to one).
-Measured in docs/benchmarks.md ("Huge pages").
+Measured in docs/design_measurements.md#huge-pages.
 
 Tensors keep their identity (`tensor.data` is replaced), so every holder of the tensor objects the
 modules hold sees the move; call it before anything keeps a weight's address (the backends' fused

@@ -1,4 +1,4 @@
-"""vLLM's command line (issue #20, points 7 and 8): `tachy serve MODEL`, vLLM's flag spellings and
+"""vLLM's command line: `tachy serve MODEL`, vLLM's flag spellings and
 server flags (CORS, --root-path, --generation-config, --gpu-memory-utilization, log levels), and
 failures told in one line before the model loads."""
 

@@ -1,4 +1,4 @@
-"""Speculative decoding with a separate draft model file (issue #22): a shallower model sharing the
+"""Speculative decoding with a separate draft model file: a shallower model sharing the
 target's tokenizer, as Hugging Face directories and as GGUF files, offline and served; a draft
 with another vocabulary is refused with one error."""
 

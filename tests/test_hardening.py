@@ -80,7 +80,7 @@ def raw(text: str) -> dict:
 
 # (path, request arguments for httpx, status, param or None, code or None)
 BAD_INPUTS = [
-    # Token ids anywhere are checked against the vocabulary (the engine-stopping request).
+    # Token ids anywhere are checked against the vocabulary (an id outside it once stopped the engine).
     (CMPL, {"json": {"prompt": "Hello", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [999999]}}, 400,
      "stop_token_ids", None),
     (CHAT, {"json": {"messages": MSGS, "stop_token_ids": [10**9]}}, 400, "stop_token_ids", None),

@@ -276,12 +276,12 @@ def test_tiny_qwen2_with_bias_quantizes(tiny_model_factory):
 # Default model. Plain int4 here re-rounds weights that already went through Q4_1 (group 32) onto
 # groups of 64/128, so greedy text drifts early (~15% position-wise agreement measured with fp32,
 # AWQ ~40%); those are judged teacher-forced against the bf16 engine (measured: int8 ~96%, int4
-# ~70%, awq ~79%, gguf ~97% against fp32; against the bf16 engine in session 24 gguf 96.6% at 8-bit
+# ~70%, awq ~79%, gguf ~97% against fp32; against the bf16 engine gguf 96.6% at 8-bit
 # activations, which the load-time check picks for this model, 97.9% at 16). Greedy text is required
-# to match for int8 and gguf, which measured ~89% and ~99% (gguf in session 24: 91% at 8 bits, 89% at
+# to match for int8 and gguf, which measured ~89% and ~99% (gguf against the bf16 engine: 91% at 8 bits, 89% at
 # 16). int8's bar leaves room for one early flip: at "Water boils at" + 2
 # tokens its top two logits tie (log-probs -1.749 and -1.749), so which one greedy picks follows the
-# last bits of the attention kernel (74% with session 5's bf16-pair kernel, 88% before).
+# last bits of the attention kernel (74% with the bf16-pair kernel, 88% with the fp32 one).
 REAL_TOP1 = {"int8": 0.9, "int4": 0.6, "awq": 0.7, "gguf": 0.93}
 REAL_GREEDY = {"int8": 0.7, "gguf": 0.85}
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time"]

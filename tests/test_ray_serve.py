@@ -1,4 +1,4 @@
-"""tachyllm on Ray Serve (issue #18), end to end on a local Ray instance of 2 CPUs: two replicas of a tiny
+"""tachyllm on Ray Serve, end to end on a local Ray instance of 2 CPUs: two replicas of a tiny
 model and a second model behind one ingress, the openai client streaming through it, prefix-aware
 routing of a conversation's turns, the load guard, multi-model routing, per-replica metrics, a replica
 killed mid-run, and autoscaling up and down. The tests of one module share the Ray instance and run in

@@ -1,6 +1,6 @@
-"""Every request field of /v1/completions and /v1/chat/completions is applied or refused (issue #20,
-point 3): unknown fields are a 400 naming them, and vLLM's sampling and chat extensions change the
-output as vLLM's do; with the official openai client (vLLM's fields in extra_body)."""
+"""Every request field of /v1/completions and /v1/chat/completions is applied or refused: unknown
+fields are a 400 naming them, and vLLM's sampling and chat extensions change the output as vLLM's
+do; with the official openai client (vLLM's fields in extra_body)."""
 
 from __future__ import annotations
 

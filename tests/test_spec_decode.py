@@ -475,7 +475,7 @@ def test_adaptive_controller_measures_the_next_larger_step_it_could_take():
     """A verification costs less than linearly more per token (a CPU's memory-bound step), but a size
     never measured is judged by a linear bound: without trying k + 1 now and then the controller
     would stay at the k of its probes for good."""
-    cost = {1: 0.025, 2: 0.033, 3: 0.040, 4: 0.045, 5: 0.052}  # session 17's 1.5B at 16-bit activations
+    cost = {1: 0.025, 2: 0.033, 3: 0.040, 4: 0.045, 5: 0.052}  # a Qwen2.5-Coder-1.5B Q4_K_M's, 16-bit activations
     c = AdaptiveController(max_k=4)
     for n in (1, 3):
         c.step_costs.observe(StepShape(n), cost[n])

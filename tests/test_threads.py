@@ -1,4 +1,4 @@
-"""default_threads (issue #16): the affinity mask and a cgroup CPU quota, not os.cpu_count(), set the thread count."""
+"""default_threads: the affinity mask and a cgroup CPU quota, not os.cpu_count(), set the thread count."""
 
 from __future__ import annotations
 

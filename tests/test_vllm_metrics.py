@@ -52,7 +52,7 @@ VLLM_DASHBOARD_SERIES = [
     "vllm:request_decode_time_seconds_sum",
     "vllm:request_max_num_generation_tokens_sum",
 ]
-# The rest of vLLM's names that users compare against (../shared/reference.md).
+# The rest of vLLM's names that users compare against (vLLM's metrics documentation).
 VLLM_OTHER_SERIES = [
     "vllm:request_time_per_output_token_seconds_bucket",
     "vllm:request_inference_time_seconds_bucket",

@@ -1,3 +1,5 @@
+# shellcheck shell=bash
+# shellcheck disable=SC2034  # the settings below are read by the scripts that source this file
 # Settings and helpers shared by the competitor scripts; sourced, not run.
 # Knobs, read from the environment with a TACHY_BENCH_ prefix because the servers read settings
 # from the environment too (llama-cpp-python would take CACHE or PORT as its own):

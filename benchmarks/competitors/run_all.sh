@@ -10,6 +10,7 @@
 # TACHY_BENCH_MAX_CONCURRENCY (unset: no limit; 1 = single stream), TACHY_BENCH_TACHY_ARGS (extra
 # `tachy serve` options, e.g. "--quantization gguf" to serve the file's own Q4_1 weights like
 # llama.cpp does), and those in common.sh. Set up the competitors first: setup_llamacpp.sh, setup_vllm.sh.
+# shellcheck source=benchmarks/competitors/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 PORT="${TACHY_BENCH_PORT:-8123}"
@@ -26,6 +27,7 @@ fi
 server_command() {  # the command line that serves the default model as $MODEL_NAME on $PORT
     case $1 in
         tachy)
+            # shellcheck disable=SC2086  # TACHY_BENCH_TACHY_ARGS holds several options: split on purpose
             echo "$TACHY" serve --served-model-name "$MODEL_NAME" --port "$PORT" --threads "$THREADS" --log-stats-interval 0 \
                 ${TACHY_BENCH_TACHY_ARGS:-}
             ;;

@@ -2,6 +2,7 @@
 # llama.cpp's server for the comparison: a `llama-server` binary on PATH is used as it is; without
 # one, llama-cpp-python[server] is built into its own virtual environment ($CACHE/llamacpp-venv).
 # The build compiles llama.cpp from source (cmake and a C++ compiler needed; several minutes).
+# shellcheck source=benchmarks/competitors/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 if command -v llama-server >/dev/null; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM's CPU build in its own virtual environment ($CACHE/vllm-venv; it pins its own torch), and the
 # default GGUF model converted to a Hugging Face directory, which is what vLLM serves.
+# shellcheck source=benchmarks/competitors/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 python3 -m venv "$VLLM_VENV"

@@ -1,6 +1,6 @@
 """The sum over the tensor-parallel ranks of one CPU host through shared memory, instead of gloo's
 all-reduce: gloo sends every call through loopback sockets (about 1 ms each, measured on a quiet host:
-docs/benchmarks.md), and a decode step makes two per layer. vLLM's and SGLang's CPU backends have one
+docs/benchmarks.md#tensor-parallelism), and a decode step makes two per layer. vLLM's and SGLang's CPU backends have one
 for the same reason.
 
 Rank 0 creates the file (under /dev/shm) before its workers start; every rank maps it before joining

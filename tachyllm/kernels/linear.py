@@ -11,7 +11,7 @@ oneDNN-prepacked copy would be somewhat faster there: the price of keeping one c
 The kernel is built for AVX512-BF16 or for AVX2 + FMA. Where oneDNN packs no bf16 (no AVX-512:
 AMD Zen 2/3, Intel client cores) PyTorch's bf16 F.linear is slow at every row count (~2.4 GMAC/s
 on an AVX2 EPYC; the kernel's AVX2 path ~47 per thread at 128-512 rows, measured on an AVX-512
-machine: docs/benchmarks.md#bf16-linear-kernel-avx2-path), so there the kernel takes every row
+machine: docs/design_measurements.md#bf16-linears), so there the kernel takes every row
 count. Without the C++ kernels, or where the kernel is a scalar loop (neither instruction set),
 the weight is prepacked for oneDNN instead, where oneDNN packs bf16; so is every float32 weight.
 

@@ -51,7 +51,7 @@ def build_model(
         blocks = gguf_matrices(ckpt.source, ckpt.config if shard is None else shard.full, ckpt.stored_tensors)
         # Layers that will run on the file's blocks are not loaded dense first (a tensor-parallel rank's
         # parts neither): a Q4_K_M 1.5B model's dense copy was 3.5 GB of bf16 written only to be
-        # replaced (docs/benchmarks.md, "Loading").
+        # replaced (docs/benchmarks.md#loading-and-start-up).
         from_file = gguf_layers_from_file(model, parse_skip(quant_skip), blocks, backend.block_kernels(), shard)
     left_out = frozenset(key for keys in from_file.values() for key in keys)
     weights = ckpt.weights(None, left_out) if left_out else ckpt.weights()

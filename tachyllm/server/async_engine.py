@@ -35,7 +35,7 @@ from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 # another thread of this process holds it (a /tokenize answer of a million ids being written, a long
 # detokenization), each win-back waits out the interpreter's switch interval, 5 ms by default, so a
 # step of a few hundred ops stalled for as long as that thread worked. At 0.5 ms the stall is a tenth
-# (measurements: docs/benchmarks.md "Tokenizing off the event loop").
+# (measurements: docs/design_measurements.md#server-gil-switch-interval-and-heap-freeze).
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 # How often an idle engine that can fail between steps (a tensor-parallel worker can die) is checked.

@@ -60,7 +60,7 @@ def build_draft_model(
     if spec.model.startswith("self:layers="):
         return _truncated(target, int(spec.model.removeprefix("self:layers=")))
     # A draft's rounding costs acceptance, never output: unset, it keeps 16 bits without the target's
-    # check (8 bits saved no time in measurements; docs/benchmarks.md, session 24).
+    # check (8 bits saved a Qwen2.5-Coder-0.5B draft no time; docs/speculative_decoding.md).
     bits = ACTIVATION_BITS if config.quant_activation_bits is None else config.quant_activation_bits
     shortlist = None
     if spec.draft_vocab_size is not None and spec.draft_vocab_size < target.config.vocab_size:

@@ -75,11 +75,15 @@ inline __m512 load16(const c10::BFloat16* p) {
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512i load16_bytes(const void* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i load16_bytes(const void* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline __m512 load16(const KvInt8* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m512 load16(const KvE5M2* p) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(load16_bytes(p), 8))); }
+inline __m512 load16(const KvE5M2* p) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_slli_epi32(load16_bytes(p), 8)));
+}
 // e4m3 normals: exponent and mantissa bits moved into fp32's with the bias difference (120) added;
 // subnormals (exponent 0): mantissa * 2^-9.
 inline __m512 load16(const KvE4M3* p) {
@@ -89,7 +93,8 @@ inline __m512 load16(const KvE4M3* p) {
   const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
   const __mmask16 is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
   const __m512 v = _mm512_mask_blend_ps(is_sub, normal, subnormal);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
+  return _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(v), _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24)));
 }
 
 // In place: r[i] lane j <- r[j] lane i.
@@ -111,7 +116,8 @@ inline void transpose16(__m512 r[16]) {
   }
   for (int c = 0; c < 4; ++c) {
     const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44),
+                 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
     r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
     r[4 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
     r[8 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
@@ -239,7 +245,8 @@ inline void pair_scores_rows(float* scores, const uint32_t* q, const uint32_t* k
 }
 
 // The same row blocking and summation order as scores_all (kScoreSums divides `pairs`, a multiple of 16).
-inline void pair_scores_all(float* scores, const uint32_t* q, const uint32_t* keys_p, int64_t pairs, int64_t rows, float scale) {
+inline void pair_scores_all(float* scores, const uint32_t* q, const uint32_t* keys_p, int64_t pairs, int64_t rows,
+                            float scale) {
   int64_t r = 0;
   for (; r + kScoreRows <= rows; r += kScoreRows)
     pair_scores_rows<kScoreRows, kScoreSums>(scores + r * KEY_TILE, q + r * pairs, keys_p, pairs, scale);
@@ -271,7 +278,8 @@ inline void pair_accumulate_rows(float* acc, const float* rescale, const uint32_
     __m512i lo[C], hi[C];
     for (int c = 0; c < C; ++c) {
       const __m512i first = _mm512_loadu_si512(values + t * stride + 32 * c);
-      const __m512i second = t + 1 < n ? _mm512_loadu_si512(values + (t + 1) * stride + 32 * c) : _mm512_setzero_si512();
+      const __m512i second =
+          t + 1 < n ? _mm512_loadu_si512(values + (t + 1) * stride + 32 * c) : _mm512_setzero_si512();
       lo[c] = _mm512_unpacklo_epi16(first, second);
       hi[c] = _mm512_unpackhi_epi16(first, second);
     }
@@ -288,13 +296,14 @@ inline void pair_accumulate_rows(float* acc, const float* rescale, const uint32_
 }
 
 template <int C>
-void pair_accumulate_all(float* acc, const float* rescale, const uint32_t* w, const c10::BFloat16* values, int64_t stride,
-                         int64_t n, int64_t rows) {
+void pair_accumulate_all(float* acc, const float* rescale, const uint32_t* w, const c10::BFloat16* values,
+                         int64_t stride, int64_t n, int64_t rows) {
   constexpr int N = C <= 2 ? 6 : 2;  // N * 2C accumulators + 2C interleaved values in 32 registers
   int64_t r = 0;
   for (; r + N <= rows; r += N)
     pair_accumulate_rows<N, C>(acc + r * 32 * C, rescale + r, w + r * KEY_TILE / 2, values, stride, n);
-  for (; r < rows; ++r) pair_accumulate_rows<1, C>(acc + r * 32 * C, rescale + r, w + r * KEY_TILE / 2, values, stride, n);
+  for (; r < rows; ++r)
+    pair_accumulate_rows<1, C>(acc + r * 32 * C, rescale + r, w + r * KEY_TILE / 2, values, stride, n);
 }
 
 // Undoes pair_accumulate_rows' order: in chunk c, lane 4k + j of the low half holds dim 8k + j and
@@ -421,8 +430,10 @@ struct Tile {
       const __m256i w = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores.data() + r * KEY_TILE));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w_pairs.data() + r * KEY_TILE / 2), w);
     }
-    if (head_dim == 64) pair_accumulate_all<2>(acc.data(), rescale.data(), w_pairs.data(), vals, stride, n, rows);
-    else pair_accumulate_all<4>(acc.data(), rescale.data(), w_pairs.data(), vals, stride, n, rows);
+    if (head_dim == 64)
+      pair_accumulate_all<2>(acc.data(), rescale.data(), w_pairs.data(), vals, stride, n, rows);
+    else
+      pair_accumulate_all<4>(acc.data(), rescale.data(), w_pairs.data(), vals, stride, n, rows);
   }
 #endif
 
@@ -506,17 +517,20 @@ void check_heads(const torch::Tensor& t, const char* name) {
 }
 
 void check_cache(const torch::Tensor& c, const torch::Tensor& like, const char* name) {
-  TORCH_CHECK(c.is_contiguous() && c.dim() == 4, name, " must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(c.is_contiguous() && c.dim() == 4, name,
+              " must be a contiguous [blocks, block_size, kv_heads, head_dim] tensor");
   TORCH_CHECK(c.size(2) == like.size(1) && c.size(3) == like.size(2), name, " does not match the K/V head shape");
 }
 
 bool is_quantized(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
 // Per KV head: the cache's scale (1 for an unquantized cache).
-std::vector<float> head_scales(const c10::optional<torch::Tensor>& given, bool quantized, int64_t kv_heads, const char* name) {
+std::vector<float> head_scales(const c10::optional<torch::Tensor>& given, bool quantized, int64_t kv_heads,
+                               const char* name) {
   if (!quantized) return std::vector<float>(kv_heads, 1.0f);
-  TORCH_CHECK(given.has_value() && given->scalar_type() == at::kFloat && given->is_contiguous() && given->numel() == kv_heads,
-              name, " must be a contiguous float32 tensor with one scale per KV head for a quantized cache");
+  TORCH_CHECK(
+      given.has_value() && given->scalar_type() == at::kFloat && given->is_contiguous() && given->numel() == kv_heads,
+      name, " must be a contiguous float32 tensor with one scale per KV head for a quantized cache");
   const float* p = given->data_ptr<float>();
   return std::vector<float>(p, p + kv_heads);
 }
@@ -540,7 +554,8 @@ void quantize_row(uint8_t* dst, const In* src, int64_t n, float scale, at::Scala
 }  // namespace
 
 void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_cache, torch::Tensor v_cache,
-              const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale) {
+              const torch::Tensor& slots, const c10::optional<torch::Tensor>& k_scale,
+              const c10::optional<torch::Tensor>& v_scale) {
   RECORD_FUNCTION("native::write_kv", c10::ArrayRef<const c10::IValue>{});
   check_heads(k, "k");
   check_heads(v, "v");
@@ -548,7 +563,8 @@ void write_kv(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor k_ca
   check_cache(v_cache, v, "v_cache");
   const at::ScalarType cache_type = k_cache.scalar_type();
   const bool quantized = is_quantized(cache_type);
-  TORCH_CHECK(v_cache.scalar_type() == cache_type && k.scalar_type() == v.scalar_type() && (quantized || cache_type == k.scalar_type()),
+  TORCH_CHECK(v_cache.scalar_type() == cache_type && k.scalar_type() == v.scalar_type() &&
+                  (quantized || cache_type == k.scalar_type()),
               "the caches' dtype must be K/V's, or int8 / float8_e4m3fn / float8_e5m2 with scales");
   TORCH_CHECK(slots.is_contiguous() && slots.scalar_type() == at::kLong && slots.numel() == k.size(0));
   const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
@@ -629,7 +645,7 @@ inline void prefetch_to_l2(const char* p) {
 
 struct AttentionPlan {
   int64_t num_heads = 0, head_dim = 0, group = 1, kv_heads = 0, block_size = 0, table_width = 0;
-  int64_t window = 0;  // sliding window (positions a query sees, its own included); 0: none
+  int64_t window = 0;                     // sliding window (positions a query sees, its own included); 0: none
   std::vector<float> k_scales, v_scales;  // per KV head (1 for an unquantized cache)
   std::vector<WorkItem> items;
   std::vector<int64_t> order;  // item indices, heaviest first: the order threads take them in
@@ -656,22 +672,24 @@ struct Partials {
 };
 
 AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                             const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                             const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                             int64_t window) {
+                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& seq_info, const c10::optional<torch::Tensor>& k_scale,
+                             const c10::optional<torch::Tensor>& v_scale, int64_t window) {
   // q, out: [tokens, heads, head_dim]. seq_info: int32 [seqs, 3] = (first query row, number of
   // queries, position of the first query); query j of a sequence sits at position start + j and
   // sees positions 0 .. start + j, or with a window only start + j - window + 1 .. start + j.
   // block_tables: int32 [seqs, max_blocks].
   check_heads(q, "q");
   check_heads(out, "out");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "caches must be contiguous [blocks, block_size, kv_heads, head_dim] tensors");
+  TORCH_CHECK(
+      k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+      "caches must be contiguous [blocks, block_size, kv_heads, head_dim] tensors");
   const at::ScalarType cache_type = k_cache.scalar_type();
   const bool quantized = is_quantized(cache_type);
-  TORCH_CHECK(v_cache.scalar_type() == cache_type && out.scalar_type() == q.scalar_type() &&
-              (quantized || cache_type == q.scalar_type()),
-              "q and out must share a dtype, and the caches too: q's, or int8 / float8_e4m3fn / float8_e5m2 with scales");
+  TORCH_CHECK(
+      v_cache.scalar_type() == cache_type && out.scalar_type() == q.scalar_type() &&
+          (quantized || cache_type == q.scalar_type()),
+      "q and out must share a dtype, and the caches too: q's, or int8 / float8_e4m3fn / float8_e5m2 with scales");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kInt && block_tables.dim() == 2);
   TORCH_CHECK(seq_info.is_contiguous() && seq_info.scalar_type() == at::kInt && seq_info.dim() == 2 &&
               seq_info.size(1) == 3 && seq_info.size(0) == block_tables.size(0));
@@ -680,7 +698,8 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   plan.window = window;
   plan.num_heads = q.size(1), plan.head_dim = q.size(2);
   plan.block_size = k_cache.size(1), plan.kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == plan.head_dim && plan.num_heads % plan.kv_heads == 0, "head shapes of q and the cache disagree");
+  TORCH_CHECK(k_cache.size(3) == plan.head_dim && plan.num_heads % plan.kv_heads == 0,
+              "head shapes of q and the cache disagree");
   plan.group = plan.num_heads / plan.kv_heads, plan.table_width = block_tables.size(1);
   plan.k_scales = head_scales(k_scale, quantized, plan.kv_heads, "k_scale");
   plan.v_scales = head_scales(v_scale, quantized, plan.kv_heads, "v_scale");
@@ -691,12 +710,16 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   // A tile of queries shares every key and value it reads; its rows are bounded by MAX_ROWS.
   const int64_t tile_queries = std::max<int64_t>(1, MAX_ROWS / plan.group);
   // A span's queries see positions [begin, context): begin is where the first query's window starts.
-  struct Span { int64_t seq, first_query, queries, begin, context; };
+  struct Span {
+    int64_t seq, first_query, queries, begin, context;
+  };
   std::vector<Span> spans;
   for (int64_t b = 0; b < seqs; ++b) {
     const int64_t first = info[3 * b], count = info[3 * b + 1], start = info[3 * b + 2];
-    TORCH_CHECK(count >= 1 && first >= 0 && first + count <= q.size(0) && first + count <= out.size(0), "query rows out of range");
-    TORCH_CHECK(start >= 0 && (start + count + block_size - 1) / block_size <= width, "block table too short for the context");
+    TORCH_CHECK(count >= 1 && first >= 0 && first + count <= q.size(0) && first + count <= out.size(0),
+                "query rows out of range");
+    TORCH_CHECK(start >= 0 && (start + count + block_size - 1) / block_size <= width,
+                "block table too short for the context");
     // Blocks wholly before every query's window are never read (nor checked: a table may free them).
     const int64_t first_block = window > 0 ? std::max<int64_t>(0, start - window + 1) / block_size : 0;
     for (int64_t i = first_block; i < (start + count + block_size - 1) / block_size; ++i)
@@ -717,7 +740,9 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   // (tiles never cross a block), less tiles no row sees, which change no row's sums (softmax_update).
   // A row's segments that it sees at all are the same whatever shares its span; one it does not
   // see merges as nothing (its max is -inf).
-  struct Segment { int64_t span, pos_begin, pos_end, partial; };
+  struct Segment {
+    int64_t span, pos_begin, pos_end, partial;
+  };
   std::vector<Segment> segments;
   for (int64_t i = 0; i < static_cast<int64_t>(spans.size()); ++i) {
     const Span& sp = spans[i];
@@ -736,7 +761,8 @@ AttentionPlan plan_attention(const torch::Tensor& out, const torch::Tensor& q, c
   for (const Segment& seg : segments) {
     const Span& sp = spans[seg.span];
     for (int64_t h = 0; h < plan.kv_heads; h += heads_per_item) {
-      plan.items.push_back({sp.seq, sp.first_query, sp.queries, seg.pos_begin, seg.pos_end, seg.partial, h, h + heads_per_item});
+      plan.items.push_back(
+          {sp.seq, sp.first_query, sp.queries, seg.pos_begin, seg.pos_end, seg.partial, h, h + heads_per_item});
       costs.push_back(sp.queries * (seg.pos_end - seg.pos_begin) * heads_per_item);
     }
   }
@@ -768,7 +794,8 @@ void run_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::T
     std::vector<int64_t> row_last;
     // Position `pos` of sequence `seq`: the offset of its K/V row (all heads) in the caches.
     const auto row_of = [&](int64_t seq, int64_t pos) {
-      return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) * slot_stride;
+      return (static_cast<int64_t>(tables[seq * width + pos / block_size]) * block_size + pos % block_size) *
+             slot_stride;
     };
     // Asks for the K/V rows of positions [pos, pos + n) of an item, KV heads [head_begin,
     // head_end), ahead of their use.
@@ -836,7 +863,8 @@ void run_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::T
 // Each split span's rows: its segments' partial results rescaled to their overall max, summed
 // and normalised into the output.
 template <typename scalar_t>
-void merge_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::Tensor& seq_info, const Partials& partials) {
+void merge_attention(const AttentionPlan& plan, torch::Tensor& out, const torch::Tensor& seq_info,
+                     const Partials& partials) {
   const int64_t head_dim = plan.head_dim;
   const int32_t* info = seq_info.data_ptr<int32_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
@@ -873,8 +901,8 @@ struct CacheType {
 
 void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k_cache,
                      const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& seq_info,
-                     double scale, const c10::optional<torch::Tensor>& k_scale, const c10::optional<torch::Tensor>& v_scale,
-                     int64_t window) {
+                     double scale, const c10::optional<torch::Tensor>& k_scale,
+                     const c10::optional<torch::Tensor>& v_scale, int64_t window) {
   RECORD_FUNCTION("native::paged_attention", c10::ArrayRef<const c10::IValue>{});
   const AttentionPlan plan = plan_attention(out, q, k_cache, v_cache, block_tables, seq_info, k_scale, v_scale, window);
   Partials partials(plan.partial_rows, plan.head_dim);

@@ -123,7 +123,8 @@ __attribute__((always_inline)) inline void store_4x4(const Problem& p, int64_t r
   // Round to nearest even as c10::BFloat16 does: add 0x7FFF plus the lowest kept bit, keep the high half.
   const __m512i bits = _mm512_castps_si512(sums);
   const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7FFF))), 16);
+  __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7FFF))), 16);
   rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   alignas(32) uint64_t halves[4];  // token j's four outputs: 4 bf16 in one 64-bit word
   _mm256_store_si256(reinterpret_cast<__m256i*>(halves), _mm512_cvtepi32_epi16(rounded));
@@ -150,8 +151,7 @@ void dot_block(const Problem& p, int64_t row, int64_t token, int64_t pass, int64
     // The hardware prefetchers lose track of kRows short interleaved streams; ask for the same
     // line kPrefetchRows rows ahead, into L2 (prefetcht0, into L1, measured no faster than none).
     for (int r = 0; r < R; ++r)
-      if (prefetch[r])
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * p.w_stride + k), _MM_HINT_T1);
+      if (prefetch[r]) _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * p.w_stride + k), _MM_HINT_T1);
     for (int t = 0; t < T; ++t) {
       const __m512bh xv = load_bf16x32(x[t] + k);
       for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[r], xv);
@@ -271,8 +271,7 @@ void dot_block(const Problem& p, int64_t row, int64_t token, int64_t pass, int64
   for (; k + 2 * kStep <= full; k += 2 * kStep) {  // 64 bytes of each row: one prefetch per line
     // As in the AVX-512 path: the same line kPrefetchRows rows ahead, into L2.
     for (int r = 0; r < R; ++r)
-      if (prefetch[r])
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * p.w_stride + k), _MM_HINT_T1);
+      if (prefetch[r]) _mm_prefetch(reinterpret_cast<const char*>(w[r] + kPrefetchRows * p.w_stride + k), _MM_HINT_T1);
     step(k);
     step(k + kStep);
   }
@@ -340,14 +339,17 @@ void dot_rows(const Problem& p, int64_t row, int64_t tokens) {
 
 }  // namespace
 
-torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias) {
   RECORD_FUNCTION("native::bf16_gemv", c10::ArrayRef<const c10::IValue>{});
   TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "bf16_linear: CPU tensors only");
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
               "bf16_linear: x and weight must be bfloat16");
-  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "bf16_linear: weight must be 2-D [out, in] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1,
+              "bf16_linear: weight must be 2-D [out, in] with contiguous rows");
   const int64_t in = weight.size(1), out = weight.size(0);
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == in, "bf16_linear: x has ", input.size(-1), " features, weight expects ", in);
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == in, "bf16_linear: x has ", input.size(-1),
+              " features, weight expects ", in);
   // x as [tokens, in] with contiguous rows (a view whenever its layout allows).
   torch::Tensor x = input.reshape({-1, in});
   if (x.stride(1) != 1) x = x.contiguous();
@@ -399,9 +401,8 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
     const int64_t count = std::min(chunk, tokens - first);
 #if defined(BF16_GEMV_AVX2)
     const int64_t widen_grain = std::max<int64_t>(1, kMinBytesPerTask / (kInputBytes * p.x32_stride));
-    at::parallel_for(0, count, widen_grain, [&](int64_t begin, int64_t end) {
-      widen_inputs(part, begin, end, widened);
-    });
+    at::parallel_for(0, count, widen_grain,
+                     [&](int64_t begin, int64_t end) { widen_inputs(part, begin, end, widened); });
 #endif
     at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
@@ -418,7 +419,8 @@ torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weigh
 }
 
 void register_bf16_gemv(pybind11::module_& m) {
-  m.def("bf16_linear", &bf16_linear, "y[..., out] = x[..., in] @ weight[out, in]^T (+ bias) in bf16 with fp32 sums, for few-token inputs",
+  m.def("bf16_linear", &bf16_linear,
+        "y[..., out] = x[..., in] @ weight[out, in]^T (+ bias) in bf16 with fp32 sums, for few-token inputs",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(), ReleaseGil());
 #if defined(BF16_GEMV_AVX512)
   m.attr("bf16_linear_isa") = "avx512_bf16";

@@ -8,15 +8,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotate q and k in place (half-split layout)", ReleaseGil());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [tokens, 2 * inter] projection", ReleaseGil());
   m.def("write_kv", &write_kv,
-        "write K/V rows into the paged cache at the given flat slots (int8 / fp8 caches: value / scale, rounded, saturated)",
-        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slots"),
-        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(), ReleaseGil());
+        "write K/V rows into the paged cache at the given flat slots (int8 / fp8 caches: value / scale, rounded, "
+        "saturated)",
+        pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("slots"), pybind11::arg("k_scale") = pybind11::none(),
+        pybind11::arg("v_scale") = pybind11::none(), ReleaseGil());
   m.def("paged_attention", &paged_attention,
         "attention of each sequence's queries over its paged context (int8 / fp8 caches with per-KV-head scales;"
         " window > 0: sliding-window attention)",
-        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("block_tables"),
-        pybind11::arg("seq_info"), pybind11::arg("scale"), pybind11::arg("k_scale") = pybind11::none(),
-        pybind11::arg("v_scale") = pybind11::none(), pybind11::arg("window") = 0, ReleaseGil());
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_info"), pybind11::arg("scale"),
+        pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
+        pybind11::arg("window") = 0, ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
   register_decode_layer(m);

@@ -16,7 +16,7 @@ struct Linear {
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
   int64_t activation_bits;
-  int64_t kernel_max_rows;  // bf16: larger inputs go to at::linear (oneDNN GEMM); -1: no limit
+  int64_t kernel_max_rows;              // bf16: larger inputs go to at::linear (oneDNN GEMM); -1: no limit
   c10::optional<torch::Tensor> layout;  // blocks: the (GGML block type, rows) of each stacked matrix
 
   torch::Tensor operator()(const torch::Tensor& x) const {
@@ -33,9 +33,13 @@ struct Linear {
 Linear make_linear(const pybind11::tuple& spec) {
   TORCH_CHECK(spec.size() == 7,
               "a linear spec is (kind, weight, bias, out_features, activation_bits, kernel_max_rows, layout)");
-  Linear linear{static_cast<LinearKind>(spec[0].cast<int64_t>()), spec[1].cast<torch::Tensor>(),
-                spec[2].cast<c10::optional<torch::Tensor>>(), spec[3].cast<int64_t>(), spec[4].cast<int64_t>(),
-                spec[5].cast<int64_t>(), spec[6].cast<c10::optional<torch::Tensor>>()};
+  Linear linear{static_cast<LinearKind>(spec[0].cast<int64_t>()),
+                spec[1].cast<torch::Tensor>(),
+                spec[2].cast<c10::optional<torch::Tensor>>(),
+                spec[3].cast<int64_t>(),
+                spec[4].cast<int64_t>(),
+                spec[5].cast<int64_t>(),
+                spec[6].cast<c10::optional<torch::Tensor>>()};
   TORCH_CHECK(linear.kind == LinearKind::Bf16 || linear.layout, "a block linear's spec needs its layout");
   return linear;
 }
@@ -43,19 +47,28 @@ Linear make_linear(const pybind11::tuple& spec) {
 class DecodeLayer {
  public:
   DecodeLayer(const pybind11::tuple& qkv, const pybind11::tuple& o, const pybind11::tuple& gate_up,
-              const pybind11::tuple& down, torch::Tensor input_norm, torch::Tensor post_norm, double eps,
-              int64_t heads, int64_t kv_heads, int64_t head_dim, double scale)
-      : qkv_(make_linear(qkv)), o_(make_linear(o)), gate_up_(make_linear(gate_up)), down_(make_linear(down)),
-        input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), eps_(eps), heads_(heads),
-        kv_heads_(kv_heads), head_dim_(head_dim), scale_(scale) {}
+              const pybind11::tuple& down, torch::Tensor input_norm, torch::Tensor post_norm, double eps, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, double scale)
+      : qkv_(make_linear(qkv)),
+        o_(make_linear(o)),
+        gate_up_(make_linear(gate_up)),
+        down_(make_linear(down)),
+        input_norm_(std::move(input_norm)),
+        post_norm_(std::move(post_norm)),
+        eps_(eps),
+        heads_(heads),
+        kv_heads_(kv_heads),
+        head_dim_(head_dim),
+        scale_(scale) {}
 
   // x: [tokens, hidden], the layer's input before its norm; residual: the running residual
   // (None at the first layer). Returns (output, residual) like DecoderLayer.forward.
   std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                    const torch::Tensor& positions, const torch::Tensor& cos,
-                                                   const torch::Tensor& sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                                                   const torch::Tensor& slots, const torch::Tensor& block_tables,
-                                                   const torch::Tensor& seq_info, const c10::optional<torch::Tensor>& k_scale,
+                                                   const torch::Tensor& sin, torch::Tensor k_cache,
+                                                   torch::Tensor v_cache, const torch::Tensor& slots,
+                                                   const torch::Tensor& block_tables, const torch::Tensor& seq_info,
+                                                   const c10::optional<torch::Tensor>& k_scale,
                                                    const c10::optional<torch::Tensor>& v_scale) const {
     torch::Tensor res;
     if (residual) {
@@ -92,8 +105,9 @@ class DecodeLayer {
 
 void register_decode_layer(pybind11::module_& m) {
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
-      .def(pybind11::init<const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&,
-                          torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double>())
+      .def(
+          pybind11::init<const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&, const pybind11::tuple&,
+                         torch::Tensor, torch::Tensor, double, int64_t, int64_t, int64_t, double>())
       .def("forward", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("positions"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
            pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("seq_info"),

@@ -48,7 +48,8 @@ void rms_norm(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& we
   RECORD_FUNCTION("native::rms_norm", c10::ArrayRef<const c10::IValue>{});
   check_rows(x, "x");
   check_rows(out, "out");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type());
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() &&
+              weight.scalar_type() == x.scalar_type());
   const int64_t rows = x.size(0), n = x.size(1);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "weight must hold one value per feature");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
@@ -83,7 +84,8 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, const torch::Tensor& 
       for (int64_t r = begin; r < end; ++r) {
         scalar_t* xr = xp + r * xs;
         scalar_t* rr = rp + r * rs;
-        for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
+        for (int64_t i = 0; i < n; ++i)
+          rr[i] = static_cast<scalar_t>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
         normalize_row(xr, rr, wp, n, inverse_rms(rr, n, eps));
       }
     });
@@ -95,10 +97,13 @@ void rotary_inplace(torch::Tensor q, torch::Tensor k, const torch::Tensor& posit
   RECORD_FUNCTION("native::rotary_inplace", c10::ArrayRef<const c10::IValue>{});
   // q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim] (row-strided views of the fused
   // qkv output); cos/sin: [max_positions, head_dim / 2]. Half-split (NeoX / HF) layout.
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q and k must be [tokens, heads, head_dim]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "q and k must be [tokens, heads, head_dim]");
   TORCH_CHECK(q.stride(1) == q.size(2) && k.stride(1) == k.size(2), "heads of q and k must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type());
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() && positions.scalar_type() == at::kLong);
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+              sin.scalar_type() == q.scalar_type());
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() &&
+              positions.scalar_type() == at::kLong);
   const int64_t tokens = q.size(0), half = q.size(2) / 2;
   TORCH_CHECK(cos.size(1) == half, "cos/sin tables must have head_dim / 2 columns");
   const int64_t max_pos = cos.size(0);

@@ -28,11 +28,13 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
                      const c10::optional<torch::Tensor>& v_scale = c10::nullopt, int64_t window = 0);
 
 // quant_gemv.cpp: layout int64 [parts, 2] of (GGML block type, out_features), the matrices stacked in `packed`.
-torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout, int64_t activation_bits);
+torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
+                         int64_t activation_bits);
 void register_quant_gemv(pybind11::module_& m);
 
 // bf16_gemv.cpp
-torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias);
+torch::Tensor bf16_linear(const torch::Tensor& input, const torch::Tensor& weight,
+                          const c10::optional<torch::Tensor>& bias);
 void register_bf16_gemv(pybind11::module_& m);
 
 // decode_layer.cpp

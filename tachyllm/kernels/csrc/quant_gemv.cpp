@@ -88,7 +88,7 @@ constexpr bool is_k(Format f) { return f == Format::Q4_K || f == Format::Q5_K ||
 // Rows per pass of format F. With AVX-512's 32 vector registers a Q4_K tile holds 6 rows'
 // accumulators beside its codes: a 5-token verification in one pass instead of 3 + 2 rows. Q6_K's
 // tile, with its two scale vectors and half sums, ran 45-50% slower at 5 or 6 rows than in two
-// passes (benchmarks.md, session 18, before the tiles were noinline; not measured again); the other
+// passes (on an AVX-512 host, before the tiles were noinline; not measured since); the other
 // formats were not measured at more than ROWS.
 constexpr int max_rows(Format f) {
 #ifdef QGEMV_AVX512
@@ -128,7 +128,8 @@ constexpr int64_t codes_at(Format f) { return is_k(f) ? scale_bytes(f) : 0; }
 template <Format F>
 inline void prefetch_ahead(const uint8_t* w, int64_t j) {
   const uint8_t* ahead = w + PREFETCH_BYTES;
-  for (int64_t line = 0; line < code_bytes(F); line += 64) __builtin_prefetch(ahead + codes_at(F) + j * code_bytes(F) + line, 0, 3);
+  for (int64_t line = 0; line < code_bytes(F); line += 64)
+    __builtin_prefetch(ahead + codes_at(F) + j * code_bytes(F) + line, 0, 3);
   if (j == 0)
     for (int64_t line = 0; line < scale_bytes(F); line += 64) __builtin_prefetch(ahead + scales_at(F) + line, 0, 3);
 }
@@ -172,11 +173,11 @@ void with_format(Format f, Fn&& fn) {
 // One matrix of a (possibly stacked) packed weight.
 struct Part {
   Format format;
-  int64_t n;           // output rows
-  int64_t col0;        // first output column
-  int64_t tile0;       // first tile among all parts' tiles
+  int64_t n;      // output rows
+  int64_t col0;   // first output column
+  int64_t tile0;  // first tile among all parts' tiles
   int64_t tiles;
-  const uint8_t* w;    // its first tile
+  const uint8_t* w;  // its first tile
   int64_t tile_bytes;
 };
 
@@ -330,8 +331,8 @@ QuantizedRows quantize_rows(const T* x, int64_t rows, int64_t k, bool fine) {
     for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t at = r * k + b * QK, i = r * nb + b;
-        quantize_block(x + at, fine, out.q.data() + at, fine ? out.q2.data() + at : nullptr, &out.scale[i],
-                       &out.sum[i], &out.half_sum[2 * i]);
+        quantize_block(x + at, fine, out.q.data() + at, fine ? out.q2.data() + at : nullptr, &out.scale[i], &out.sum[i],
+                       &out.half_sum[2 * i]);
       }
   });
   return out;
@@ -361,10 +362,12 @@ inline void store16(c10::BFloat16* y, __mmask16 mask, __m512 v) {
 // reads x as an embedded broadcast. GCC has no pattern for that form and put a VPBROADCASTD before
 // every product instead, as many instructions again as the products themselves.
 inline __m512i dot4(__m512i acc, __m512i w, const int8_t* x) {
-  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int8_t(*)[4]>(x)));
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int8_t (*)[4]>(x)));
   return acc;
 }
-inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
@@ -375,9 +378,12 @@ inline __m512 i8x16(const uint8_t* p) {
 // the selected bits inside their byte.
 template <int FROM, int TO>
 inline __m512i move_bits(__m512i v, __m512i mask) {
-  if constexpr (TO > FROM) return _mm512_and_si512(_mm512_slli_epi16(v, TO - FROM), mask);
-  else if constexpr (TO < FROM) return _mm512_and_si512(_mm512_srli_epi16(v, FROM - TO), mask);
-  else return _mm512_and_si512(v, mask);
+  if constexpr (TO > FROM)
+    return _mm512_and_si512(_mm512_slli_epi16(v, TO - FROM), mask);
+  else if constexpr (TO < FROM)
+    return _mm512_and_si512(_mm512_srli_epi16(v, FROM - TO), mask);
+  else
+    return _mm512_and_si512(v, mask);
 }
 
 // The 8 code vectors of one sub-block (16 rows x 32 weights) as unsigned bytes.
@@ -441,7 +447,7 @@ inline void block_dot(const __m512i* w, const int8_t* x, const int8_t* x2, __m51
 // loop of the products that do not prefetch worse (Q6_K at 64 rows took 1.6x the time).
 // Never inlined (here and in tile_avx2): each instantiation gets registers of its own. Inlined, as
 // GCC chose to do for some of them depending on how many there were, the 16-bit Q6_K tiles ran
-// 1.4-1.5x slower (benchmarks.md, session 19).
+// 1.4-1.5x slower (measured on an AVX-512 host).
 template <Format F, bool FINE, bool PREFETCH, int R, typename OutT>
 __attribute__((noinline)) void tile_avx512(const uint8_t* w, const QuantizedRows& xq, int64_t r0, int64_t col0,
                                            __mmask16 mask, Output<OutT> out) {
@@ -485,8 +491,10 @@ __attribute__((noinline)) void tile_avx512(const uint8_t* w, const QuantizedRows
         } else {  // (d*sc) * s * dot + m * sum; K-quants subtract (dmin*mn) * sum
           const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), s);
           acc[r] = _mm512_fmadd_ps(t, dj, acc[r]);
-          if constexpr (F == Format::Q4_1) acc[r] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xq.sum[i]), acc[r]);
-          else acc[r] = _mm512_fnmadd_ps(mj, _mm512_set1_ps(xq.sum[i]), acc[r]);
+          if constexpr (F == Format::Q4_1)
+            acc[r] = _mm512_fmadd_ps(mj, _mm512_set1_ps(xq.sum[i]), acc[r]);
+          else
+            acc[r] = _mm512_fnmadd_ps(mj, _mm512_set1_ps(xq.sum[i]), acc[r]);
         }
       }
     }
@@ -515,14 +523,19 @@ inline __m256 i8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_
 
 template <int FROM, int TO>
 inline __m256i move_bits8(__m256i v, __m256i mask) {
-  if constexpr (TO > FROM) return _mm256_and_si256(_mm256_slli_epi16(v, TO - FROM), mask);
-  else if constexpr (TO < FROM) return _mm256_and_si256(_mm256_srli_epi16(v, FROM - TO), mask);
-  else return _mm256_and_si256(v, mask);
+  if constexpr (TO > FROM)
+    return _mm256_and_si256(_mm256_slli_epi16(v, TO - FROM), mask);
+  else if constexpr (TO < FROM)
+    return _mm256_and_si256(_mm256_srli_epi16(v, FROM - TO), mask);
+  else
+    return _mm256_and_si256(v, mask);
 }
 
 // Half h of the 8 code vectors of one sub-block; Q8_0: 16 vectors, low nibbles then high nibbles.
 template <Format F>
-constexpr int code_vectors() { return F == Format::Q8_0 ? 16 : 8; }
+constexpr int code_vectors() {
+  return F == Format::Q8_0 ? 16 : 8;
+}
 
 template <Format F>
 inline void load_codes_half(const uint8_t* c, int h, __m256i codes[code_vectors<F>()]) {
@@ -571,7 +584,8 @@ inline __m256i dot16(const __m256i* w, const int8_t* x) {
   __m256i total = _mm256_setzero_si256();
   for (int g = 0; g < 4; g += GROUP) {
     __m256i s = _mm256_maddubs_epi16(w[g], bcast4_256(x + 4 * g));
-    for (int c = 1; c < GROUP; ++c) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g + c], bcast4_256(x + 4 * (g + c))));
+    for (int c = 1; c < GROUP; ++c)
+      s = _mm256_add_epi16(s, _mm256_maddubs_epi16(w[g + c], bcast4_256(x + 4 * (g + c))));
     total = _mm256_add_epi32(total, _mm256_madd_epi16(s, ones));
   }
   return total;
@@ -628,8 +642,8 @@ __attribute__((noinline)) void tile_avx2(const uint8_t* w, const QuantizedRows& 
       for (int h = 0; h < 2; ++h) {
         __m256i codes[code_vectors<F>()];
         load_codes_half<F>(w + codes_at(F) + j * code_bytes(F), h, codes);
-        const __m256 d = is_k(F) ? _mm256_loadu_ps(reinterpret_cast<const float*>(scales) + 8 * h)
-                                 : half8(scales + 16 * h);
+        const __m256 d =
+            is_k(F) ? _mm256_loadu_ps(reinterpret_cast<const float*>(scales) + 8 * h) : half8(scales + 16 * h);
         __m256 dj = d, mj = _mm256_setzero_ps(), dj2 = d;
         if constexpr (F == Format::Q4_1) mj = half8(scales + 32 + 16 * h);
         if constexpr (F == Format::Q4_K || F == Format::Q5_K) {
@@ -665,8 +679,10 @@ __attribute__((noinline)) void tile_avx2(const uint8_t* w, const QuantizedRows& 
           } else {  // (d*sc) * s * dot + m * sum; K-quants subtract (dmin*mn) * sum
             const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi)), s);
             a = _mm256_fmadd_ps(t, dj, a);
-            if constexpr (F == Format::Q4_1) a = _mm256_fmadd_ps(mj, _mm256_set1_ps(xq.sum[i]), a);
-            else a = _mm256_fnmadd_ps(mj, _mm256_set1_ps(xq.sum[i]), a);
+            if constexpr (F == Format::Q4_1)
+              a = _mm256_fmadd_ps(mj, _mm256_set1_ps(xq.sum[i]), a);
+            else
+              a = _mm256_fnmadd_ps(mj, _mm256_set1_ps(xq.sum[i]), a);
           }
         }
       }
@@ -793,8 +809,10 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
       const int rows = static_cast<int>(total / passes + (g < total % passes ? 1 : 0));
       // The first pass over a tile prefetches the next ones; later passes find this tile in cache.
       // Prefetching in every pass and at every row count made 64-sequence batches 25-30% slower.
-      if (g == 0 && total <= PREFETCH_MAX_ROWS) tile<F, FINE, true>(w, xq, rows, r0, col0, valid, out);
-      else tile<F, FINE, false>(w, xq, rows, r0, col0, valid, out);
+      if (g == 0 && total <= PREFETCH_MAX_ROWS)
+        tile<F, FINE, true>(w, xq, rows, r0, col0, valid, out);
+      else
+        tile<F, FINE, false>(w, xq, rows, r0, col0, valid, out);
       r0 += rows;
     }
   }
@@ -817,8 +835,10 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
         const int64_t lo = std::max(begin, p.tile0) - p.tile0, hi = std::min(end, p.tile0 + p.tiles) - p.tile0;
         if (lo >= hi) continue;
         with_format(p.format, [&](auto f) {
-          if (fine) run_tiles<decltype(f)::value, true>(p, xq, lo, hi, r, r_end, out);
-          else run_tiles<decltype(f)::value, false>(p, xq, lo, hi, r, r_end, out);
+          if (fine)
+            run_tiles<decltype(f)::value, true>(p, xq, lo, hi, r, r_end, out);
+          else
+            run_tiles<decltype(f)::value, false>(p, xq, lo, hi, r, r_end, out);
         });
       }
     }
@@ -834,8 +854,8 @@ std::vector<Part> make_parts(const std::vector<std::pair<int64_t, int64_t>>& lay
   for (const auto& [id, n] : layout) {
     TORCH_CHECK(known_format(id), "quant_gemv: unknown block format ", id);
     const Format f = static_cast<Format>(id);
-    TORCH_CHECK(k % super_weights(f) == 0, "quant_gemv: in_features must be a positive multiple of ",
-                super_weights(f), " for block format ", id, ", got ", k);
+    TORCH_CHECK(k % super_weights(f) == 0, "quant_gemv: in_features must be a positive multiple of ", super_weights(f),
+                " for block format ", id, ", got ", k);
     TORCH_CHECK(n > 0, "quant_gemv: out_features must be positive");
     const int64_t tiles = (n + TILE - 1) / TILE, tile_bytes = k / super_weights(f) * chunk_bytes(f);
     parts.push_back(Part{f, n, col, tile, tiles, nullptr, tile_bytes});
@@ -854,8 +874,10 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& packed,
   RECORD_FUNCTION("native::quant_gemv", c10::ArrayRef<const c10::IValue>{});
   TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "quant_gemv: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1, "quant_gemv: x must be [..., in_features]");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "quant_gemv: x must be float32 or bfloat16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_gemv: packed weights must be contiguous uint8");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "quant_gemv: x must be float32 or bfloat16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "quant_gemv: packed weights must be contiguous uint8");
   TORCH_CHECK(activation_bits == 8 || activation_bits == 16, "quant_gemv: activation_bits must be 8 or 16");
   const torch::Tensor x = x_in.contiguous();
   const int64_t k = x.size(-1);
@@ -914,7 +936,8 @@ void dequantize_row(const uint8_t* packed, int64_t nsb, int64_t row, float* out)
           const float mj = float_at(scales + 64 + 4 * j) * static_cast<float>(scales[SUB_MINS_AT + 16 * b + j]);
           o[i] = dj * u - mj;
         } else if constexpr (F == Format::Q6_K) {
-          const float sc = static_cast<float>(static_cast<int8_t>(scales[sub_scales_at(F) + 32 * b + 16 * (i / 16) + j]));
+          const float sc =
+              static_cast<float>(static_cast<int8_t>(scales[sub_scales_at(F) + 32 * b + 16 * (i / 16) + j]));
           o[i] = (d * sc) * (u - 32.0f);
         } else {
           o[i] = d * (u - static_cast<float>(code_offset(F)));
@@ -926,11 +949,13 @@ void dequantize_row(const uint8_t* packed, int64_t nsb, int64_t row, float* out)
 
 // Rows `ids` of a packed matrix (one part), dequantized: the embedding lookup of a table kept as tiles.
 torch::Tensor gather_rows(const torch::Tensor& packed, const torch::Tensor& layout, const torch::Tensor& ids_in,
-                   int64_t in_features, at::ScalarType dtype) {
+                          int64_t in_features, at::ScalarType dtype) {
   RECORD_FUNCTION("native::quant_rows", c10::ArrayRef<const c10::IValue>{});
   TORCH_CHECK(packed.device().is_cpu() && ids_in.device().is_cpu(), "quant_rows: CPU tensors only");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(), "quant_rows: packed weights must be contiguous uint8");
-  TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt, "quant_rows: ids must be int64 or int32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "quant_rows: packed weights must be contiguous uint8");
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt,
+              "quant_rows: ids must be int64 or int32");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "quant_rows: dtype must be float32, bfloat16 or float16");
   const std::vector<std::pair<int64_t, int64_t>> parts_layout = read_layout(layout);
@@ -999,7 +1024,8 @@ torch::Tensor pack_tiles(Format format, int64_t n, int64_t nsb, Fill fill) {
 void check_pack_inputs(const torch::Tensor& codes, const torch::Tensor& scales, at::ScalarType code_type) {
   TORCH_CHECK(codes.device().is_cpu() && scales.device().is_cpu(), "quant_pack: CPU tensors only");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == code_type, "quant_pack: codes must be 2-D ", code_type);
-  TORCH_CHECK(codes.size(1) % QK == 0 && codes.size(1) > 0, "quant_pack: in_features must be a positive multiple of 32");
+  TORCH_CHECK(codes.size(1) % QK == 0 && codes.size(1) > 0,
+              "quant_pack: in_features must be a positive multiple of 32");
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && scales.size(1) == codes.size(1) / QK,
               "quant_pack: scales must be [out_features, in_features / 32]");
 }
@@ -1108,8 +1134,9 @@ torch::Tensor pack_gguf(int64_t block_format, const torch::Tensor& blocks_in, in
   const Format f = static_cast<Format>(block_format);
   TORCH_CHECK(blocks_in.device().is_cpu() && blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 2,
               "quant_pack_gguf: blocks must be a 2-D uint8 CPU tensor [out_features, bytes per row]");
-  TORCH_CHECK(in_features > 0 && in_features % super_weights(f) == 0, "quant_pack_gguf: in_features must be a positive multiple of ",
-              super_weights(f), " for block type ", block_format, ", got ", in_features);
+  TORCH_CHECK(in_features > 0 && in_features % super_weights(f) == 0,
+              "quant_pack_gguf: in_features must be a positive multiple of ", super_weights(f), " for block type ",
+              block_format, ", got ", in_features);
   const int64_t nsb = in_features / super_weights(f), row_bytes = nsb * file_block_bytes(f);
   TORCH_CHECK(blocks_in.size(1) == row_bytes, "quant_pack_gguf: ", row_bytes, " bytes per row expected for ",
               in_features, " inputs of block type ", block_format, ", got ", blocks_in.size(1));
@@ -1138,7 +1165,8 @@ const char* isa() {
 
 }  // namespace
 
-torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout, int64_t activation_bits) {
+torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
+                         int64_t activation_bits) {
   return gemv(x, packed, read_layout(layout), activation_bits);
 }
 

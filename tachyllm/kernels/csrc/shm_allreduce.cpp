@@ -89,7 +89,8 @@ class ShmAllReduce {
  public:
   // mapping: the whole shared mapping as uint8 (mapping_bytes(size, slot_bytes) long); its slot size
   // follows from its length.
-  ShmAllReduce(torch::Tensor mapping, int64_t rank, int64_t size) : mapping_(std::move(mapping)), rank_(rank), size_(size) {
+  ShmAllReduce(torch::Tensor mapping, int64_t rank, int64_t size)
+      : mapping_(std::move(mapping)), rank_(rank), size_(size) {
     TORCH_CHECK(mapping_.device().is_cpu() && mapping_.scalar_type() == torch::kUInt8 && mapping_.is_contiguous(),
                 "the shared mapping must be a contiguous uint8 CPU tensor");
     TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "rank ", rank, " is not one of ", size, " ranks");
@@ -114,9 +115,8 @@ class ShmAllReduce {
     ++seq_;
     uint8_t* dst = slot(seq_, rank_);
     const auto* src = static_cast<const uint8_t*>(x.data_ptr());
-    at::parallel_for(0, static_cast<int64_t>(x.nbytes()), kCopyGrain, [&](int64_t begin, int64_t end) {
-      std::memcpy(dst + begin, src + begin, end - begin);
-    });
+    at::parallel_for(0, static_cast<int64_t>(x.nbytes()), kCopyGrain,
+                     [&](int64_t begin, int64_t end) { std::memcpy(dst + begin, src + begin, end - begin); });
     __atomic_store_n(flag(rank_), seq_, __ATOMIC_RELEASE);
   }
 
@@ -130,14 +130,9 @@ class ShmAllReduce {
     const uint8_t* slots[kMaxRanks];
     for (int64_t r = 0; r < size_; ++r) slots[r] = slot(seq_, r);
     switch (x.scalar_type()) {
-      case torch::kFloat:
-        sum_in_rank_order(x.data_ptr<float>(), slots, size_, x.numel());
-        break;
-      case torch::kBFloat16:
-        sum_in_rank_order(x.data_ptr<c10::BFloat16>(), slots, size_, x.numel());
-        break;
-      default:
-        sum_in_rank_order(x.data_ptr<c10::Half>(), slots, size_, x.numel());
+      case torch::kFloat: sum_in_rank_order(x.data_ptr<float>(), slots, size_, x.numel()); break;
+      case torch::kBFloat16: sum_in_rank_order(x.data_ptr<c10::BFloat16>(), slots, size_, x.numel()); break;
+      default: sum_in_rank_order(x.data_ptr<c10::Half>(), slots, size_, x.numel());
     }
     return true;
   }
