@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -46,6 +47,15 @@ class CompletionOutput:
         self.cumulative_logprob = delta.cumulative_logprob
 
 
+class RequestEvent(NamedTuple):
+    """Something that happened to a request in the engine, for its trace: "scheduled" / "resumed" (with the
+    prompt tokens found in the prefix cache), "prefill_chunk", "preempted", "model_step" (detailed traces)."""
+
+    name: str
+    time: float  # time.time()
+    attributes: dict[str, Any]
+
+
 @dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.time()) recorded by the engine, and what users derive from them."""
@@ -63,6 +73,14 @@ class RequestMetrics:
     spec_num_accepted_tokens: int = 0
     # Output tokens of each sample (choice), set when the request finishes.
     sample_output_tokens: list[int] = field(default_factory=list)
+    # The request's trace events, in order: a list only when the engine traces requests
+    # (otlp_traces_endpoint), else None, so that an untraced request records nothing.
+    events: list[RequestEvent] | None = None
+
+    def record(self, name: str, time: float, **attributes: Any) -> None:
+        """Adds a trace event; a no-op for an untraced request. Callers on hot paths check `events` first."""
+        if self.events is not None:
+            self.events.append(RequestEvent(name, time, attributes))
 
     @property
     def queue_time(self) -> float | None:
