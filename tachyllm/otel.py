@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from tachyllm.config import EngineConfig
 from tachyllm.errors import ConfigError
-from tachyllm.outputs import RequestMetrics, RequestOutput
+from tachyllm.outputs import RequestEvent, RequestMetrics, RequestOutput
 from tachyllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tachyllm")
@@ -41,6 +42,13 @@ class TraceOptions:
 
     endpoint: str
     record_text: bool = False
+
+
+def trace_options(config: EngineConfig) -> TraceOptions | None:
+    """Where an engine's requests are traced (its otlp_* options), or None when they are not."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    return TraceOptions(config.otlp_traces_endpoint, config.otlp_traces_record_text)
 
 
 @dataclass
@@ -75,6 +83,11 @@ class TracedRequest:
     error: str | None = None  # why the request failed, when it did before or outside the engine
     status_code: int | None = None  # the HTTP status of the response
     record_text: bool = False  # keep the prompts and the generated text (TraceOptions.record_text)
+    # What happened to it outside the engine (Ray Serve: each replica it was sent to, each retry).
+    events: list[RequestEvent] = field(default_factory=list)
+
+    def record(self, name: str, **attributes: Any) -> None:
+        self.events.append(RequestEvent(name, time.time(), attributes))
 
     def observe(self, out: RequestOutput) -> None:
         """Takes an engine request's DELTA output (or its one FINAL_ONLY output): O(its new tokens)."""
@@ -303,6 +316,8 @@ def _annotate(tracer: RequestTracer, span, request: TracedRequest) -> None:
         if completions:
             attrs["gen_ai.completion"] = completions[0] if len(completions) == 1 else completions
     span.set_attributes(attrs)
+    for event in request.events:
+        span.add_event(event.name, event.attributes, timestamp=_ns(event.time))
     if errors:
         span.set_attribute("error.type", "engine_error" if request.error is None else "request_error")
         span.set_status(trace.Status(trace.StatusCode.ERROR, "; ".join(errors)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,7 +25,7 @@ from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.entrypoints.serve import check_before_loading
 from tachyllm.errors import ConfigError
-from tachyllm.otel import otlp_exporter
+from tachyllm.otel import RequestTracer, TracedRequest, TraceOptions, otlp_exporter
 from tachyllm.runner import kv_cache
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.app import build_app
@@ -285,3 +286,21 @@ def test_offline_one_trace_per_call_with_chunks_preemptions_and_step_timings(mod
     refused = by_id[outputs[4].request_id]
     assert refused.status_code == 2 and outputs[4].error in refused.status_message
     assert second[0].outputs[0].finish_reason is not None
+
+
+def test_events_outside_the_engine_reach_the_request_span(http_protocol):
+    """Ray Serve's ingress records where a request was sent and its retries on the request's trace."""
+    with http_receiver() as (receiver, url):
+        tracer = RequestTracer(TraceOptions(url))
+        request = TracedRequest(time.time(), "chat")
+        span = tracer.start(None, request.start_time)
+        request.record("routed", engine_request_id="r", attempt=0)
+        request.record("retry", reason="its replica died", attempt=1)
+        tracer.finish(span, request)
+        assert tracer.force_flush()
+        (got,) = receiver.wait_for("llm_request")
+        tracer.shutdown()
+    assert [(e[0], e[2]) for e in got.events] == [
+        ("routed", {"engine_request_id": "r", "attempt": 0}),
+        ("retry", {"reason": "its replica died", "attempt": 1}),
+    ]

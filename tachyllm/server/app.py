@@ -41,14 +41,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
         return [({}, metrics.render(engine.snapshot))]
 
-    return assemble_app(server_state([served], args, [local_metrics]), args, trace_options(args))
-
-
-def trace_options(args: argparse.Namespace) -> TraceOptions | None:
-    """Where request traces go (the engine flags --otlp-traces-endpoint, --otlp-traces-record-text), or None."""
-    if args.otlp_traces_endpoint is None:
-        return None
-    return TraceOptions(args.otlp_traces_endpoint, args.otlp_traces_record_text)
+    return assemble_app(server_state([served], args, [local_metrics]), args, engine.trace_options)
 
 
 def metrics_options(args: argparse.Namespace) -> MetricsOptions:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -28,6 +30,16 @@ _current: ContextVar[TracedRequest | None] = ContextVar("tachy_traced_request", 
 def current_request() -> TracedRequest | None:
     """The request being traced, or None when tracing is off (or the route is not traced)."""
     return _current.get()
+
+
+@contextmanager
+def tracing(request: TracedRequest) -> Iterator[TracedRequest]:
+    """Makes `request` the one being traced in this task (and the tasks it starts)."""
+    token = _current.set(request)
+    try:
+        yield request
+    finally:
+        _current.reset(token)
 
 
 class TracedStream:
@@ -79,14 +91,13 @@ class RequestTracing:
                 error_body.append(message.get("body", b""))
             await send(message)
 
-        token = _current.set(request)
         try:
-            await self.app(scope, receive, send_traced)
+            with tracing(request):
+                await self.app(scope, receive, send_traced)
         except BaseException as e:
             request.error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            _current.reset(token)
             if request.error is None and (request.status_code or 0) >= 400:
                 request.error = _error_message(b"".join(error_body), request.status_code)
             self.tracer.finish(span, request)
