@@ -147,7 +147,7 @@ def otlp_exporter(endpoint: str):
 class RequestTracer:
     """Makes and exports the spans of requests; its own TracerProvider (nothing global is touched)."""
 
-    def __init__(self, options: TraceOptions, exporter: Any = None) -> None:
+    def __init__(self, options: TraceOptions) -> None:
         sdk = _sdk()
         trace, Resource, TracerProvider, SpanProcessor, BatchSpanProcessor, SpanExporter, ExportResult, Propagator = sdk
         self.options = options
@@ -194,11 +194,18 @@ class RequestTracer:
                     tracer._pending += 1
                 tracer._processor.on_end(span)
 
+            def force_flush(self, timeout_millis: int = 30000) -> bool:
+                return tracer._processor.force_flush(timeout_millis)
+
+            def shutdown(self) -> None:
+                tracer._processor.shutdown()
+
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "tachyllm")})
-        self._provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        # At exit the provider shuts the processors down: what is queued is exported first.
+        self._provider = TracerProvider(resource=resource)
         # Its own queue never fills: BoundedQueue stops at the same size first.
         self._processor = BatchSpanProcessor(
-            CountingExporter(exporter or otlp_exporter(options.endpoint)), max_queue_size=MAX_QUEUED_SPANS
+            CountingExporter(otlp_exporter(options.endpoint)), max_queue_size=MAX_QUEUED_SPANS
         )
         self._provider.add_span_processor(BoundedQueue())
         self._tracer = self._provider.get_tracer("tachyllm")
@@ -238,12 +245,11 @@ class RequestTracer:
             span.end(end_time=_ns(end_time or time.time()))
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._processor.force_flush(timeout_millis)
+        return self._provider.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
         """Exports what is queued (bounded by the exporter's timeout) and stops the export thread; idempotent."""
         self._provider.shutdown()
-        self._processor.shutdown()
 
 
 def _ns(seconds: float) -> int:

@@ -6,6 +6,7 @@ gRPC, and the offline LLM."""
 from __future__ import annotations
 
 import base64
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -304,3 +305,20 @@ def test_events_outside_the_engine_reach_the_request_span(http_protocol):
         ("routed", {"engine_request_id": "r", "attempt": 0}),
         ("retry", {"reason": "its replica died", "attempt": 1}),
     ]
+
+
+def test_offline_spans_are_exported_at_exit(model_path, http_protocol):
+    """A script that generates and exits: its spans still reach the collector (the provider flushes at exit)."""
+    script = (
+        "from tachyllm.entrypoints.llm import LLM\n"
+        "from tachyllm.sampling_params import SamplingParams\n"
+        f"llm = LLM({model_path!r}, dtype='float32', kv_cache_memory=4 << 20, otlp_traces_endpoint=URL)\n"
+        "llm.generate(['Hello'], SamplingParams(max_tokens=2), use_tqdm=False)\n"
+    )
+    with http_receiver() as (receiver, url):
+        done = subprocess.run(
+            [sys.executable, "-c", f"URL = {url!r}\n" + script], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        (span,) = receiver.wait_for("llm_request", timeout=5)
+    assert span.attributes["gen_ai.usage.completion_tokens"] == 2
