@@ -98,7 +98,8 @@ class RequestTracing:
             request.error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            if request.error is None and (request.status_code or 0) >= 400:
+            # 499: the client hung up, an abort rather than a failure (the finish reason says so).
+            if request.error is None and (request.status_code or 0) >= 400 and request.status_code != 499:
                 request.error = _error_message(b"".join(error_body), request.status_code)
             self.tracer.finish(span, request)
 
