@@ -1,6 +1,10 @@
 """What request tracing costs a server: output tokens/s at --streams concurrent streaming requests, tracing
 off vs on (--otlp-traces-endpoint, exporting over OTLP/HTTP to a receiver that decodes every export).
 
+It also measures the CPU time tracing adds per request, which round-to-round noise on a shared machine
+hides in the tok/s comparison: building a request's spans (a typical one: one engine request, its
+scheduling, prefill-chunk and token events), exporting them and decoding them in the receiver.
+
 Two servers of the same model live in this process (uvicorn threads), one with tracing; rounds alternate
 which goes first, and only one runs at a time (an idle engine sleeps). The receiver runs in this process
 too, so its decoding competes with the traced server: a pessimistic measure of the tracing cost.
@@ -29,6 +33,9 @@ from otlp_receiver import http_receiver  # noqa: E402
 from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tachyllm.engine_args import engine_config  # noqa: E402
 from tachyllm.entrypoints.cli import build_parser  # noqa: E402
+from tachyllm.otel import RequestTracer, TracedRequest, TraceOptions  # noqa: E402
+from tachyllm.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput  # noqa: E402
+from tachyllm.sampling_params import SamplingParams  # noqa: E402
 from tachyllm.server.app import build_app  # noqa: E402
 from tachyllm.server.async_engine import AsyncEngine  # noqa: E402
 
@@ -60,6 +67,29 @@ async def one_round(url: str, streams: int, tokens: int) -> float:
         return total / (time.perf_counter() - start)
 
 
+def span_cpu_seconds(endpoint: str, requests: int = 2000) -> float:
+    """CPU seconds (this process: building, exporting, receiving) per traced request of 64 output tokens."""
+    tracer = RequestTracer(TraceOptions(endpoint))
+    params = SamplingParams(max_tokens=64)
+    start_cpu = time.process_time()
+    for i in range(requests):
+        now = time.time()
+        events = [RequestEvent("scheduled", now, {"sample": 0, "cached_tokens": 0}),
+                  RequestEvent("prefill_chunk", now, {"sample": 0, "start": 0, "tokens": 12})]  # fmt: skip
+        metrics = RequestMetrics(now, now, now + 0.01, now + 0.5, now + 0.5, 64, events=events)
+        out = RequestOutput(f"r{i}", None, list(range(12)), [CompletionOutput(0, "", list(range(64)), "length")],
+                            True, metrics)  # fmt: skip
+        request = TracedRequest(now, "text_completion", "model", f"cmpl-{i}", [params], admitted_time=now)
+        request.observe(out)
+        tracer.finish(tracer.start(None, now), request, now + 0.5)
+        if i % 100 == 99:  # a server's pace, not a burst the bounded queue would drop
+            tracer.force_flush()
+    assert tracer.dropped_spans == 0
+    seconds = (time.process_time() - start_cpu) / requests
+    tracer.shutdown()
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded model")
@@ -85,9 +115,11 @@ def main() -> None:
             server.should_exit = True
             engine.shutdown(10)
         spans = len(receiver.spans)
+        per_request = span_cpu_seconds(endpoint)
     off, on = statistics.median(results["off"]), statistics.median(results["on"])
     print(f"median: off {off:.1f}, on {on:.1f} output tok/s: tracing costs {100 * (1 - on / off):+.1f}%")
     print(f"spans received: {spans}")
+    print(f"tracing CPU time per request (spans built, exported and received): {per_request * 1e6:.0f} us")
 
 
 if __name__ == "__main__":
