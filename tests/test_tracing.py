@@ -23,6 +23,7 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
+from tachyllm.entrypoints.cli import main as cli_main
 from tachyllm.entrypoints.llm import LLM
 from tachyllm.entrypoints.serve import check_before_loading
 from tachyllm.errors import ConfigError
@@ -322,3 +323,32 @@ def test_offline_spans_are_exported_at_exit(model_path, http_protocol):
         assert done.returncode == 0, done.stderr[-2000:]
         (span,) = receiver.wait_for("llm_request", timeout=5)
     assert span.attributes["gen_ai.usage.completion_tokens"] == 2
+
+
+def test_responses_api_and_grammar_compile_traced(model_path, http_protocol):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with http_receiver() as (receiver, url), traced_server(model_path, url) as http:
+        answer = http.post("/v1/responses", json={"input": PROMPT, "max_output_tokens": 3})
+        assert answer.status_code == 200
+        body = {
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        }
+        constrained = http.post("/v1/chat/completions", json=body)
+        assert constrained.status_code == 200
+        flush(http)
+        spans = {s.trace_id: s for s in receiver.wait_for("llm_request", 2)}
+        processing = receiver.wait_for("input_processing", 2)
+    response_span = spans[answer.headers["x-trace-id"]]
+    assert response_span.attributes["gen_ai.operation.name"] == "chat"
+    assert response_span.attributes["gen_ai.usage.output_tokens"] == answer.json()["usage"]["output_tokens"]
+    (compiled,) = [p for p in processing if p.trace_id == constrained.headers["x-trace-id"]]
+    assert compiled.attributes["tachy.grammar_compile_seconds"] > 0
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_terminal_commands_refuse_the_tracing_flag(model_path, command, capsys):
+    argv = [command, "--model", model_path, "--otlp-traces-endpoint", "http://x:4317"]
+    assert cli_main(argv + (["Hello"] if command == "generate" else [])) == 2
+    assert "tachy generate and tachy chat export no traces" in capsys.readouterr().err
