@@ -352,3 +352,23 @@ def test_terminal_commands_refuse_the_tracing_flag(model_path, command, capsys):
     argv = [command, "--model", model_path, "--otlp-traces-endpoint", "http://x:4317"]
     assert cli_main(argv + (["Hello"] if command == "generate" else [])) == 2
     assert "tachy generate and tachy chat export no traces" in capsys.readouterr().err
+
+
+def test_speculative_decoding_totals_on_the_engine_span(model_path, http_protocol):
+    prompt = [7, 8, 9, 10] * 12  # n-gram lookup finds drafts in a repeating prompt
+    with http_receiver() as (receiver, url):
+        llm = LLM(
+            model_path, dtype="float32", kv_cache_memory=4 << 20, otlp_traces_endpoint=url,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        )  # fmt: skip
+        (out,) = llm.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False
+        )
+        assert llm._tracer.force_flush()
+        (engine,) = receiver.wait_for("engine")
+        llm._tracer.shutdown()
+    m = out.metrics
+    assert m.spec_num_drafts > 0
+    assert engine.attributes["tachy.spec_decode.num_drafts"] == m.spec_num_drafts
+    assert engine.attributes["tachy.spec_decode.num_draft_tokens"] == m.spec_num_draft_tokens
+    assert engine.attributes["tachy.spec_decode.num_accepted_tokens"] == m.spec_num_accepted_tokens
