@@ -1,6 +1,7 @@
-"""Request tracing over OpenTelemetry (docs/observability.md): one `llm_request` span per API request or
-`LLM.generate` call, built when it ends from what the engine recorded (RequestMetrics: timestamps,
-events), and exported over OTLP by the SDK's batch processor on its own thread.
+"""Request tracing over OpenTelemetry (docs/observability.md): one `llm_request` span per API request,
+or per prompt of an `LLM.generate` call (under one root span per call), built when it ends from what the
+engine recorded (RequestMetrics: timestamps, events), and exported over OTLP by the SDK's batch
+processor on its own thread.
 
 Attribute names are vLLM's (gen_ai.latency.*, gen_ai.usage.prompt_tokens, ...) and, beside them, the
 current OpenTelemetry GenAI semantic conventions' (gen_ai.usage.input_tokens, ...). Prompts and outputs
@@ -38,7 +39,7 @@ MAX_QUEUED_SPANS = 2048
 
 @dataclass(frozen=True)
 class TraceOptions:
-    """Where request traces go and what they hold (EngineConfig's otlp_* / collect_detailed_traces)."""
+    """Where request traces go and what they hold (EngineConfig's otlp_traces_endpoint / otlp_traces_record_text)."""
 
     endpoint: str
     record_text: bool = False
@@ -68,8 +69,9 @@ class EngineRequestTrace:
 
 @dataclass
 class TracedRequest:
-    """One API request (or LLM.generate call) as its span sees it: its engine requests' outputs and what
-    happened before they reached the engine. Filled by whoever runs the request, read once at its end."""
+    """One API request (or one prompt of an LLM.generate call) as its span sees it: its engine requests'
+    outputs and what happened before they reached the engine. Filled by whoever runs the request, read once
+    at its end."""
 
     start_time: float  # time.time() when the request came in
     operation: str  # GenAI operation name: "chat", "text_completion"
@@ -113,7 +115,7 @@ def _sdk():
     except ImportError as e:
         raise ConfigError(
             f"--otlp-traces-endpoint needs the OpenTelemetry packages ({e.name} is missing): {TRACING_EXTRA}"
-        )
+        ) from None
     return (
         trace, Resource, TracerProvider, SpanProcessor, BatchSpanProcessor, SpanExporter, SpanExportResult,
         TraceContextTextMapPropagator,
@@ -140,7 +142,9 @@ def otlp_exporter(endpoint: str):
                 endpoint = endpoint.rstrip("/") + "/v1/traces"
             return OTLPSpanExporter(endpoint=endpoint)
     except ImportError as e:
-        raise ConfigError(f"--otlp-traces-endpoint needs the OTLP exporter ({e.name} is missing): {TRACING_EXTRA}")
+        raise ConfigError(
+            f"--otlp-traces-endpoint needs the OTLP exporter ({e.name} is missing): {TRACING_EXTRA}"
+        ) from None
     raise ConfigError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL must be grpc or http/protobuf, got {protocol!r}")
 
 
