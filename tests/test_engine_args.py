@@ -72,6 +72,7 @@ NON_DEFAULTS = [
      SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
     (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
     (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+    (["--otlp-traces-endpoint", "http://localhost:4317"], "otlp_traces_endpoint", "http://localhost:4317"),
 ]  # fmt: skip
 
 

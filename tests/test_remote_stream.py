@@ -184,3 +184,18 @@ def test_prefill_is_owed_until_the_first_token_and_a_dead_attempt_owes_nothing()
     assert ledger.blocks("replica1") == 2
     stream.close()
     assert ledger.blocks("replica1") == 0
+
+
+def test_a_traced_request_records_where_it_was_sent_and_its_retry():
+    from tachyllm.otel import TracedRequest
+    from tachyllm.server.request_trace import tracing
+
+    engine = FakeEngine([ACCEPTED, output([]), died()], [ACCEPTED, output([4], True)])
+    with tracing(TracedRequest(0.0, "chat")) as traced:
+        outs = asyncio.run(drain(engine))
+    assert outs[-1].finished
+    assert [(e.name, e.attributes) for e in traced.events] == [
+        ("routed", {"engine_request_id": "r", "attempt": 0}),
+        ("retry", {"reason": "its replica died", "attempt": 1}),
+        ("routed", {"engine_request_id": "r-retry1", "attempt": 1}),
+    ]

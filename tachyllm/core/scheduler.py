@@ -191,6 +191,11 @@ class Scheduler:
             self.stats.prefix_cache_hits += len(prefix) * self.block_manager.block_size
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = len(prefix) * self.block_manager.block_size
+            if seq.request.metrics.events is not None:
+                seq.request.metrics.record(
+                    "resumed" if seq.num_preemptions else "scheduled", time.time(),
+                    sample=seq.index, cached_tokens=len(prefix) * self.block_manager.block_size,
+                )  # fmt: skip
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(_Planned(seq, num_new))
@@ -202,8 +207,13 @@ class Scheduler:
         plan.scheduled.sort(key=lambda s: s.num_real_tokens > 1)
         seqs = []
         windowed = self.block_manager.window_pool is not None
+        now = None  # taken once, for the first traced prefill chunk
         for s in plan.scheduled:
             seq, start, num_real, completes = s.seq, s.seq.num_computed_tokens, s.num_real_tokens, s.completes
+            metrics = seq.request.metrics
+            if metrics.events is not None and (num_real > 1 or start < seq.num_prompt_tokens):
+                now = now or time.time()
+                metrics.record("prefill_chunk", now, sample=seq.index, start=start, tokens=num_real)
             sampling = None
             if completes:
                 sampling = SamplingInput(
@@ -395,6 +405,8 @@ class Scheduler:
         return seq.spec_token_ids, min(valid, len(seq.spec_token_ids))
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.num_preemptions += 1
+        seq.request.metrics.record("preempted", time.time(), sample=seq.index, lost_tokens=seq.num_computed_tokens)
         self.block_manager.free_seq(seq)
         self._ended_seq_ids.append(seq.seq_id)
         seq.num_computed_tokens = 0

@@ -52,6 +52,7 @@ class Sequence:
     spec_draft_probs: torch.Tensor | None = None
     # Structured outputs: where the sequence is in its grammar (advanced by every accepted token).
     grammar: Grammar | None = None
+    num_preemptions: int = 0  # times its KV was freed to make room; each is recomputed on resuming
 
     @property
     def params(self) -> SamplingParams:

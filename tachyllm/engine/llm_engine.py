@@ -282,7 +282,12 @@ class LLMEngine:
         # skipped the check (its cost then falls on this thread).
         grammar = self.input_processor.compile_grammar(params)
 
-        metrics = RequestMetrics(arrival_time or time.time(), params_n=params.n, params_max_tokens=params.max_tokens)
+        metrics = RequestMetrics(
+            arrival_time or time.time(),
+            params_n=params.n,
+            params_max_tokens=params.max_tokens,
+            events=[] if self.config.otlp_traces_endpoint else None,
+        )
         req = Request(request_id, text, token_ids, params, metrics, priority)
         for i in range(params.n):
             generator = None
@@ -416,6 +421,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = self.runner.execute(batch)
         seconds = time.perf_counter() - t0
+        if self.config.collect_detailed_traces:
+            for seq in self._step_seqs:
+                seq.request.metrics.record(
+                    "model_step", now, sample=seq.index, seconds=seconds, batch_seqs=len(batch.seqs),
+                    batch_tokens=batch.num_tokens,
+                )  # fmt: skip
         updates = self.scheduler.update_from_output(batch, result, seconds)
         self.stats.num_steps += 1
         self.stats.record_iteration(batch.num_tokens)

@@ -16,7 +16,7 @@ from tachyllm.bench.cli import add_bench_parser
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.entrypoints.serve import add_serve_parser
-from tachyllm.errors import TachyError
+from tachyllm.errors import ConfigError, TachyError
 from tachyllm.eval.quality import add_eval_parser
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,8 +65,18 @@ def stream(engine: LLMEngine, request_id: str, prompt: str | list[int], params: 
                 yield out.outputs[0].text
 
 
+def terminal_engine(args: argparse.Namespace) -> LLMEngine:
+    """The engine of `tachy generate` / `tachy chat`, which trace nothing: a tracing flag is refused, not ignored."""
+    if args.otlp_traces_endpoint is not None:
+        raise ConfigError(
+            "--otlp-traces-endpoint traces the requests of tachy serve, tachy bench and LLM(...); "
+            "tachy generate and tachy chat export no traces"
+        )
+    return LLMEngine(engine_config(args))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config(args))
+    engine = terminal_engine(args)
     params = sampling_params(args)
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -79,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = LLMEngine(engine_config(args))
+    engine = terminal_engine(args)
     params = sampling_params(args)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     print("tachy chat: type a message, Ctrl-D or /exit to quit, /reset to forget the conversation.", file=sys.stderr)

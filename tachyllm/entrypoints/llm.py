@@ -18,6 +18,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import HUB_FLAGS, NO_HUB
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.loading.tokenizer import Tokenizer
+from tachyllm.otel import RequestTracer, TracedRequest, TraceOptions
 from tachyllm.outputs import RequestMetrics, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -40,7 +41,12 @@ class LLM:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        self.engine = LLMEngine(EngineConfig(model=model, **options))
+        config = EngineConfig(model=model, **options)
+        # Before the weights load: a missing tracing extra fails at once.
+        self._tracer = None
+        if config.otlp_traces_endpoint is not None:
+            self._tracer = RequestTracer(TraceOptions(config.otlp_traces_endpoint, config.otlp_traces_record_text))
+        self.engine = LLMEngine(config)
         self._ids = itertools.count()
         self._built_in = threading.get_ident()
         self._warned_thread = False
@@ -65,7 +71,17 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order. A prompt that cannot
         be served (empty, too long, ...) gets an output with `error` set; the others still run."""
+        return self._generate(prompts, sampling_params, use_tqdm, "text_completion")
+
+    def _generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None,
+        use_tqdm: bool,
+        operation: str,
+    ) -> list[RequestOutput]:
         self._check_thread()
+        call_start = time.time()
         prompt_list = _as_prompt_list(prompts)
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(prompt_list):
@@ -76,16 +92,25 @@ class LLM:
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
+        traced: dict[str, TracedRequest] = {}
         for prompt, params in zip(prompt_list, params_list):
             request_id = str(next(self._ids))
             order.append(request_id)
             prompt_arg = prompt
+            if self._tracer is not None:
+                traced[request_id] = TracedRequest(
+                    time.time(), operation, self.engine.model_name, request_id, [params],
+                    record_text=self._tracer.options.record_text,
+                )  # fmt: skip
             try:
                 prompt_arg = _prompt_value(prompt)
                 # Only the final output is kept: no copy of the completion so far at every step.
-                self.engine.add_request(
+                req = self.engine.add_request(
                     request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 )
+                if request_id in traced:
+                    traced[request_id].admitted_time = req.metrics.arrival_time
+                    traced[request_id].prompts = [req.prompt]
             except RequestError as e:
                 logger.warning("request %s rejected: %s", request_id, e)
                 token_ids = list(prompt_arg) if isinstance(prompt_arg, list) else []
@@ -93,8 +118,25 @@ class LLM:
                 results[request_id] = RequestOutput(
                     request_id, text, token_ids, [], True, RequestMetrics(time.time()), error=str(e)
                 )
-        self._run(results, len(order) - len(results), use_tqdm)
+        try:
+            self._run(results, len(order) - len(results), use_tqdm)
+        finally:
+            if self._tracer is not None:
+                self._trace_call(call_start, traced, results)
         return [results[i] for i in order]
+
+    def _trace_call(self, start: float, traced: dict[str, TracedRequest], results: dict[str, RequestOutput]) -> None:
+        """One trace per generate call: a root span, and an llm_request span per prompt under it."""
+        root = self._tracer.start(None, start, name="llm_generate")
+        for request_id, request in traced.items():
+            span = self._tracer.start(None, request.start_time, parent=root)
+            if (out := results.get(request_id)) is not None:
+                if out.outputs:
+                    request.observe(out)
+                else:  # refused before it ran
+                    request.error = out.error
+            self._tracer.finish(span, request, out.metrics.finished_time if out is not None else None)
+        root.end()
 
     def _check_thread(self) -> None:
         """Warns once when generating from another thread than the one that built this LLM: each
@@ -160,7 +202,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self._generate(prompts, sampling_params, use_tqdm, "chat")
 
 
 def _prompt_value(prompt: Prompt) -> str | list[int]:

@@ -20,6 +20,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.errors import ConfigError
 from tachyllm.loading.generation_config import generation_config_file
+from tachyllm.otel import otlp_exporter
 from tachyllm.ray_serve.config import ROUTER_POLICIES, parse_autoscale
 from tachyllm.server.options import add_server_args
 
@@ -96,6 +97,8 @@ def check_before_loading(args: argparse.Namespace) -> None:
         if not os.access(path, os.R_OK | (os.X_OK if os.path.isdir(path) else 0)):
             raise ConfigError(f"model path is not readable: {path}")
     generation_config_file(args.generation_config, args.model)
+    if args.otlp_traces_endpoint is not None:
+        otlp_exporter(args.otlp_traces_endpoint)  # the tracing extra is installed, the protocol known
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -107,9 +107,11 @@ class Ingress:
         sources = [replica_metrics(name) for name in names] + [routing_metrics]
         self._state = server_state(models, options, sources)
         self._options = options
+        # Traced when a model's engine is (its --otlp-traces-endpoint): the spans are made here, the front.
+        self._tracing = next((info.trace_options for info in infos if info.trace_options is not None), None)
 
     def __serve_build_asgi_app__(self):
-        return assemble_app(self._state, self._options)
+        return assemble_app(self._state, self._options, self._tracing)
 
 
 def application(config: ScaleOutConfig, options: argparse.Namespace):

@@ -28,6 +28,7 @@ from tachyllm.ray_serve.router_metrics import router_metrics
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import QueueFullError
 from tachyllm.server.errors import APIError
+from tachyllm.server.request_trace import current_request
 
 logger = logging.getLogger("tachyllm.ray_serve")
 
@@ -76,12 +77,15 @@ class RemoteStream:
         self._attempt_id = request_id  # the engine request id of the current attempt
         self._streamed = False  # a token reached the caller: the request can no longer be retried
         self._done = False
+        self._trace = current_request()  # the request's trace (tracing on): where it was sent, its retries
 
     async def start(self) -> None:
         """Sends the request and waits until a replica's engine took it (raising what refused it)."""
         while True:
             self._attempt_id = self.request_id if self._attempt == 0 else f"{self.request_id}-retry{self._attempt}"
             self._generator = self._engine.call(self._attempt_id, self._request, self._max_queued, self._hashes)
+            if self._trace is not None:
+                self._trace.record("routed", engine_request_id=self._attempt_id, attempt=self._attempt)
             try:
                 first = await self._generator.__anext__()
             except REPLICA_GONE:
@@ -110,6 +114,8 @@ class RemoteStream:
             raise replica_lost(self.request_id, why if not self._attempt else f"{why}, on its retry too")
         self._attempt += 1
         router_metrics().retries.labels(self._engine.name).inc()
+        if self._trace is not None:
+            self._trace.record("retry", reason=why, attempt=self._attempt)
         logger.warning("request %s: %s; sending it again", self.request_id, why)
 
     def __aiter__(self) -> RemoteStream:

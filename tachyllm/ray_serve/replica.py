@@ -23,6 +23,7 @@ from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import RequestError
 from tachyllm.loading import Tokenizer
+from tachyllm.otel import TraceOptions
 from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
 from tachyllm.ray_serve.hub import routing_hub
 from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
@@ -60,6 +61,9 @@ class EngineInfo:
     prefix_cache_key: bytes
     prefix_caching: bool
     default_sampling_params: dict[str, Any] = field(default_factory=dict)
+    # Where request traces go (the engine's --otlp-traces-endpoint): the ingress makes the spans from
+    # what the replica's engine records in each output's metrics.
+    trace_options: TraceOptions | None = None
 
 
 class CacheEventBuffer:
@@ -159,6 +163,7 @@ class EngineReplica:
             block_size=engine_config.block_size,
             prefix_cache_key=block_manager.extra_key,
             prefix_caching=engine_config.enable_prefix_caching,
+            trace_options=self.engine.trace_options,
         )
         self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
 

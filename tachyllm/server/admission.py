@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import QueueFullError, RequestStream
 from tachyllm.server.errors import APIError, bad_request
+from tachyllm.server.request_trace import TracedStream, current_request
 from tachyllm.server.state import ServedModel, ServerState
 
 
@@ -30,7 +33,13 @@ async def start_requests(
     try:
         processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
-        return await model.engine.add_requests(requests, max_queued=limit)
+        traced = current_request()
+        if traced is None:
+            return await model.engine.add_requests(requests, max_queued=limit)
+        traced.model, traced.request_id, traced.params = model.name, base_id, params
+        traced.prompts = [pr.text for pr in prompts] if traced.record_text else []
+        traced.admitted_time = time.time()
+        return [TracedStream(s, traced) for s in await model.engine.add_requests(requests, max_queued=limit)]
     except QueueFullError as e:
         raise APIError(
             503,

@@ -19,11 +19,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from tachyllm.otel import RequestTracer, TraceOptions
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
 from tachyllm.server.guard import RequestGuard, default_allowed_hosts
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
+from tachyllm.server.request_trace import RequestTracing, dropped_spans_metrics
 from tachyllm.server.responses import json_response
 from tachyllm.server.routes import chat, completions, models, responses, service, tokenize
 from tachyllm.server.state import MetricsSource, RequestLimits, ServedModel, ServerState, authorize
@@ -39,7 +41,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
         return [({}, metrics.render(engine.snapshot))]
 
-    return assemble_app(server_state([served], args, [local_metrics]), args)
+    return assemble_app(server_state([served], args, [local_metrics]), args, engine.trace_options)
 
 
 def metrics_options(args: argparse.Namespace) -> MetricsOptions:
@@ -51,14 +53,16 @@ def server_state(models: list[ServedModel], args: argparse.Namespace, metrics: l
     return ServerState(models, args.api_key, args.max_queue_len, metrics, limits, args.engine_iteration_timeout)
 
 
-def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
-    """The API's routes over `state`'s engines, with the error handlers and the HTTP policy of `args`."""
+def assemble_app(state: ServerState, args: argparse.Namespace, tracing: TraceOptions | None = None) -> FastAPI:
+    """The API's routes over `state`'s engines, with the error handlers and the HTTP policy of `args`, and
+    request tracing where `tracing` says where the traces go."""
+    tracer = RequestTracer(tracing) if tracing is not None else None
     # No interactive docs pages, which would load scripts from elsewhere; routes/service.py serves
     # the OpenAPI document itself.
     app = FastAPI(
         title="tachyllm",
         version=__version__,
-        lifespan=shut_down_engine,
+        lifespan=shut_down(tracer),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -83,6 +87,10 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
         allowed_hosts=allowed_hosts(args),
         body_timeout=args.body_read_timeout,
     )
+    if tracer is not None:  # outside the guard: its refusals are traced too
+        app.add_middleware(RequestTracing, tracer=tracer)
+        state.metrics_sources.append(dropped_spans_metrics(tracer, args.metrics_prefix))
+    app.state.tracer = tracer
     if args.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -98,14 +106,21 @@ def allowed_hosts(args: argparse.Namespace) -> list[str] | None:
     return args.allowed_hosts if args.allowed_hosts else default_allowed_hosts(args.host)
 
 
-@asynccontextmanager
-async def shut_down_engine(app: FastAPI) -> AsyncIterator[None]:
-    try:
-        yield
-    finally:
-        # A hung step never returns: give up on it after a while (its thread is a daemon).
-        for engine in app.state.server.engines:
-            await asyncio.to_thread(engine.shutdown, 10.0)
+def shut_down(tracer: RequestTracer | None):
+    """The app's lifespan: at its end the engines stop, then the tracer exports what it still holds."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            # A hung step never returns: give up on it after a while (its thread is a daemon).
+            for engine in app.state.server.engines:
+                await asyncio.to_thread(engine.shutdown, 10.0)
+            if tracer is not None:
+                await asyncio.to_thread(tracer.shutdown)
+
+    return lifespan
 
 
 async def on_api_error(request: Request, e: APIError) -> Response:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.host_malloc import use_one_arena
+from tachyllm.otel import trace_options
 from tachyllm.outputs import DeltaAccumulator, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -220,6 +221,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.trace_options = trace_options(engine.config)  # where the server sends request traces, if anywhere
         self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
         self.default_sampling_params = engine.default_sampling_params
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import Any
 
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import bad_request
+from tachyllm.server.request_trace import current_request
 from tachyllm.server.state import ServedModel
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -84,10 +86,14 @@ async def compile_constraint(model: ServedModel, params: SamplingParams, field: 
     constraint that cannot be compiled is a 400 naming the `field` it came in."""
     if params.structured_outputs is None:
         return
+    started = time.perf_counter()
     try:
         await asyncio.to_thread(model.processor.compile_grammar, params)
     except RequestError as e:
         raise bad_request(f"{field}: {e}", param=field) from None
+    finally:
+        if (traced := current_request()) is not None:
+            traced.grammar_compile_seconds += time.perf_counter() - started
 
 
 def resolve_max_tokens(
