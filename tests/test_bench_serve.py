@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from conftest import serving
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from helpers.server import serving
 
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config

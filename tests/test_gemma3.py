@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_model
 from gguf import GGUFWriter
-from gguf_files import finish
-from test_hf_parity import hf_greedy
+from helpers.gguf_files import finish
+from helpers.hf_reference import hf_greedy
+from helpers.models import make_tiny_model
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.cuda_backend import CudaBackend
@@ -371,7 +371,7 @@ def _poisoned_cache(context: int, block_size: int, kv_heads: int, head_dim: int,
     return k[:context], v[:context], k_cache.view(shape), v_cache.view(shape), table
 
 
-@pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
+@pytest.mark.native
 @pytest.mark.parametrize("window", [1, 40, 600])
 def test_native_attention_window_matches_reference_and_skips_old_blocks(window):
     """A 1,300-position context (crossing the 512-position segments) read by a prefill chunk of 300
