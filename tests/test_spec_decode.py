@@ -275,9 +275,10 @@ SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
     "params",
     [
         SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_k=4),
-        SamplingParams(temperature=1.3, top_p=0.8),
-        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.5),
+        # Each case costs 5-20 s on 2 cores: make test-fast keeps the plain one of every proposer.
+        pytest.param(SamplingParams(temperature=0.7, top_k=4), marks=pytest.mark.slow),
+        pytest.param(SamplingParams(temperature=1.3, top_p=0.8), marks=pytest.mark.slow),
+        pytest.param(SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.5), marks=pytest.mark.slow),
     ],
     ids=["plain", "top-k", "top-p", "min-p+penalty"],
 )

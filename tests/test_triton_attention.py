@@ -245,6 +245,7 @@ def test_padded_decode_step_equals_unpadded(tiny_model_factory):
         builder.prepare(step, pad_to=9)
 
 
+@pytest.mark.slow  # ptxas over every kernel: ~20 s
 def test_kernels_compile_for_hopper():
     """Code generation for sm_90 (no GPU needed): what the interpreter cannot check."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
