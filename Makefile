@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PROMPT ?= Write a haiku about fast inference.
 
-.PHONY: install test lint options-doc serve generate chat clean
+.PHONY: install test test-fast lint options-doc serve generate chat clean
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml $(wildcard tachyllm/kernels/csrc/*)
 # either failing fails the target.
 test: $(STAMP)
 	$(PY) -m pytest -q; tests=$$?; $(MAKE) --no-print-directory lint && exit $$tests
+
+# The inner loop: every test but the slow ones (the real default model, long workloads, Ray), then the lint.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"; tests=$$?; $(MAKE) --no-print-directory lint && exit $$tests
 
 # Every check runs even when one fails. The import layers: [tool.importlinter] in pyproject.toml
 # (no cache: it would be written into the checkout). The docs rule and docs/options.md: CONTRIBUTING.md.

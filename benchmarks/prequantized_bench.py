@@ -1,5 +1,5 @@
 """Pre-quantized checkpoints of the default model: AWQ, GPTQ and compressed-tensors
-versions written by the test helpers (tests/prequantized_files.py: plain round-to-nearest into each
+versions written by the test helpers (tests/helpers/prequantized_files.py: plain round-to-nearest into each
 exact on-disk format) from the default model's fp32 weights, then loaded by tachyllm as any
 pre-quantized Hugging Face checkpoint. Per checkpoint: decode tokens/s at batch 1 and 32, the
 weights a decode step streams, and `tachy eval quality`'s metrics against the unquantized fp32
@@ -29,7 +29,7 @@ from tachyllm.eval.quality import compare, heldout_windows
 from tachyllm.loading import default_model_path, load_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from prequantized_files import Scheme, write_prequantized  # noqa: E402
+from helpers.prequantized_files import Scheme, write_prequantized  # noqa: E402
 
 # 576-wide inputs: groups of 64 (128 does not divide them).
 SCHEMES = {

@@ -10,52 +10,35 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.engine import backend_engine, scheduled_seq
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends import AttentionMetadata, Backend, MetadataBuilder, register_backend, registry
 from tachyllm.backends.base import LayerKV
 from tachyllm.config import EngineConfig
-from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import add_engine_args, engine_config
 from tachyllm.errors import ConfigError
 from tachyllm.eval.greedy import greedy_tokens
 from tachyllm.kernels import native
 from tachyllm.kernels.linear import pack_linears
-from tachyllm.sampling_params import SamplingParams as Params
-from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
+from tachyllm.step import StepBatch
 
-needs_kernels = pytest.mark.skipif(native.native_ops() is None, reason="C++ kernels could not be built here")
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
 
 
-def _engine(path, backend: str, **kwargs) -> LLMEngine:
-    options = {"dtype": "float32", "block_size": 4, "kv_cache_memory": 4 << 20, "threads": 1} | kwargs
-    return LLMEngine(EngineConfig(model=str(path), backend=backend, **options))
-
-
-def _seq(
-    seq_id: int, prompt: list[int], start: int, num_real: int, drafts: list[int], table: list[int]
-) -> ScheduledSeq:
-    """Positions [start, start + num_real) of prompt, then the drafts; sampled when the prompt is done."""
-    completes = start + num_real == len(prompt)
-    sampling = SamplingInput(Params(), prompt, len(prompt)) if completes else None
-    tokens = prompt[start : start + num_real] + drafts
-    return ScheduledSeq(seq_id, str(seq_id), start, tokens, len(drafts), table, len(prompt), completes, sampling)
-
-
-@needs_kernels
+@pytest.mark.native
 def test_both_backends_compute_the_same_steps(tiny_model_factory):
     """Prefill chunks (a first one, then one on cached context), a decode with draft tokens next to a
     plain decode: the hidden states of every row agree between the C++ kernels and PyTorch."""
     path = tiny_model_factory("llama")
-    engines = [_engine(path, "torch"), _engine(path, "cpu")]
+    engines = [backend_engine(path, "torch"), backend_engine(path, "cpu")]
     a, b = list(range(3, 23)), list(range(40, 70))  # 20 and 30 tokens
     ta, tb = list(range(0, 8)), list(range(8, 18))
     steps = [
-        StepBatch([_seq(1, a, 0, 12, [], ta), _seq(2, b, 0, 10, [], tb)]),
-        StepBatch([_seq(1, a, 12, 8, [], ta), _seq(2, b, 10, 20, [], tb)]),
-        StepBatch([_seq(1, a + [5], 20, 1, [6, 7], ta), _seq(2, b + [9], 30, 1, [], tb)]),
+        StepBatch([scheduled_seq(1, a, 0, 12, [], ta), scheduled_seq(2, b, 0, 10, [], tb)]),
+        StepBatch([scheduled_seq(1, a, 12, 8, [], ta), scheduled_seq(2, b, 10, 20, [], tb)]),
+        StepBatch([scheduled_seq(1, a + [5], 20, 1, [6, 7], ta), scheduled_seq(2, b + [9], 30, 1, [], tb)]),
     ]
     for batch in steps:
         plain, kernels = (e.runner.forward(batch) for e in engines)
@@ -63,7 +46,7 @@ def test_both_backends_compute_the_same_steps(tiny_model_factory):
         torch.testing.assert_close(kernels, plain, rtol=1e-4, atol=1e-4)
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_both_backends_give_the_same_greedy_tokens(tiny_model_factory, kv_cache_dtype):
     """Chunked prefill, n-gram drafts, and a second pass whose prompts start on cached blocks."""
@@ -82,11 +65,11 @@ def test_both_backends_give_the_same_greedy_tokens(tiny_model_factory, kv_cache_
     assert runs["torch"][0] == runs["torch"][1]
 
 
-@needs_kernels
+@pytest.mark.native
 def test_fused_layers_run_where_every_part_has_a_kernel(tiny_model_factory):
     """With bf16 linears on the C++ kernel (forced here: the engine does not use its scalar loop),
     each layer becomes one DecodeLayer call; tokens and logprobs equal the module path's."""
-    engine = _engine(tiny_model_factory("llama"), "cpu", dtype="bfloat16")
+    engine = backend_engine(tiny_model_factory("llama"), "cpu", dtype="bfloat16")
     backend, model = engine.backend, engine.model
     pack_linears(model, backend.kernels)
     model.fuse_layers(backend)
@@ -153,7 +136,7 @@ def test_cli_flag():
 
 def test_engine_logs_its_backend(tiny_model_factory, caplog):
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        engine = _engine(tiny_model_factory("llama"), "auto")
+        engine = backend_engine(tiny_model_factory("llama"), "auto")
     expected = "cpu (tachyllm's C++ CPU kernels)" if native.native_ops() is not None else "torch (portable PyTorch ops)"
     assert f"backend: {expected}, chosen by auto" in caplog.text
     assert engine.runner.backend is engine.backend

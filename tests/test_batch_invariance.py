@@ -10,14 +10,13 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_files import random_blocks
+from helpers.gguf_files import random_blocks
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.kernels import native
 from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available
 
 ops = native.native_ops()
-needs_kernels = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
 
 
 def _paged_cache(context: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
@@ -48,7 +47,7 @@ def _cuts(total: int, size: int, first: int = 0) -> list[tuple[int, int]]:
     return pieces
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, group", [(64, 3), (128, 1), (64, 8)])
 def test_attention_rows_do_not_depend_on_chunking(dtype, head_dim, group):
@@ -68,7 +67,7 @@ def test_attention_rows_do_not_depend_on_chunking(dtype, head_dim, group):
     assert torch.equal(_attend(q, k_cache, v_cache, table, tail, scale)[total - 20 :], whole[total - 20 :])
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window, block_size", [(40, 16), (512, 16), (700, 24), (1, 16)])
 def test_windowed_attention_rows_do_not_depend_on_chunking(dtype, window, block_size):
@@ -87,7 +86,7 @@ def test_windowed_attention_rows_do_not_depend_on_chunking(dtype, window, block_
     assert torch.equal(_attend(q, k_cache, v_cache, table, tail, 0.125, window)[total - 20 :], whole[total - 20 :])
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_rows_do_not_depend_on_the_batch(dtype):
     """A decode and a verification of 3 drafts, alone and beside a long prefill chunk and other decodes."""
@@ -138,7 +137,7 @@ def test_float32_linear_rows_do_not_depend_on_the_row_count(shape):
     _linear_rows_invariant(PackedLinear(linear), in_features, torch.float32)
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.skipif(not (ops and ops.bf16_linear_vectorized), reason="the bf16 kernel is a scalar loop here")
 @pytest.mark.parametrize("shape", [(576, 1536), (1728, 576), (49152 // 16, 576)])
 def test_bf16_linear_rows_do_not_depend_on_the_row_count_when_batch_invariant(shape):
@@ -155,7 +154,7 @@ def test_bf16_linear_rows_do_not_depend_on_the_row_count_when_batch_invariant(sh
     assert not torch.equal(fast(x)[:48], fast(x[:48])), "the fast path was expected to switch implementations"
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prequantized_act_order_rows_do_not_depend_on_the_row_count(bits, dtype):
@@ -179,7 +178,7 @@ def test_prequantized_act_order_rows_do_not_depend_on_the_row_count(bits, dtype)
     _linear_rows_invariant(layer, in_features, dtype)
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.skipif(not (ops and ops.quant_gemv_isa() != "scalar"), reason="no AVX-512 VNNI block kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [16, 8])
@@ -243,7 +242,7 @@ PARAMS = {
 }
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("dtype, deterministic, quantization", MODES)
 def test_outputs_do_not_depend_on_cache_chunking_batch_or_preemption(
     tiny_model_factory, dtype, deterministic, quantization
@@ -276,7 +275,7 @@ def test_outputs_do_not_depend_on_cache_chunking_batch_or_preemption(
     assert small.engine.stats.num_preemptions > 0
 
 
-@needs_kernels
+@pytest.mark.native
 @pytest.mark.parametrize("dtype, deterministic, quantization", MODES)
 def test_greedy_outputs_do_not_depend_on_speculation(tiny_model_factory, dtype, deterministic, quantization):
     """n-gram drafts verified in the batch (several positions per sequence) give the tokens of plain decoding."""

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import uvicorn
-from conftest import serving
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from helpers.server import serving
 
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config

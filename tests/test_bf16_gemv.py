@@ -14,7 +14,7 @@ from tachyllm.kernels import native
 from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available
 
 ops = native.native_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
+pytestmark = pytest.mark.native
 
 
 def _reference(x, w, bias=None):

@@ -10,6 +10,7 @@ also under a deliberately terrible hash that makes collisions the norm.
 from __future__ import annotations
 
 import pytest
+from helpers.scheduling import FakeKV, make_seq, prompts
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,59 +24,12 @@ from hypothesis.stateful import (
 
 from tachyllm.core import block_manager as bm_module
 from tachyllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv, hash_block
-from tachyllm.core.sequence import Request, Sequence
-from tachyllm.outputs import RequestMetrics
-from tachyllm.sampling_params import SamplingParams
-
-
-def make_seq(tokens: list[int], priority: int = 0, arrival: float = 0.0, max_tokens: int = 16) -> Sequence:
-    """A real Sequence without a tokenizer behind it (the block manager and scheduler never detokenize)."""
-    req = Request(
-        f"r{arrival}", None, list(tokens), SamplingParams(max_tokens=max_tokens), RequestMetrics(arrival), priority
-    )
-    seq = Sequence(request=req, index=0, token_ids=list(tokens), num_prompt_tokens=len(tokens))
-    req.seqs.append(seq)
-    return seq
-
-
-class FakeKV:
-    """Stands in for the paged KV tensors: slot (block, offset) holds the token prefix whose last
-    token's KV was written there, so reading a sequence back proves which KV it attends to. With
-    a `window`, the sliding-window layers' pool, read through window_block_table."""
-
-    def __init__(self, num_blocks: int, block_size: int, window: int | None = None):
-        self.block_size = block_size
-        self.window = window
-        self.slots: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_blocks)]
-
-    def table(self, seq: Sequence) -> list[int]:
-        return seq.block_table if self.window is None else seq.window_block_table
-
-    def write(self, seq: Sequence, start: int, end: int) -> None:
-        bs, table = self.block_size, self.table(seq)
-        for p in range(start, end):
-            assert self.window is None or table[p // bs] != NULL_BLOCK, f"seq {seq.seq_id} writes into NULL_BLOCK"
-            self.slots[table[p // bs]][p % bs] = tuple(seq.token_ids[: p + 1])
-
-    def check(self, seq: Sequence, end: int) -> None:
-        """Positions [0, end) of seq (with a window, those a query at `end` sees) hold KV computed from
-        seq's own tokens."""
-        bs, table = self.block_size, self.table(seq)
-        for p in range(0 if self.window is None else max(0, end - self.window + 1), end):
-            got = self.slots[table[p // bs]][p % bs]
-            assert got == tuple(seq.token_ids[: p + 1]), f"seq {seq.seq_id} position {p} reads KV of {got}"
+from tachyllm.core.sequence import Sequence
 
 
 def weak_hash(parent: bytes | None, token_ids, extra_key: bytes) -> bytes:
     """Two possible values: nearly every lookup collides, across prefixes and positions."""
     return bytes([sum(token_ids) % 2])
-
-
-# Prompts from a 3-token alphabet with shared heads, so prefixes (and repeated blocks) are common.
-HEADS = [[], [0, 1, 2, 0], [0, 1, 2, 0, 1, 1, 2, 2], [1, 1, 1, 1, 1, 1]]
-prompts = st.builds(
-    lambda head, tail: head + tail, st.sampled_from(HEADS), st.lists(st.integers(0, 2), max_size=8)
-).filter(bool)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHATML
-from test_server import error_of, running_server
+from helpers.models import CHATML
+from helpers.server import error_of, running_server
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.config import EngineConfig

@@ -14,9 +14,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from helpers.models import make_tiny_model
+from helpers.server import free_port
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.config import EngineConfig
@@ -114,7 +115,7 @@ def test_gpu_memory_utilization_is_checked_and_ignored_on_the_cpu(caplog):
     assert "gpu-memory-utilization" not in caplog.text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_gpu_memory_utilization_sizes_the_kv_cache_on_cuda(gen_model):
     device = torch.device("cuda")
     torch.cuda.init()
@@ -261,12 +262,6 @@ def test_root_path(gen_model):
 
 
 # -- friendly failures (subprocesses: what a user sees) -----------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tachy(*argv: str) -> subprocess.CompletedProcess:

@@ -11,8 +11,8 @@ import time
 import httpx
 import llguidance
 import pytest
-from test_prefix_cache_preemption import GREEDY, assert_all_free, run, tiny_llm
-from test_server import error_of, metrics, running_server, sse_events
+from helpers.engine import GREEDY, assert_all_free, run, tiny_llm
+from helpers.server import error_of, metrics, running_server, sse_events
 
 from tachyllm import SamplingParams, StructuredOutputsParams
 from tachyllm.config import EngineConfig

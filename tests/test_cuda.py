@@ -10,10 +10,10 @@ import warnings
 
 import pytest
 import torch
-from test_backends import _engine, _seq
-from test_hf_parity import NEW_TOKENS, hf_greedy, mixed_prompts
-from test_sampler import _every_option_batch
-from test_triton_attention import check, check_split_invariance
+from helpers.engine import backend_engine, scheduled_seq
+from helpers.hf_reference import NEW_TOKENS, hf_greedy, mixed_prompts
+from helpers.paged_attention import check, check_split_invariance
+from helpers.sampling import every_option_batch
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.registry import resolve_backend_name
@@ -21,7 +21,7 @@ from tachyllm.errors import ConfigError
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.step import ScheduledSeq, StepBatch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -151,14 +151,14 @@ def test_cuda_backend_computes_the_torch_backends_steps(tiny_model_factory, dtyp
     path is (which rounds its scores to the half type)."""
     path = tiny_model_factory("llama")
     kw = dict(device="cuda", kv_cache_dtype=kv_cache_dtype)
-    engines = [_engine(path, "torch", dtype=dtype, **kw), _engine(path, "cuda", dtype=dtype, **kw)]
-    reference = _engine(path, "torch", dtype="float32", **kw)
+    engines = [backend_engine(path, "torch", dtype=dtype, **kw), backend_engine(path, "cuda", dtype=dtype, **kw)]
+    reference = backend_engine(path, "torch", dtype="float32", **kw)
     a, b = list(range(3, 23)), list(range(40, 70))  # 20 and 30 tokens
     ta, tb = list(range(0, 8)), list(range(8, 18))
     steps = [
-        StepBatch([_seq(1, a, 0, 12, [], ta), _seq(2, b, 0, 10, [], tb)]),
-        StepBatch([_seq(1, a, 12, 8, [], ta), _seq(2, b, 10, 20, [], tb)]),
-        StepBatch([_seq(1, a + [5], 20, 1, [6, 7], ta), _seq(2, b + [9], 30, 1, [], tb)]),
+        StepBatch([scheduled_seq(1, a, 0, 12, [], ta), scheduled_seq(2, b, 0, 10, [], tb)]),
+        StepBatch([scheduled_seq(1, a, 12, 8, [], ta), scheduled_seq(2, b, 10, 20, [], tb)]),
+        StepBatch([scheduled_seq(1, a + [5], 20, 1, [6, 7], ta), scheduled_seq(2, b + [9], 30, 1, [], tb)]),
     ]
     for batch in steps:
         plain, triton = (e.runner.forward(batch).float() for e in engines)
@@ -319,7 +319,7 @@ def test_cuda_sampler_syncs_once_per_step(logprobs):
     """torch.cuda's sync debug mode warns at every call that waits for the device: a step's sampling
     with every option (seeded rows on their own device generators) waits once for the sampled ids,
     and once more for logprobs when a row asks for them."""
-    rows = [r for r in _every_option_batch() if logprobs or r.params.logprobs is None]
+    rows = [r for r in every_option_batch() if logprobs or r.params.logprobs is None]
     for r in rows:
         if r.generator is not None:
             r.generator = torch.Generator(device="cuda").manual_seed(r.params.seed)

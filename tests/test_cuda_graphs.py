@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_hf_parity import mixed_prompts
+from helpers.hf_reference import mixed_prompts
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.base import AttentionMetadata

@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 
 from tachyllm import LLM, SamplingParams
-from tachyllm.kernels import native
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(native.native_ops() is None, reason="the guarantee is the C++ kernels'"),
+    pytest.mark.native,  # the guarantee is the C++ kernels'
 ]
 
 # Chat prompts well past 48 tokens (the template's system prompt included): their prefill runs the

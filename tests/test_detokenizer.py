@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from gguf import GGUFReader, GGUFWriter
-from gguf_files import finish
+from helpers.gguf_files import finish
 
 from tachyllm.detokenizer import IncrementalDetokenizer
 from tachyllm.loading import Tokenizer, default_model_path

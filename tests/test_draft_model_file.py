@@ -14,12 +14,12 @@ import numpy as np
 import openai
 import pytest
 import torch
-from conftest import build_tokenizer, first_layers, make_tiny_model
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import add_layer_tensors, add_llama_shape, finish
-from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
-from test_quantization import BLOCK_KERNELS
-from test_server import running_server
+from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
+from helpers.gguf_files import add_layer_tensors, add_llama_shape, finish
+from helpers.models import build_tokenizer, first_layers, make_tiny_model
+from helpers.quantization import BLOCK_KERNELS
+from helpers.server import running_server
 
 from tachyllm import SamplingParams
 from tachyllm.errors import ConfigError
@@ -227,6 +227,7 @@ def test_gguf_draft_file_under_gguf_quantization(tmp_path, caplog):
     assert_speculated(llm)
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="activation bits are a mode of the C++ block kernels")
 def test_draft_activation_bits_follow_the_option(tmp_path):
     """--quant-activation-bits reaches the draft as well as the packed target: an int4 draft file, and a

@@ -13,10 +13,10 @@ import httpx
 import jsonschema
 import pytest
 import schemathesis
+from helpers.server import running_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode, checks
-from test_server import running_server
 
 # Small limits keep each generated request cheap on a 2-core machine (n x max_tokens x prompts).
 FLAGS = ["--max-model-len", "64", "--max-n", "2", "--max-prompts-per-request", "2", "--max-request-tokens", "256"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from gguf_files import random_blocks
-from test_kquants import Q4_K_M_LIKE, TYPES, _engine, write_mixed_gguf
+from helpers.engine import gguf_engine
+from helpers.gguf_files import Q4_K_M_LIKE, TYPES, random_blocks, write_mixed_gguf
 from torch import nn
 
 import tachyllm.quantization.apply as apply
@@ -25,9 +25,12 @@ from tachyllm.quantization.gguf_packed import GGUFEmbedding, GGUFLinear
 from tachyllm.runner.model_loader import build_model, lookup_only_table
 
 ops = native.native_ops()
-pytestmark = pytest.mark.skipif(
-    ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI or AVX2"
-)
+pytestmark = [
+    pytest.mark.native,
+    pytest.mark.skipif(
+        ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI or AVX2"
+    ),
+]
 T = GGMLQuantizationType
 IDS = [(i * 37) % 250 + 3 for i in range(40)]
 
@@ -82,13 +85,13 @@ def test_untied_table_is_looked_up_on_its_blocks(tmp_path, monkeypatch, caplog, 
     of the dtype's 2 or 4), never streamed by a step, and the model's output identical to a dense table's."""
     path = write_mixed_gguf(tmp_path / "untied.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        packed = _engine(path, quantization="gguf", dtype=dtype)
+        packed = gguf_engine(path, quantization="gguf", dtype=dtype)
     model = packed.model
     assert "embed_tokens: the file's Q4_K blocks, rows dequantized as looked up" in caplog.text
     assert isinstance(model.embed_tokens, GGUFEmbedding) and isinstance(model.lm_head, GGUFLinear)
     assert lookup_only_table(model) is model.embed_tokens.packed
     _dense_table(monkeypatch)
-    dense = _engine(path, quantization="gguf", dtype=dtype)
+    dense = gguf_engine(path, quantization="gguf", dtype=dtype)
     table = dense.model.embed_tokens
     assert type(table) is nn.Embedding
     every = torch.arange(table.num_embeddings)
@@ -104,14 +107,14 @@ def test_tied_head_and_lookup_share_one_copy(tmp_path, monkeypatch, caplog):
     at the file's bytes, and the output is the dense table's."""
     path = write_mixed_gguf(tmp_path / "tied.gguf", Q4_K_M_LIKE, head=None, table=T.Q6_K)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        packed = _engine(path, quantization="gguf", dtype="bfloat16")
+        packed = gguf_engine(path, quantization="gguf", dtype="bfloat16")
     model = packed.model
     assert model.config.tie_word_embeddings
     assert "embed_tokens: the file's Q6_K blocks, the tied LM head's tiles (one copy)" in caplog.text
     assert model.embed_tokens.packed is model.lm_head.packed
     assert lookup_only_table(model) is None
     _dense_table(monkeypatch)
-    dense = _engine(path, quantization="gguf", dtype="bfloat16")
+    dense = gguf_engine(path, quantization="gguf", dtype="bfloat16")
     assert type(dense.model.embed_tokens) is nn.Embedding and isinstance(dense.model.lm_head, GGUFLinear)
     assert torch.equal(sequence_logprobs(packed, IDS), sequence_logprobs(dense, IDS))
     assert packed.weight_bytes == dense.weight_bytes  # the head's tiles, streamed either way
@@ -138,7 +141,7 @@ def test_a_table_without_a_kernel_stays_dense(tmp_path, caplog):
     """An F16 table (no block kernel): loaded and looked up dense, as before; nothing logged about it."""
     path = write_mixed_gguf(tmp_path / "f16.gguf", Q4_K_M_LIKE, head=T.Q6_K, table=T.F16)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        model = _engine(path, quantization="gguf").model
+        model = gguf_engine(path, quantization="gguf").model
     assert type(model.embed_tokens) is nn.Embedding and isinstance(model.lm_head, GGUFLinear)
     assert "embed_tokens:" not in caplog.text
 
@@ -147,11 +150,11 @@ def test_a_table_of_another_size_than_the_vocabulary_is_refused(tmp_path):
     """A malformed file: the packed lookup refuses it as loading a dense table does."""
     path = write_mixed_gguf(tmp_path / "bad.gguf", Q4_K_M_LIKE, head=None, table_rows=16 * 30)
     with pytest.raises(ModelLoadError, match=r"'model.embed_tokens.weight' has 480 rows, expected the vocabulary's"):
-        _engine(path, quantization="gguf")
+        gguf_engine(path, quantization="gguf")
     with pytest.raises(ModelLoadError, match=r"embed_tokens.weight. has shape \(480, 256\)"):
-        _engine(path)
+        gguf_engine(path)
 
 
 def test_without_gguf_quantization_the_table_is_dequantized(tmp_path):
     path = write_mixed_gguf(tmp_path / "plain.gguf", Q4_K_M_LIKE, head=T.Q6_K)
-    assert type(_engine(path).model.embed_tokens) is nn.Embedding
+    assert type(gguf_engine(path).model.embed_tokens) is nn.Embedding

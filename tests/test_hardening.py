@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
-from conftest import serving
-from test_server import ENGINE_FLAGS, GREEDY, error_of, graceful_server, server_process, sse_events, wait_idle
+from helpers.engine import GREEDY
+from helpers.server import ENGINE_FLAGS, error_of, graceful_server, server_process, serving, sse_events, wait_idle
 
 from tachyllm import LLM, SamplingParams, faults
 from tachyllm.engine.llm_engine import LLMEngine

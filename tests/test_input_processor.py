@@ -8,7 +8,7 @@ import builtins
 
 import httpx
 import pytest
-from conftest import serving
+from helpers.server import serving
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.bench.serve import prompt_length

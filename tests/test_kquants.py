@@ -9,19 +9,24 @@ import json
 import logging
 import os
 import statistics
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
-from gguf_files import HALF_FIELDS, add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
-from test_quant_gemv import EXACT_RTOL, UNROUNDED_RTOL, round_activations
+from helpers.engine import gguf_engine
+from helpers.gguf_files import (
+    HALF_FIELDS,
+    Q4_K_M_LIKE,
+    TYPES,
+    random_blocks,
+    write_mixed_gguf,
+)
+from helpers.quantization import EXACT_RTOL, UNROUNDED_RTOL, round_activations
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.cpu_backend import CpuBackend
-from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.eval.quality import describe, sequence_logprobs
 from tachyllm.kernels import native
@@ -32,12 +37,14 @@ from tachyllm.quantization.gguf_packed import GGUFEmbedding, GGUFLinear
 from tachyllm.quantization.int4 import Int4Linear
 
 ops = native.native_ops()
-pytestmark = pytest.mark.skipif(
-    ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI or AVX2"
-)
+pytestmark = [
+    pytest.mark.native,
+    pytest.mark.skipif(
+        ops is None or ops.quant_gemv_isa() == "scalar", reason="needs the C++ block kernels with AVX-512 VNNI or AVX2"
+    ),
+]
 
 T = GGMLQuantizationType
-TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 def _packed(kind: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,61 +187,6 @@ def test_bad_blocks_and_layouts_are_refused():
 
 
 # -- a tiny Q4_K_M-like model ---------------------------------------------------------------------
-HIDDEN, HEADS, KV_HEADS, FFN = 256, 4, 2, 512  # K-quants need inputs in multiples of 256
-# Per layer, llama.cpp's Q4_K_M choices (Q4_K, with Q6_K for some attn_v / ffn_down) and the
-# fallbacks its smaller models get (Q5_0, Q8_0); every type appears, fused modules mix them.
-Q4_K_M_LIKE = [
-    {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
-     "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
-    {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_K,
-     "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q4_K},
-]  # fmt: skip
-
-
-def write_mixed_gguf(
-    path: Path,
-    layers: list[dict[str, GGMLQuantizationType]],
-    head: GGMLQuantizationType | None,
-    table: GGMLQuantizationType = T.Q4_K,
-    table_rows: int | None = None,
-) -> Path:
-    """A llama GGUF with each layer's matrices in the given types, a token_embd of type `table` and an
-    output.weight of type `head` (None: none, the head tied to token_embd); random valid blocks, F32 norms.
-    `table_rows`: token_embd's rows if not the vocabulary's (a malformed file)."""
-    rng = np.random.default_rng(5)
-    writer = GGUFWriter(path, "llama")
-    add_llama_shape(writer, layers=len(layers), hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    vocab = add_byte_level_tokenizer(writer)
-
-    def matrix(name: str, kind: GGMLQuantizationType, rows: int, cols: int) -> None:
-        if kind in (T.F16, T.F32):
-            dtype = np.float16 if kind == T.F16 else np.float32
-            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(dtype))
-        else:
-            writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=kind)
-
-    matrix("token_embd.weight", table, table_rows or vocab, HIDDEN)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    if head is not None:
-        matrix("output.weight", head, vocab, HIDDEN)
-    for i, types in enumerate(layers):
-
-        def add(name: str, *shape: int, quantize: bool = True, types=types) -> None:
-            if quantize:
-                matrix(name, types[name.split(".")[2]], *shape)
-            else:
-                writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
-
-        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN)
-    finish(writer)
-    return path
-
-
-def _engine(path: Path, **kwargs) -> LLMEngine:
-    config = dict(model=str(path), max_num_seqs=2, max_model_len=128, threads=1, dtype="float32")
-    return LLMEngine(EngineConfig(**{**config, **kwargs}))
 
 
 def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
@@ -242,7 +194,7 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
     log-probs of the same file dequantized to fp32 within the 16-bit activation rounding."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        packed = _engine(path, quantization="gguf", quant_activation_bits=16)
+        packed = gguf_engine(path, quantization="gguf", quant_activation_bits=16)
     model = packed.model
     assert "lm_head: the file's Q6_K blocks (lm_head.weight), C++ kernel" in caplog.text
     assert "no packed kernel" not in caplog.text
@@ -253,7 +205,7 @@ def test_q4_k_m_like_model_runs_packed_and_matches_fp32(tmp_path, caplog):
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
     # A decode step streams the tiles (~the file's bytes), not a dequantized copy (fp32 here), and
     # not the embedding table: the file has a head of its own, so the table is only gathered from.
-    reference = _engine(path)
+    reference = gguf_engine(path)
     tiles = sum(module_bytes(m) for m in model.modules() if isinstance(m, GGUFLinear))
     norms = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
     assert packed.weight_bytes == tiles + norms
@@ -276,14 +228,14 @@ def test_gguf_activation_bits_given_are_used_and_logged(tmp_path, caplog, monkey
     is rounded or checked, and 8 bits asked for say so."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     monkeypatch.setattr(activation_bits, "check_8_bits", lambda *args: pytest.fail("checked although given"))
-    fine = _engine(path, quantization="gguf", quant_activation_bits=16)
+    fine = gguf_engine(path, quantization="gguf", quant_activation_bits=16)
     assert _bits(fine) == {16}
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        coarse_engine = _engine(path, quantization="gguf", quant_activation_bits=8)
+        coarse_engine = gguf_engine(path, quantization="gguf", quant_activation_bits=8)
     assert _bits(coarse_engine) == {8}
     assert "quant_activation_bits 8: 9 layers round activations to int8 per 32 inputs, as llama.cpp does" in caplog.text
     ids = [(i * 37) % 250 + 3 for i in range(40)]
-    lp_ref = sequence_logprobs(_engine(path), ids)
+    lp_ref = sequence_logprobs(gguf_engine(path), ids)
     coarse, close = ((sequence_logprobs(e, ids) - lp_ref).abs().mean() for e in (coarse_engine, fine))
     assert close < coarse
     assert (sequence_logprobs(coarse_engine, ids).argmax(-1) == lp_ref.argmax(-1)).float().mean() >= 0.9
@@ -291,10 +243,10 @@ def test_gguf_activation_bits_given_are_used_and_logged(tmp_path, caplog, monkey
     assert describe(fine) == "float32, weights gguf, kv auto"
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        _engine(path, quantization="gguf", backend="torch")
+        gguf_engine(path, quantization="gguf", backend="torch")
     assert "activations rounded" not in caplog.text and "has no effect" not in caplog.text
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        _engine(path, quantization="gguf", backend="torch", quant_activation_bits=8)
+        gguf_engine(path, quantization="gguf", backend="torch", quant_activation_bits=8)
     assert "quant_activation_bits 8 has no effect: no layer runs the C++ block kernels" in caplog.text
 
 
@@ -302,7 +254,7 @@ def test_the_load_time_check_measures_what_8_bits_move(tmp_path):
     """The check's per-window KL is KL(16-bit || 8-bit) of the engines' own next-token distributions
     on the calibration windows; it leaves the model at 16 bits (the caller sets what it decides)."""
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
-    engines = {bits: _engine(path, quantization="gguf", quant_activation_bits=bits) for bits in (8, 16)}
+    engines = {bits: gguf_engine(path, quantization="gguf", quant_activation_bits=bits) for bits in (8, 16)}
     model = engines[16].model
     tokenizer = engines[16].tokenizer
     windows = calibration_windows(model, tokenizer, activation_bits.CHECK_TOKENS, activation_bits.CHECK_WINDOWS)
@@ -328,7 +280,7 @@ def test_the_check_is_kept_between_starts(tmp_path, monkeypatch, caplog):
     runs = []
     real = activation_bits.check_8_bits
     monkeypatch.setattr(activation_bits, "check_8_bits", lambda model, windows: runs.append(1) or real(model, windows))
-    first = _engine(path, quantization="gguf")
+    first = gguf_engine(path, quantization="gguf")
     windows = activation_bits.check_windows(first.model, first.tokenizer)
     entry = activation_bits.stored_check_path(str(path), first.model, windows)
     assert len(runs) == 1 and entry.is_file() and entry.parent.parent == tmp_path / "cache"
@@ -337,24 +289,24 @@ def test_the_check_is_kept_between_starts(tmp_path, monkeypatch, caplog):
                                      "seconds": 1.0}))  # fmt: skip
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="tachyllm"):
-            assert _bits(_engine(path, quantization="gguf")) == {expected}
+            assert _bits(gguf_engine(path, quantization="gguf")) == {expected}
         assert "at an earlier start, kept in" in caplog.text and len(runs) == 1
     for damaged in ("{not json", json.dumps({"window_kls": [], "tokens": 0, "seconds": 0})):
         entry.write_text(damaged)
-        _engine(path, quantization="gguf")
+        gguf_engine(path, quantization="gguf")
         assert len(json.loads(entry.read_text())["window_kls"]) == activation_bits.CHECK_WINDOWS
     assert len(runs) == 3
     for other in (dict(dtype="bfloat16"), dict(quant_skip="mlp"), dict(max_model_len=48)):
-        _engine(path, quantization="gguf", **other)
+        gguf_engine(path, quantization="gguf", **other)
     assert len(runs) == 6
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-    _engine(path, quantization="gguf")
+    gguf_engine(path, quantization="gguf")
     assert len(runs) == 7
     assert len(list(entry.parent.glob("*.json"))) == 1  # a file's stale entries are dropped
     monkeypatch.setenv("TACHY_CACHE_DIR", "off")
-    _engine(path, quantization="gguf")
-    _engine(path, quantization="gguf")
+    gguf_engine(path, quantization="gguf")
+    gguf_engine(path, quantization="gguf")
     assert len(runs) == 9
 
 
@@ -390,7 +342,7 @@ def test_unset_gguf_activation_bits_follow_the_check(tmp_path, caplog, monkeypat
     assert [o.logprobs for o in runs[0]] == [o.logprobs for o in runs[1]]
 
     monkeypatch.setattr(activation_bits, "check_8_bits", lambda *args: pytest.fail("checked"))
-    int4_layers = [m for m in _engine(path, quantization="int4").model.modules() if isinstance(m, Int4Linear)]
+    int4_layers = [m for m in gguf_engine(path, quantization="int4").model.modules() if isinstance(m, Int4Linear)]
     assert int4_layers and {m.activation_bits for m in int4_layers} == {16}
 
 
@@ -429,7 +381,7 @@ def test_types_without_a_kernel_are_dequantized_with_one_log_line(tmp_path, capl
     layers = [dict(Q4_K_M_LIKE[0], ffn_up=T.Q5_1), dict(Q4_K_M_LIKE[1], attn_output=T.F16)]
     path = write_mixed_gguf(tmp_path / "mixed.gguf", layers, head=T.F16)
     with caplog.at_level(logging.INFO, logger="tachyllm"):
-        model = _engine(path, quantization="gguf").model
+        model = gguf_engine(path, quantization="gguf").model
     lines = [r.getMessage() for r in caplog.records if "no packed kernel" in r.getMessage()]
     assert lines == [
         "gguf: 2 layers dequantized to torch.float32, no packed kernel for their block types: "
@@ -458,7 +410,7 @@ def test_layers_on_the_files_blocks_are_never_loaded_dense(tmp_path, monkeypatch
         return to_torch(tensor, name, config)
 
     monkeypatch.setattr(gguf_loading, "_to_torch", recording)
-    packed = _engine(path, quantization="gguf")
+    packed = gguf_engine(path, quantization="gguf")
     matrices = {n for n in dequantized if n.endswith("_proj.weight")}
     assert matrices == {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"}
     assert "lm_head.weight" not in dequantized and "model.embed_tokens.weight" not in dequantized
@@ -467,7 +419,7 @@ def test_layers_on_the_files_blocks_are_never_loaded_dense(tmp_path, monkeypatch
 
     dequantized.clear()
     monkeypatch.setattr(model_loader, "gguf_layers_from_file", lambda *args: {})  # load everything, as before
-    loaded_first = _engine(path, quantization="gguf")
+    loaded_first = gguf_engine(path, quantization="gguf")
     assert "lm_head.weight" in dequantized
     ids = [(i * 37) % 250 + 3 for i in range(40)]
     assert torch.equal(sequence_logprobs(packed, ids), sequence_logprobs(loaded_first, ids))
@@ -483,7 +435,7 @@ def test_a_layer_left_unloaded_must_be_replaced(tmp_path, monkeypatch):
     keys = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     monkeypatch.setattr(model_loader, "gguf_layers_from_file", lambda *args: {"layers.0.mlp.gate_up_proj": keys})
     with pytest.raises(RuntimeError, match=r"not replaced by them: \['layers.0.mlp.gate_up_proj'\]"):
-        _engine(path, quantization="gguf")
+        gguf_engine(path, quantization="gguf")
 
 
 @pytest.mark.parametrize("cache", ["miss", "hit"])
@@ -498,7 +450,7 @@ def test_a_packed_start_parses_the_file_once(tmp_path, monkeypatch, cache):
     monkeypatch.setenv("TACHY_CACHE_DIR", str(tmp_path / "cache"))
     path = write_mixed_gguf(tmp_path / "q4_k_m.gguf", Q4_K_M_LIKE, head=T.Q6_K)
     if cache == "hit":
-        _engine(path)  # a dense start writes the cache entry
+        gguf_engine(path)  # a dense start writes the cache entry
     parses = []
     reader = gguf_loading._Reader
 
@@ -507,7 +459,7 @@ def test_a_packed_start_parses_the_file_once(tmp_path, monkeypatch, cache):
         return reader(*args, **kwargs)
 
     monkeypatch.setattr(gguf_loading, "_Reader", counting)
-    packed = _engine(path, quantization="gguf")
+    packed = gguf_engine(path, quantization="gguf")
     assert len(parses) == 1
     assert isinstance(packed.model.layers[0].self_attn.qkv_proj, GGUFLinear)
     monkeypatch.setattr(gguf_loading, "_Reader", reader)
@@ -516,7 +468,7 @@ def test_a_packed_start_parses_the_file_once(tmp_path, monkeypatch, cache):
     parse_again = model_loader.gguf_matrices  # as before: the blocks' table from a parse of their own
     monkeypatch.setattr(model_loader, "gguf_matrices", lambda path, config, stored: parse_again(path, config))
     ids = [(i * 37) % 250 + 3 for i in range(40)]
-    assert torch.equal(sequence_logprobs(packed, ids), sequence_logprobs(_engine(path, quantization="gguf"), ids))
+    assert torch.equal(sequence_logprobs(packed, ids), sequence_logprobs(gguf_engine(path, quantization="gguf"), ids))
 
 
 def test_dequantizing_in_slices_of_rows_gives_the_gguf_packages_values(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_quantization import engine_for, teacher_forced_top1
+from helpers.quantization import engine_for, teacher_forced_top1
 
 from tachyllm.backends.torch_backend import PrefillSpan, TorchBackend, TorchMetadata, paged_attention
 from tachyllm.eval.greedy import greedy_tokens as greedy
@@ -123,7 +123,7 @@ def test_quantized_cache_cold_and_warm_agree(tiny_model_factory, kv):
     """A prompt whose prefix comes from the cache computes what it computed cold: with a quantized
     cache the first prefill chunk also attends to its K/V as stored (read back), not to the fresh
     values, so a prefix-cache hit changes nothing but the work done."""
-    from test_hf_parity import mixed_prompts
+    from helpers.hf_reference import mixed_prompts
 
     from tachyllm import LLM, SamplingParams
 

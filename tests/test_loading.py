@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf_files import add_layer_tensors, add_llama_shape, finish
+from helpers.gguf_files import add_layer_tensors, add_llama_shape, finish
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 from transformers import (

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import add_layer_tensors, add_llama_shape, finish
+from helpers.gguf_files import add_layer_tensors, add_llama_shape, finish
 
 from tachyllm import loading
 from tachyllm.loading import Checkpoint, cache, load_checkpoint

@@ -4,7 +4,7 @@ detokenized, cut at stop strings (also when several speculative tokens arrive in
 from __future__ import annotations
 
 import pytest
-from test_prefix_cache_preemption import GREEDY, assert_all_free, random_prompts, tiny_llm
+from helpers.engine import GREEDY, assert_all_free, random_prompts, tiny_llm
 
 from tachyllm import SamplingParams
 from tachyllm.outputs import CompletionOutput, RequestOutput

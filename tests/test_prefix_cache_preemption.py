@@ -10,65 +10,16 @@ import time
 
 import pytest
 import torch
+from helpers.engine import GREEDY, assert_all_free, check_blocks, random_prompts, run, tiny_llm, token_ids
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.core import block_manager as bm_module
 from tachyllm.core.sequence import SequenceStatus
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import RequestError
-from tachyllm.outputs import RequestOutput, StepStats
+from tachyllm.outputs import StepStats
 from tachyllm.runner import kv_cache
 from tachyllm.step import StepBatch
-
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-def tiny_llm(path, **options) -> LLM:
-    defaults = {"dtype": "float32", "block_size": 4, "kv_cache_memory": 4 << 20, "max_model_len": 256}
-    return LLM(str(path), **{**defaults, **options})
-
-
-def random_prompts(seed: int, count: int, shared: int, tail: tuple[int, int]) -> list[list[int]]:
-    """`count` prompts of token ids: a common head of `shared` tokens, then a distinct tail."""
-    rng = random.Random(seed)
-    head = [rng.randrange(5, 300) for _ in range(shared)]
-    return [head + [rng.randrange(5, 300) for _ in range(rng.randint(*tail))] for _ in range(count)]
-
-
-def run(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], prefix: str = ""
-) -> list[RequestOutput]:
-    """Adds all prompts, steps the engine to completion checking invariants after every step, and
-    returns the outputs in prompt order."""
-    eng = llm.engine
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [f"{prefix}{i}" for i in range(len(prompts))]
-    for request_id, prompt, p in zip(ids, prompts, params_list):
-        eng.add_request(request_id, prompt, p)
-    done: dict[str, RequestOutput] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        check_blocks(llm)
-    assert_all_free(llm)
-    return [done[i] for i in ids]
-
-
-def check_blocks(llm: LLM) -> None:
-    sched = llm.engine.scheduler
-    llm.engine.block_manager.check_invariants(sched.running + sched.waiting)
-
-
-def assert_all_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    bm.check_invariants([])
-    assert bm.num_free_blocks == bm.num_blocks
-
-
-def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
 
 # -- prefix caching ------------------------------------------------------------------------------
 

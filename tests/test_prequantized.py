@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from prequantized_files import Scheme, write_prequantized
+from helpers.prequantized_files import Scheme, write_prequantized
 
 from tachyllm.backends import create_backend
 from tachyllm.config import EngineConfig
@@ -60,7 +60,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    from conftest import make_tiny_model
+    from helpers.models import make_tiny_model
 
     # 128-wide inputs so that groups of 128 fit (and 64 / 32 give 2 / 4 groups per row).
     return make_tiny_model(tmp_path_factory.mktemp("base"), hidden_size=128, intermediate_size=256)
@@ -97,6 +97,7 @@ def test_weights_equal_the_reference_exactly(checkpoints, name):
         assert torch.equal(weights[key], ref.float()), key
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 @pytest.mark.parametrize("name", GREEDY_EXACT)
 def test_greedy_equals_the_dequantized_fp32_model(checkpoints, name, caplog):
@@ -118,12 +119,13 @@ def test_greedy_equals_the_dequantized_fp32_model(checkpoints, name, caplog):
     assert greedy_tokens(eng, PROMPTS, 12) == greedy_tokens(engine(reference), PROMPTS, 12)
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 @pytest.mark.parametrize("scheme", [Scheme("gptq", group=32, act_order=True), Scheme("awq", group=64)])
 def test_biased_projections_qwen2(tmp_path, scheme):
     """Qwen2's q/k/v biases stay dense tensors beside the packed weights and reach the fused module."""
-    from conftest import make_tiny_model
+    from helpers.models import make_tiny_model
 
     base = make_tiny_model(tmp_path / "base", "qwen2", hidden_size=128, intermediate_size=256)
     write_prequantized(base, tmp_path / "q", tmp_path / "ref", scheme)
@@ -143,6 +145,7 @@ def test_fp16_block_rounding_is_logged(checkpoints, caplog):
         assert ("in fp16: weights move by up to" in caplog.text) == rounded, name
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 def test_packed_layer_matches_its_reference_matmul(checkpoints):
     """The act-order layer (columns permuted, activations gathered) computes x @ W_ref^T."""
@@ -272,6 +275,7 @@ def test_compressed_tensors_activation_and_kv_scales_are_not_read(checkpoints, t
     assert not names & set(extra) and "model.layers.0.self_attn.q_proj.weight" in names
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 def test_self_int4_draft_of_a_prequantized_target(checkpoints):
     """speculative 'self:int4' on a pre-quantized checkpoint drafts with its own codes (not an
@@ -320,6 +324,7 @@ def test_modules_are_built_on_the_model_device(checkpoints):
     assert build([eight.read("model.layers.0.mlp.down_proj")], None, BLOCK_KERNELS, meta).module is None
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="activation bits are a mode of the C++ block kernels")
 def test_a_prequantized_draft_file_runs_its_own_codes_with_the_given_activation_bits(checkpoints, base, caplog):
     """A pre-quantized checkpoint as the draft of an int4 target: unset, its quantization is its own (as

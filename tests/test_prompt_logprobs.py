@@ -210,7 +210,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 
 @pytest.fixture(scope="module")
 def url(tiny):
-    from test_server import running_server
+    from helpers.server import running_server
 
     with running_server(str(tiny[0])) as base:
         yield base

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish
+from helpers.gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish
+from helpers.quantization import EXACT_RTOL, UNROUNDED_RTOL, round_activations
 from torch import nn
 
 from tachyllm.config import EngineConfig
@@ -24,7 +25,7 @@ from tachyllm.quantization.gguf_packed import GGUFLinear
 from tachyllm.quantization.int4 import Int4Linear, quantize_int4
 
 ops = native.native_ops()
-pytestmark = pytest.mark.skipif(ops is None, reason="C++ kernels could not be built here")
+pytestmark = pytest.mark.native
 # Int4Linear and the Q8_0 head only use the kernels when they were built with AVX-512 VNNI.
 needs_simd = pytest.mark.skipif(
     ops is not None and ops.quant_gemv_isa() == "scalar",
@@ -34,26 +35,6 @@ needs_simd = pytest.mark.skipif(
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def round_activations(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """What the kernels multiply by: per 32-block, s = max|x| / 127 and x ≈ s * q (8 bits), or
-    x ≈ s * (q + q2 / 256) with a second int8 for the residual (16 bits)."""
-    blocks = x.float().view(x.shape[0], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    v = blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    q = torch.round(v).clamp(-127, 127)
-    if bits == 16:
-        q = q + torch.round((v - q) * 256).clamp(-128, 127) / 256
-    return (q.double() * (amax / 127).double()).view(x.shape)
-
-
-# The integer dot products are exact; what is left is fp32 accumulation (fp32 output) or the final
-# rounding to bf16 (8-bit mantissa: ~2^-9 relative per value, ~1.5e-3 over a vector).
-EXACT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 4e-3}
-# Against the unrounded activations, on Gaussian inputs: 8-bit blocks measure ~5e-3 (llama.cpp's
-# Q8_1), 16-bit ~2e-5 (plus the bf16 output rounding).
-UNROUNDED_RTOL = {8: 1.5e-2, 16: 1e-4}
 
 
 def _fp16_exact(t: torch.Tensor) -> torch.Tensor:

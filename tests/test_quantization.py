@@ -8,9 +8,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from helpers.quantization import BLOCK_KERNELS, engine_for, teacher_forced_top1
 from torch import nn
 
-from tachyllm.backends import create_backend
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.errors import ConfigError
@@ -32,8 +32,6 @@ from tachyllm.quantization.int8 import Int8Linear, dequantize_int8, quantize_int
 from tachyllm.quantization.policy import parse_skip, select_linears
 
 PROMPTS = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys", "0123456789 numbers"]
-# The block kernels the engine's CPU backend would give quantized layers here (None without AVX-512 VNNI).
-BLOCK_KERNELS = create_backend("auto", torch.device("cpu")).block_kernels()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -210,15 +208,6 @@ def test_gguf_quantization_needs_a_gguf_model(tiny_model_factory):
 
 
 # -- end to end ----------------------------------------------------------------------------------
-def engine_for(path: str | None, **kwargs) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, max_num_seqs=4, max_model_len=256, threads=1, **kwargs))
-
-
-def teacher_forced_top1(path: str, **kwargs) -> float:
-    """Top-1 next-token agreement with the same-dtype unquantized engine on held-out windows."""
-    ref = eval_engine(EngineConfig(model=path, threads=1), 64)
-    engine = eval_engine(EngineConfig(model=path, threads=1, **kwargs), 64)
-    return compare(engine, ref, heldout_windows(ref, 64, 4), ("config", "reference")).top1_agreement
 
 
 # Tiny random models are judged teacher-forced, not by greedy text: their logits are full of
@@ -236,6 +225,7 @@ def test_tiny_model_quantized_runs_and_agrees(tiny_model_factory, method):
     assert all(len(t) == 8 for t in greedy(engine_for(path, quantization=method), PROMPTS, 8))
 
 
+@pytest.mark.native
 @pytest.mark.skipif(BLOCK_KERNELS is None, reason="needs the C++ block kernels (AVX-512 VNNI)")
 def test_activation_bits_reach_the_kernels_and_keep_rows_independent(tiny_model_factory):
     """quant_activation_bits=8 rounds every block-kernel layer's input to int8 (llama.cpp's Q8_1):
@@ -301,6 +291,7 @@ def test_default_model_quantized_agrees(method):
 
 
 @pytest.mark.slow
+@pytest.mark.native
 @pytest.mark.skipif(
     BLOCK_KERNELS is None, reason="8-bit activations are a mode of the C++ block kernels (AVX-512 VNNI)"
 )

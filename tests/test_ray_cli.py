@@ -15,20 +15,15 @@ import time
 import httpx
 import psutil
 import pytest
+from helpers.server import free_port
 
 from tachyllm.ray_serve.listeners import RAY_MULTI_HOST_SWITCH, local_ray_options
 
 pytest.importorskip("ray")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 API_KEY = "k"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

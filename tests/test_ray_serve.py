@@ -10,7 +10,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+from helpers.server import free_port
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
@@ -28,19 +28,13 @@ from tachyllm.ray_serve.config import parse_config  # noqa: E402
 from tachyllm.ray_serve.hub import routing_hub  # noqa: E402
 from tachyllm.server.options import server_args  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 API_KEY = "ray-key"
 APP = "tachyllm"
 ENGINE = {"dtype": "float32", "kv_cache_memory": "4M", "max_model_len": 512, "max_num_seqs": 4}
 # Long enough for several 16-token blocks; distinct per conversation, so no two share a first block.
 SYSTEM = "{i}{i}{i} {i}{i} {i}: you are an assistant. " + "Answer briefly and precisely, in plain words. " * 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(text: str, name: str, **labels: str) -> float:

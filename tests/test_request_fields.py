@@ -9,15 +9,15 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import CHATML
-from test_server import running_server
+from helpers.models import CHATML
+from helpers.server import running_server
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.loading.tokenizer import Tokenizer
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 ASK = [{"role": "user", "content": "The quick brown"}]
-# The conftest template, with a variable a request sets through chat_template_kwargs.
+# The tiny models' chat template (helpers/models.py), with a variable a request sets through chat_template_kwargs.
 THINKING = CHATML.replace(
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     "{% if add_generation_prompt %}<|im_start|>assistant\n"

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import jsonschema
 import openai
 import pytest
-from test_server import running_server
+from helpers.server import running_server
 
 from tachyllm import faults
 from tachyllm.engine.input_processor import Prompt

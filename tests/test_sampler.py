@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from helpers.sampling import every_option_batch, row
 
 from tachyllm import SamplingParams
 from tachyllm.sampling.sampler import BLOCK, Sampler, greedy_tokens, invert_cdf
 
 VOCAB = 8
-
-
-def row(params: SamplingParams, prompt=(1,), output=(), seed=None):
-    gen = None
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-    ids = list(prompt) + list(output)
-    return SimpleNamespace(
-        params=params,
-        token_ids=ids,
-        output_token_ids=list(output),
-        num_output_tokens=len(output),
-        generator=gen,
-        allowed_tokens=None,
-    )
 
 
 def draw(logits: list[float], params: SamplingParams, n: int = 4000) -> torch.Tensor:
@@ -247,32 +231,13 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert res.logprobs[1][2] == [] and res.logprobs[1][1] == 1
 
 
-def _every_option_batch() -> list[SimpleNamespace]:
-    """36 rows cycling through every sampling option, every third row seeded."""
-    options = [
-        dict(temperature=0), dict(temperature=0.8), dict(temperature=1.2, top_k=5), dict(top_p=0.7),
-        dict(min_p=0.1, temperature=0.9), dict(temperature=0.7, top_k=10, top_p=0.9, min_p=0.02),
-        dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, temperature=0.6),
-        dict(temperature=0, repetition_penalty=1.5, frequency_penalty=1.0),
-        dict(temperature=0.5, logit_bias={3: 2.0, 7: -1.5}), dict(temperature=0.9, min_tokens=5, stop_token_ids=[4]),
-        dict(temperature=0, logprobs=3), dict(temperature=1.0, logprobs=0),
-    ]  # fmt: skip
-    rows = []
-    for i in range(36):
-        seed = 100 + i if i % 3 == 0 else None
-        output = [i % 7, (3 * i) % 20, 5][: i % 4]
-        params = SamplingParams(seed=seed, **options[i % len(options)])
-        rows.append(row(params, prompt=[1, 2, 3, i % 20], output=output, seed=seed))
-    return rows
-
-
 def test_every_option_samples_as_before():
     """Three steps of a batch using every option give the tokens and logprobs the sampler gave before it
     moved its parameters to the device without syncs (recorded from that version)."""
     torch.manual_seed(0)
     logits = torch.randn(36, 20) * 2
     sampler = Sampler(20, eos_token_ids=[19], device=torch.device("cpu"), seed=3)
-    steps = [sampler(logits, _every_option_batch()) for _ in range(3)]
+    steps = [sampler(logits, every_option_batch()) for _ in range(3)]
     expected = [
         "13 3 19 9 9 7 14 7 4 2 17 5 14 11 19 16 17 10 11 13 14 2 12 1 13 10 18 17 13 3 5 0 17 2 1 0",
         "13 3 5 9 9 16 14 7 4 2 17 1 14 0 1 16 17 17 11 13 14 2 12 18 13 18 18 17 13 15 5 0 15 2 1 6",
@@ -311,7 +276,7 @@ def test_a_step_reads_the_device_once(monkeypatch, logprobs):
         return make(*args, **kwargs)
 
     monkeypatch.setattr(torch, "tensor", tensor)
-    rows = _every_option_batch()
+    rows = every_option_batch()
     if not logprobs:
         rows = [r for r in rows if r.params.logprobs is None]
     Sampler(20, eos_token_ids=[19], device=torch.device("cpu"), seed=3)(torch.randn(len(rows), 20), rows)

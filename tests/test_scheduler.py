@@ -1,7 +1,7 @@
 """Scheduler: policy unit tests and a hypothesis state machine over add / step / abort / finish.
 
 The machine runs the real Scheduler and BlockManager against a fake model: a step writes, for every
-scheduled token, the exact prefix it was computed from into a fake KV cache (see test_block_manager)
+scheduled token, the exact prefix it was computed from into a fake KV cache (see helpers/scheduling.py)
 and "samples" the next token as a function of the prefix read back from that cache. So a sequence's
 output depends on its KV being right, and outputs after preemptions must equal the no-preemption
 reference computed straight from the prompt.
@@ -9,9 +9,7 @@ reference computed straight from the prompt.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import SimpleNamespace
-
+from helpers.scheduling import FakeKV, Scheduled, execute, make_seq, next_token, prompts, schedule
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,18 +20,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_block_manager import FakeKV, make_seq, prompts
 
 from tachyllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv
 from tachyllm.core.scheduler import Scheduler
 from tachyllm.core.sequence import Sequence, SequenceStatus
 from tachyllm.outputs import StepStats
-from tachyllm.step import SeqResult, StepBatch, StepResult
-
-
-def next_token(prefix: tuple[int, ...]) -> int:
-    """The fake model: deterministic in the whole prefix, from the same 3-token alphabet as prompts."""
-    return (7 * sum(prefix) + len(prefix)) % 3
 
 
 def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
@@ -41,70 +32,6 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         tokens.append(next_token(tuple(tokens)))
     return tokens[len(prompt) :]
-
-
-@dataclass
-class Scheduled:
-    """A StepBatch with the scheduler's own Sequences beside it, for assertions."""
-
-    batch: StepBatch
-    scheduled: list[SimpleNamespace]  # .seq, .num_new_tokens, .start, in batch order
-    preempted: list[Sequence]
-
-    @property
-    def empty(self) -> bool:
-        return not self.batch.seqs
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return self.batch.num_tokens
-
-
-def schedule(sched: Scheduler) -> Scheduled:
-    everyone = {s.seq_id: s for s in sched.waiting + sched.running}
-    batch = sched.schedule()
-    by_id = {s.seq_id: s for s in sched.in_flight()}
-    everyone.update(by_id)
-    scheduled = [SimpleNamespace(seq=by_id[s.seq_id], num_new_tokens=s.num_new_tokens, entry=s) for s in batch.seqs]
-    preempted = [
-        everyone[i] for i in batch.finished_seq_ids if i in everyone and everyone[i].status is SequenceStatus.WAITING
-    ]
-    return Scheduled(batch, scheduled, preempted)
-
-
-def execute(
-    sched: Scheduler, out: Scheduled, kv: FakeKV | None = None, seconds: float = 0.0, window_kv: FakeKV | None = None
-) -> list[Sequence]:
-    """Does what the model runner does with a batch, with the fake model (and the sliding-window layers'
-    pool, read through the sequences' window tables), and hands the result (which took `seconds`) to
-    the scheduler; returns the sequences that finished."""
-    bm = sched.block_manager
-    results = []
-    for s in out.scheduled:
-        seq, entry = s.seq, s.entry
-        start = entry.start
-        # The batch is plain data: exactly the sequence's next uncomputed tokens, in its own table.
-        assert start == seq.num_computed_tokens and entry.token_ids == seq.token_ids[start : start + s.num_new_tokens]
-        assert entry.block_table == seq.block_table and entry.seq_len == seq.num_tokens
-        if kv is not None:
-            kv.check(seq, start)  # the context this chunk attends to
-            for p in range(start, start + s.num_new_tokens):
-                assert bm.blocks[seq.block_table[p // bm.block_size]].ref_count == 1, "write into a shared block"
-            kv.write(seq, start, start + s.num_new_tokens)
-        if window_kv is not None:
-            assert entry.window_block_table == seq.window_block_table
-            window_kv.check(seq, start)
-            window_kv.write(seq, start, start + s.num_new_tokens)
-        if entry.completes:
-            last = seq.num_tokens - 1
-            prefix = (
-                tuple(seq.token_ids)
-                if kv is None
-                else kv.slots[seq.block_table[last // bm.block_size]][last % bm.block_size]
-            )
-            results.append(SeqResult(seq.seq_id, [next_token(prefix)], [None]))
-    updates = sched.update_from_output(out.batch, StepResult(results), seconds)
-    return [u.seq for u in updates if u.seq.is_finished]
 
 
 class SchedulerMachine(RuleBasedStateMachine):

@@ -10,48 +10,34 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import serving
-from prometheus_client.parser import text_string_to_metric_families
+from helpers.engine import GREEDY
+from helpers.server import (
+    ENGINE_FLAGS,
+    error_of,
+    metrics,
+    running_server,
+    server_process,
+    sse_events,
+    wait_idle,
+)
 
 from tachyllm import LLM, SamplingParams, faults
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
-from tachyllm.entrypoints.serve import GracefulServer, make_server
 from tachyllm.errors import ConfigError, RequestError
-from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
 
-ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4M", "--log-stats-interval", "0"]
 API_KEY = "test-key"
-
-
-@contextmanager
-def running_server(model: str, *flags: str) -> Iterator[str]:
-    """A real uvicorn server in a thread, on a free port; yields its base URL."""
-    with graceful_server(model, *flags) as (base, _):
-        yield base
-
-
-@contextmanager
-def graceful_server(model: str, *flags: str) -> Iterator[tuple[str, GracefulServer]]:
-    """running_server's server itself too (its state, its exit code)."""
-    args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
-    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
-    with serving(server) as base:
-        yield base, server
 
 
 @pytest.fixture(scope="module")
@@ -94,41 +80,7 @@ def limited_http(limited_url) -> Iterator[httpx.Client]:
         yield c
 
 
-GREEDY = dict(temperature=0, ignore_eos=True)
 IMAGE_MESSAGE = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
-
-
-def metrics(http: httpx.Client) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics, keyed by (name, sorted labels without model_name)."""
-    response = http.get("/metrics")
-    assert response.status_code == 200
-    samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            samples[(s.name, labels)] = s.value
-    return samples
-
-
-def wait_idle(http: httpx.Client, timeout: float = 5.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        idle = (
-            m[("tachy:kv_cache_usage_perc", ())] == 0
-            and m[("tachy:num_requests_running", ())] == 0
-            and m[("tachy:num_requests_waiting", ())] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.02)
-
-
-def sse_events(response: httpx.Response) -> Iterator[dict | str]:
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line.removeprefix("data: ")
-            yield data if data == "[DONE]" else json.loads(data)
 
 
 # -- AsyncEngine --------------------------------------------------------------------------------
@@ -469,13 +421,6 @@ def test_non_streaming_disconnect_aborts(http, url):
 # -- errors ------------------------------------------------------------------------------------
 
 
-def error_of(response: httpx.Response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
-
-
 @pytest.mark.parametrize(
     "field, value",
     [
@@ -626,37 +571,6 @@ def test_full_queue_is_503_with_retry_after(limited_http):
 
 
 # -- shutdown ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server_process(model: str, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`tachy serve` in its own process (stderr piped), once /health answers 200; killed if still up at the end."""
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "tachyllm.entrypoints.cli", "serve", "--model", model, "--port", str(port), *flags]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_sigterm_drains_then_exits_zero(tiny_model_factory):

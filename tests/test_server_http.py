@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server import graceful_server
+from helpers.server import graceful_server
 
 from tachyllm.entrypoints.serve import GracefulServer
 

@@ -28,7 +28,7 @@ from tachyllm.distributed.worker import _driver_gone
 from tachyllm.errors import ConfigError, WorkerError
 from tachyllm.kernels.native import native_ops
 
-pytestmark = pytest.mark.skipif(native_ops() is None, reason="needs the C++ kernels")
+pytestmark = pytest.mark.native
 
 SLOT = 64 << 10  # bytes: 16384 fp32 values
 CALLS = 600

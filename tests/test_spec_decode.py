@@ -4,13 +4,13 @@ distribution preservation), KV rollback, metrics and the adaptive switch."""
 from __future__ import annotations
 
 import math
-import random
 
 import numpy as np
 import pytest
 import torch
-from conftest import first_layers, make_tiny_model
-from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
+from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
+from helpers.models import first_layers, make_tiny_model
+from helpers.spec_decode import NGRAM, draft, with_oracle
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.core.sequence import Request, Sequence
@@ -30,19 +30,6 @@ from tachyllm.spec_decode.adaptive import (
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import SamplingInput, ScheduledSeq
-
-NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": 4,
-    "prompt_lookup_min": 1,
-    "prompt_lookup_max": 3,
-    "adaptive": False,
-}
-
-
-def draft(model: str, k: int = 3) -> dict:
-    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "adaptive": False}
-
 
 # -- configuration -------------------------------------------------------------------------------
 
@@ -122,25 +109,6 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 
 
 # -- greedy identity on tiny models ---------------------------------------------------------------
-
-
-def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], error_rate: float = 0.3) -> None:
-    """Replaces n-gram lookup by proposals from a reference run's output, each token corrupted with
-    probability error_rate: random tiny models rarely repeat their prompt, and this exercises
-    acceptance, partial rejection and rollback at every position."""
-    rng = random.Random(5)
-
-    def propose(seq: Sequence, k: int) -> list[int]:
-        reference = references[tuple(seq.token_ids[: seq.num_prompt_tokens])]
-        upcoming = reference[seq.num_output_tokens : seq.num_output_tokens + k]
-        return [t if rng.random() > error_rate else (t + 1) % 300 for t in upcoming]
-
-    llm.engine.speculator.proposer.lookup = propose
-
-
-def with_oracle(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> LLM:
-    oracle_drafts(llm, {tuple(p): e for p, e in zip(prompts, expected)})
-    return llm
 
 
 @pytest.mark.parametrize(
@@ -307,9 +275,10 @@ SIGNIFICANCE = 1e-3  # a correct sampler fails one run in a thousand
     "params",
     [
         SamplingParams(temperature=1.0),
-        SamplingParams(temperature=0.7, top_k=4),
-        SamplingParams(temperature=1.3, top_p=0.8),
-        SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.5),
+        # Each case costs 5-20 s on 2 cores: make test-fast keeps the plain one of every proposer.
+        pytest.param(SamplingParams(temperature=0.7, top_k=4), marks=pytest.mark.slow),
+        pytest.param(SamplingParams(temperature=1.3, top_p=0.8), marks=pytest.mark.slow),
+        pytest.param(SamplingParams(temperature=1.0, min_p=0.1, repetition_penalty=1.5), marks=pytest.mark.slow),
     ],
     ids=["plain", "top-k", "top-p", "min-p+penalty"],
 )

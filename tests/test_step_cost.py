@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_block_manager import make_seq
-from test_scheduler import execute, schedule
+from helpers.scheduling import execute, make_seq, schedule
 
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.scheduler import Scheduler, step_shape

@@ -13,11 +13,11 @@ import numpy as np
 import openai
 import pytest
 import torch
+from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
+from helpers.server import error_of, running_server
+from helpers.spec_decode import NGRAM, draft, with_oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_prefix_cache_preemption import GREEDY, random_prompts, run, tiny_llm, token_ids
-from test_server import error_of, running_server
-from test_spec_decode import NGRAM, draft, with_oracle
 
 from tachyllm import SamplingParams, StructuredOutputsParams
 from tachyllm.errors import RequestError

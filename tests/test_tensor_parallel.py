@@ -21,12 +21,18 @@ import psutil
 import pytest
 import torch
 import uvicorn
-from conftest import serving
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
-from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
-from test_kquants import Q4_K_M_LIKE, write_mixed_gguf
-from test_server import ENGINE_FLAGS, error_of, server_process, sse_events
+from helpers.gguf_files import (
+    Q4_K_M_LIKE,
+    add_byte_level_tokenizer,
+    add_layer_tensors,
+    add_llama_shape,
+    finish,
+    random_blocks,
+    write_mixed_gguf,
+)
+from helpers.server import ENGINE_FLAGS, error_of, server_process, serving, sse_events
 
 from tachyllm.config import EngineConfig, ModelConfig
 from tachyllm.distributed import executor as tp_executor

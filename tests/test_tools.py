@@ -16,8 +16,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import build_tokenizer
-from test_server import error_of, running_server
+from helpers.models import build_tokenizer
+from helpers.server import error_of, running_server
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
-from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
-from prequantized_files import (
+from helpers.gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish, random_blocks
+from helpers.prequantized_files import (
     LINEARS,
     Scheme,
     _copy_side_files,

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_tiny_model
 from fastapi.testclient import TestClient
+from helpers.models import make_tiny_model
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine

@@ -5,6 +5,7 @@ quantized type, and a byte-level tokenizer."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
@@ -86,3 +87,62 @@ def add_byte_level_tokenizer(writer: GGUFWriter) -> int:
     writer.add_token_merges(["h e"])
     writer.add_eos_token_id(len(tokens) - 1)
     return len(tokens)
+
+
+# -- a tiny Q4_K_M-like model ---------------------------------------------------------------------
+T = GGMLQuantizationType
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+HIDDEN, HEADS, KV_HEADS, FFN = 256, 4, 2, 512  # K-quants need inputs in multiples of 256
+
+
+# Per layer, llama.cpp's Q4_K_M choices (Q4_K, with Q6_K for some attn_v / ffn_down) and the
+# fallbacks its smaller models get (Q5_0, Q8_0); every type appears, fused modules mix them.
+Q4_K_M_LIKE = [
+    {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q4_K,
+     "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
+    {"attn_q": T.Q5_0, "attn_k": T.Q5_0, "attn_v": T.Q8_0, "attn_output": T.Q5_K,
+     "ffn_gate": T.Q4_0, "ffn_up": T.Q4_1, "ffn_down": T.Q4_K},
+]  # fmt: skip
+
+
+def write_mixed_gguf(
+    path: Path,
+    layers: list[dict[str, GGMLQuantizationType]],
+    head: GGMLQuantizationType | None,
+    table: GGMLQuantizationType = T.Q4_K,
+    table_rows: int | None = None,
+) -> Path:
+    """A llama GGUF with each layer's matrices in the given types, a token_embd of type `table` and an
+    output.weight of type `head` (None: none, the head tied to token_embd); random valid blocks, F32 norms.
+    `table_rows`: token_embd's rows if not the vocabulary's (a malformed file)."""
+    rng = np.random.default_rng(5)
+    writer = GGUFWriter(path, "llama")
+    add_llama_shape(writer, layers=len(layers), hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab = add_byte_level_tokenizer(writer)
+
+    def matrix(name: str, kind: GGMLQuantizationType, rows: int, cols: int) -> None:
+        if kind in (T.F16, T.F32):
+            dtype = np.float16 if kind == T.F16 else np.float32
+            writer.add_tensor(name, (rng.standard_normal((rows, cols)) * 0.05).astype(dtype))
+        else:
+            writer.add_tensor(name, random_blocks(kind, rows, cols, rng), raw_dtype=kind)
+
+    matrix("token_embd.weight", table, table_rows or vocab, HIDDEN)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    if head is not None:
+        matrix("output.weight", head, vocab, HIDDEN)
+    for i, types in enumerate(layers):
+
+        def add(name: str, *shape: int, quantize: bool = True, types=types) -> None:
+            if quantize:
+                matrix(name, types[name.split(".")[2]], *shape)
+            else:
+                writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+
+        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN)
+    finish(writer)
+    return path
