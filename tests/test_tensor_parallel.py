@@ -28,7 +28,7 @@ from gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_sh
 from test_kquants import Q4_K_M_LIKE, write_mixed_gguf
 from test_server import ENGINE_FLAGS, error_of, server_process, sse_events
 
-from tachyllm.config import EngineConfig, ModelConfig
+from tachyllm.config import EngineConfig
 from tachyllm.distributed import executor as tp_executor
 from tachyllm.distributed.executor import TensorParallelExecutor, rank_cpus
 from tachyllm.distributed.sharding import ShardPlan
@@ -41,6 +41,7 @@ from tachyllm.errors import ConfigError, EngineCorruptedError, WorkerError
 from tachyllm.kernels.native import native_ops
 from tachyllm.loading import load_checkpoint
 from tachyllm.loading.weights import select_part
+from tachyllm.model_config import ModelConfig
 from tachyllm.quantization.apply import rank_blocks
 from tachyllm.quantization.gguf_packed import GGUFLinear, gguf_matrices
 from tachyllm.quantization.int4 import Int4Linear
