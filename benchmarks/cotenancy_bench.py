@@ -257,8 +257,8 @@ def main() -> None:
     import gguf
     from cpu_fast_path_bench import prompts
 
-    from tachyllm.config import available_cpus, default_threads
     from tachyllm.loading.default_model import default_model_path
+    from tachyllm.platform import available_cpus, default_threads
 
     path = default_model_path()
     vocab = len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data)

@@ -222,8 +222,10 @@ def attach(llm: LLM, target: Path, spec: dict | None) -> Speculator | None:
     engine = llm.engine
     config = dataclasses.replace(engine.config, speculative_config=SpeculativeConfig.from_dict(spec))
     speculator = Speculator(
-        config, engine.model, load_checkpoint(str(target)), engine.runner.sampler, engine.block_manager.num_blocks,
-        config.block_size, engine.max_model_len, engine.dtype, engine.backend, engine.scheduler.step_cost,
+        config, target=engine.model, ckpt=load_checkpoint(str(target)), sampler=engine.runner.sampler,
+        num_blocks=engine.block_manager.num_blocks, block_size=config.block_size,
+        max_model_len=engine.max_model_len, dtype=engine.dtype, backend=engine.backend,
+        step_costs=engine.scheduler.step_cost,
     )  # fmt: skip
     engine.speculator = speculator
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up

@@ -28,9 +28,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tachyllm import LLM, SamplingParams
-from tachyllm.config import TP_ALL_REDUCES
 from tachyllm.distributed import shm_allreduce
 from tachyllm.distributed.group import TPGroup
+from tachyllm.option_values import TP_ALL_REDUCES
 
 ALLREDUCE_SIZES = [576, 64 * 576, 2048 * 576]  # bf16 values: a decode token, 64 of them, a full step
 

@@ -1,13 +1,11 @@
-"""Configuration dataclasses: what the model is (ModelConfig) and how the engine runs it (EngineConfig)."""
+"""EngineConfig: how the engine runs a model. Users write its options flat (LLM(**kwargs), the CLI flags
+generated from it, models.yaml); the engine's parts take the groups it exposes (`cache_config`,
+`scheduler_config`, `quant_config`, `parallel_config`, `backend_config`, `speculative_config`)."""
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,29 +13,19 @@ import torch
 from tachyllm.argtypes import byte_size
 from tachyllm.chat_template import chat_template_flag, read_chat_template
 from tachyllm.errors import ConfigError
+from tachyllm.option_values import (
+    BACKENDS,
+    DETAILED_TRACE_MODULES,
+    DTYPE_ALIASES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANT_ACTIVATION_BITS,
+    QUANT_GROUP_SIZES,
+    QUANTIZATION_METHODS,
+    TP_ALL_REDUCES,
+)
 from tachyllm.sampling_params import MAX_LOGPROBS
 from tachyllm.speculative_config import SpeculativeConfig
-
-logger = logging.getLogger("tachyllm")
-
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# vLLM's other spellings of --dtype.
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-
-# Weight-only quantization methods (tachyllm/quantization) and KV-cache storage types (kernels/kv_quant.py).
-# awq, gptq, compressed-tensors also name a pre-quantized checkpoint's format (its quantization_config decides).
-QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "fp8", "gptq", "compressed-tensors")
-QUANT_GROUP_SIZES = (32, 64, 128)
-QUANT_ACTIVATION_BITS = (8, 16)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-# How CPU tensor-parallel ranks sum their partial results (docs/tensor_parallel.md).
-TP_ALL_REDUCES = ("shm", "gloo")
-# Execution backends (tachyllm/backends): auto = cuda on a GPU, cpu where the C++ kernels run, else torch.
-BACKENDS = ("auto", "torch", "cpu", "cuda")
-# vLLM's --collect-detailed-traces values; tachyllm records the same per-step model timings for each.
-DETAILED_TRACE_MODULES = ("model", "worker", "all")
 
 
 def option(default: Any, help: str, *, choices: Sequence | None = None, parse: Callable[[str], Any] | None = None):
@@ -52,59 +40,66 @@ def option(default: Any, help: str, *, choices: Sequence | None = None, parse: C
     return field(default=default, metadata=metadata)
 
 
-@dataclass
-class ModelConfig:
-    """Architecture hyper-parameters, independent of the file format they came from."""
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV cache: its blocks, their storage, its size and prefix caching (EngineConfig.cache_config)."""
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    # HF-style rope_scaling dict ({"rope_type": "llama3", "factor": ..., ...}) or None.
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
-    # Gemma 3. Attention scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5).
-    query_pre_attn_scalar: float | None = None
-    # Sliding-window attention: the layers whose index is in `sliding_layers` see only the last
-    # `sliding_window` positions (their own included), and rotate with `rope_local_theta` (unscaled).
-    sliding_window: int | None = None
-    sliding_layers: tuple[int, ...] = ()
-    rope_local_theta: float | None = None
-    final_logit_softcapping: float | None = None  # logits <- cap * tanh(logits / cap)
-    bos_token_id: int | None = None
-    eos_token_ids: list[int] = field(default_factory=list)
-    # dtype the checkpoint was stored in; used by dtype="auto".
-    checkpoint_dtype: torch.dtype = torch.float32
+    block_size: int
+    kv_cache_dtype: str
+    enable_prefix_caching: bool
+    kv_cache_memory: int | None = None  # bytes; None: sized from the free memory
+    gpu_memory_utilization: float | None = None
 
-    def __post_init__(self) -> None:
-        self.sliding_layers = tuple(self.sliding_layers)  # a JSON list when read back from the checkpoint cache
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-        if self.sliding_layers and not (self.sliding_window or 0) >= 1:
-            raise ConfigError(f"sliding-window layers need sliding_window >= 1, got {self.sliding_window!r}")
 
-    def layer_window(self, layer: int) -> int | None:
-        """The sliding window of a layer's attention, or None where it sees its whole context."""
-        return self.sliding_window if layer in self.sliding_layers else None
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What one step may schedule (EngineConfig.scheduler_config; the Scheduler takes it)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_decode_slowdown: float | None = None
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight quantization as build_model applies it (EngineConfig.quant_config; a draft model has its own).
+    None means unset: dense weights or a pre-quantized checkpoint's own method, the largest group size that
+    divides each layer, the default skip list, quantization/activation_bits.py's rounding rule."""
+
+    method: str | None = None
+    group_size: int | None = None
+    skip: str | None = None
+    activation_bits: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (EngineConfig.parallel_config; docs/tensor_parallel.md)."""
+
+    tensor_parallel_size: int
+    tp_cpu_binding: bool
+    tp_all_reduce: str | None = None
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Where and on which kernels the model runs (EngineConfig.backend_config)."""
+
+    backend: str
+    device: str
+    dtype: str
+    deterministic: bool
+    enforce_eager: bool
+    threads: int | None = None
 
 
 @dataclass
 class EngineConfig:
     """Engine options, named as in vLLM where such a name exists. Each field is also a command-line flag,
-    --field-name-with-dashes, generated from its `option` metadata (tachyllm/engine_args.py)."""
+    --field-name-with-dashes, generated from its `option` metadata (tachyllm/engine_args.py). The fields
+    stay flat, as users write them; the properties below group them for the parts of the engine that
+    take them, read from the fields at each access (so a group never disagrees with its fields)."""
 
     model: str | None = option(
         None, "GGUF file or Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)"
@@ -340,10 +335,56 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but CUDA is not available")
-        if self.backend != "auto":
-            from tachyllm.backends import resolve_backend_name  # the backends import the model layers' kernels
+        # The backend (one of the registered ones, and able to run here) is checked where it is created:
+        # backends.create_backend, before the engine reads the checkpoint.
 
-            resolve_backend_name(self.backend, torch.device(self.device))
+    @property
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        assert self.max_num_batched_tokens is not None  # __post_init__ sets the device's default
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_decode_slowdown=self.max_decode_slowdown,
+        )
+
+    @property
+    def quant_config(self) -> QuantConfig:
+        return QuantConfig(
+            method=self.quantization,
+            group_size=self.quant_group_size,
+            skip=self.quant_skip,
+            activation_bits=self.quant_activation_bits,
+        )
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            tp_cpu_binding=self.tp_cpu_binding,
+            tp_all_reduce=self.tp_all_reduce,
+        )
+
+    @property
+    def backend_config(self) -> BackendConfig:
+        return BackendConfig(
+            backend=self.backend,
+            device=self.device,
+            dtype=self.dtype,
+            deterministic=self.deterministic,
+            enforce_eager=self.enforce_eager,
+            threads=self.threads,
+        )
 
     def _parse_byte_sizes(self) -> None:
         """Byte-size options given as text (LLM(kv_cache_memory="2G"), as on the command line) parsed as their
@@ -369,117 +410,3 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16
         return DTYPES[self.dtype]
-
-
-# Where the CPU limits are read; module attributes so that tests can point them elsewhere.
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_SELF_CGROUP = Path("/proc/self/cgroup")
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip()
-    except (OSError, ValueError):
-        return None
-
-
-def _quota(quota: str, period: str) -> float | None:
-    """CPUs a CFS quota allows, or None for no limit ("max" in v2, -1 in v1)."""
-    try:
-        q, p = int(quota), int(period)
-    except ValueError:
-        return None
-    return q / p if q > 0 and p > 0 else None
-
-
-def cgroup_cpu_quota() -> float | None:
-    """The tightest CPU quota (in CPUs, e.g. 1.5) of this process's cgroup and its parents, as a
-    container runtime or Kubernetes `resources.limits.cpu` sets it; None when there is none.
-    cgroup v2: `cpu.max` ("QUOTA PERIOD" or "max PERIOD"); v1: cpu.cfs_quota_us / cpu.cfs_period_us."""
-    dirs: list[Path] = []
-    own = _read(PROC_SELF_CGROUP) or ""
-    for line in own.splitlines():
-        hierarchy, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        rel = path.strip().lstrip("/")
-        if hierarchy == "0" and controllers == "":  # v2: "0::/path"
-            base = CGROUP_ROOT
-        elif "cpu" in controllers.split(","):  # v1: "N:cpu,cpuacct:/path"
-            mounts = [CGROUP_ROOT / d for d in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (CGROUP_ROOT / d).is_dir()]
-            if not mounts:
-                continue
-            base = mounts[0]
-        else:
-            continue
-        d = base / rel if rel else base
-        while True:  # the cgroup and every parent up to the mount point (a container sees its own root)
-            dirs.append(d)
-            if d == base:
-                break
-            d = d.parent
-    dirs += [CGROUP_ROOT, CGROUP_ROOT / "cpu", CGROUP_ROOT / "cpu,cpuacct"]  # when /proc/self/cgroup is unreadable
-    limits = []
-    for d in dict.fromkeys(dirs):
-        v2 = _read(d / "cpu.max")
-        if v2:
-            parts = v2.split()
-            if len(parts) == 2:
-                limits.append(_quota(*parts))
-        v1q, v1p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
-        if v1q and v1p:
-            limits.append(_quota(v1q, v1p))
-    limits = [q for q in limits if q is not None]
-    return min(limits) if limits else None
-
-
-def available_cpus() -> int:
-    """CPUs this process may use: the affinity mask (taskset, cpusets, `docker --cpuset-cpus`), capped
-    by a cgroup CPU quota rounded up (`docker --cpus 1.5`, Kubernetes CPU limits: 2). os.cpu_count()
-    counts the machine's CPUs, which is too many inside a container or under taskset."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        cpus = os.cpu_count() or 1
-    quota = cgroup_cpu_quota()
-    if quota is not None:
-        cpus = min(cpus, math.ceil(quota - 1e-6))
-    return max(1, cpus)
-
-
-def default_threads() -> int:
-    """OMP_NUM_THREADS if set, else every CPU this process may use (available_cpus). Warns when other
-    processes already keep the cores busy (warn_if_busy)."""
-    env = os.environ.get("OMP_NUM_THREADS")
-    threads = int(env) if env and env.isdigit() and int(env) > 0 else available_cpus()
-    warn_if_busy(threads)
-    return threads
-
-
-# libgomp's idle threads spin up to GOMP_SPINCOUNT iterations (default 300,000) before they
-# sleep; on cores shared with another busy process that spinning collapses decoding
-# (docs/cpu_fast_path.md#threads). 300 avoids the collapse but slows a quiet machine's single
-# stream, so it is advice, not a default (measurements: docs/design_measurements.md#openmp-spin-count).
-LOW_SPINCOUNT = 300
-OMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-def warn_if_busy(threads: int) -> None:
-    """A warning when the 1-minute load average (other processes: the engine has not started yet) plus
-    this engine's threads exceeds the usable CPUs by half a CPU or more, with the two remedies measured."""
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return
-    cpus = available_cpus()
-    if load + threads <= cpus + 0.5:
-        return
-    fewer = max(1, cpus - round(load))
-    spin = ""
-    if not any(os.environ.get(k) for k in OMP_WAIT_ENV):
-        spin = (f"; or start the process with GOMP_SPINCOUNT={LOW_SPINCOUNT} (OpenMP threads then sleep"
-                " instead of spinning while they wait: decoding slows in proportion to its CPU share)")  # fmt: skip
-    logger.warning(
-        "load average %.1f on %d usable CPUs: other processes share the cores with the %d compute threads. "
-        "If decoding is slow, --threads %d (or OMP_NUM_THREADS) leaves them their cores%s",
-        load, cpus, threads, fewer, spin,
-    )  # fmt: skip

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tachyllm.errors import ConfigError
+from tachyllm.option_values import QUANTIZATION_METHODS
 
 METHODS = ("ngram", "draft_model")
 _SELF_LAYERS = re.compile(r"self:layers=(\d+)")
@@ -103,9 +104,6 @@ class SpeculativeConfig:
                     "speculative_config 'quantization' applies to a draft model file, not to "
                     f"{self.model if self.method == 'draft_model' else self.method!r}"
                 )
-            # Imported here: tachyllm.config imports this module.
-            from tachyllm.config import QUANTIZATION_METHODS
-
             accepted = ("none", *QUANTIZATION_METHODS)
             if self.quantization not in accepted:
                 raise ConfigError(

@@ -58,7 +58,7 @@ class PromptLogprobsInput:
     target_ids: list[int]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, kw_only=True)
 class ScheduledSeq:
     """One sequence's share of a step: the tokens it computes and where their K/V goes."""
 

@@ -16,6 +16,7 @@ from tachyllm import LLM, SamplingParams
 from tachyllm.backends import AttentionMetadata, Backend, MetadataBuilder, register_backend, registry
 from tachyllm.backends.base import LayerKV
 from tachyllm.config import EngineConfig
+from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.entrypoints.cli import add_engine_args, engine_config
 from tachyllm.errors import ConfigError
 from tachyllm.eval.greedy import greedy_tokens
@@ -87,21 +88,37 @@ def test_selection_rules(monkeypatch, caplog):
     assert registry.resolve_backend_name("auto", cpu) == ("cpu" if built else "torch")
     assert registry.resolve_backend_name("auto", torch.device("meta")) == "torch"
     assert registry.resolve_backend_name("torch", torch.device("meta")) == "torch"
-    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, cuda, torch"):
-        EngineConfig(backend="vulkan")
+    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, cuda, torch, got 'vulkan'"):
+        registry.resolve_backend_name("vulkan", cpu)
     with pytest.raises(ConfigError, match="run on the CPU only, and the device is meta"):
-        EngineConfig(backend="cpu", device="meta")
+        registry.resolve_backend_name("cpu", torch.device("meta"))
     monkeypatch.setenv("TACHY_NATIVE", "0")
     with pytest.raises(ConfigError, match="TACHY_NATIVE turns the C.. kernels off"):
-        EngineConfig(backend="cpu")
+        registry.resolve_backend_name("cpu", cpu)
     monkeypatch.delenv("TACHY_NATIVE")
     monkeypatch.setattr(native, "native_ops", lambda: None)
     with pytest.raises(ConfigError, match="could not be built"):
-        EngineConfig(backend="cpu")
+        registry.resolve_backend_name("cpu", cpu)
     assert registry.resolve_backend_name("auto", cpu) == "torch"
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         backend = registry.create_backend("auto", cpu)
     assert backend.name == "torch" and "backend: torch (portable PyTorch ops), chosen by auto" in caplog.text
+
+
+def test_a_backend_that_cannot_run_here_fails_before_the_checkpoint_is_read(tmp_path, monkeypatch):
+    """The configuration takes any backend name it knows; whether that backend runs on this machine is
+    checked where it is created, which the engine does first: the refusal names the backend, not the
+    (here missing) model file."""
+    missing = str(tmp_path / "missing.gguf")
+    with pytest.raises(ConfigError, match="backend must be one of auto, cpu, cuda, torch, got 'vulkan'"):
+        LLMEngine(EngineConfig(model=missing, backend="vulkan", threads=1))
+    monkeypatch.setenv("TACHY_NATIVE", "0")
+    config = EngineConfig(model=missing, backend="cpu", threads=1)
+    assert config.backend_config.backend == "cpu"
+    with pytest.raises(ConfigError, match="backend 'cpu' cannot run here: TACHY_NATIVE turns the C.. kernels off"):
+        LLMEngine(config)
+    with pytest.raises(ConfigError, match="backend 'cpu' cannot run here: the C.. kernels run on the CPU only"):
+        LLM(missing, backend="cpu", device="meta", threads=1)
 
 
 def test_cuda_selection_rules(monkeypatch):

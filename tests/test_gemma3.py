@@ -21,11 +21,11 @@ from helpers.models import make_tiny_model
 from tachyllm import LLM, SamplingParams
 from tachyllm.backends.cuda_backend import CudaBackend
 from tachyllm.backends.torch_backend import TorchBackend, TorchMetadataBuilder, paged_attention
-from tachyllm.config import ModelConfig
 from tachyllm.core.block_manager import NULL_BLOCK
 from tachyllm.errors import ModelLoadError
 from tachyllm.kernels import native
 from tachyllm.loading import load_checkpoint
+from tachyllm.model_config import ModelConfig
 from tachyllm.runner import kv_cache
 from tachyllm.step import ScheduledSeq, StepBatch
 
@@ -397,8 +397,26 @@ def test_torch_attention_window_matches_reference_and_skips_old_blocks():
     k, v, k_cache, v_cache, table = _poisoned_cache(context, block_size, kv_heads, head_dim, start - window + 1)
     table_list = table.tolist()
     seqs = [
-        ScheduledSeq(0, "decode", context - 1, [0], 0, table_list, context, True),
-        ScheduledSeq(1, "chunk", start, [0] * (context - 1 - start), 0, table_list, context - 1, True),
+        ScheduledSeq(
+            seq_id=0,
+            request_id="decode",
+            start=context - 1,
+            token_ids=[0],
+            num_draft_tokens=0,
+            block_table=table_list,
+            seq_len=context,
+            completes=True,
+        ),
+        ScheduledSeq(
+            seq_id=1,
+            request_id="chunk",
+            start=start,
+            token_ids=[0] * (context - 1 - start),
+            num_draft_tokens=0,
+            block_table=table_list,
+            seq_len=context - 1,
+            completes=True,
+        ),
     ]
     builder = TorchMetadataBuilder(TorchBackend(torch.device("cpu")), [(k_cache, v_cache)], block_size)
     _, positions, meta = builder.prepare(StepBatch(seqs=seqs))

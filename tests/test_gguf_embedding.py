@@ -17,6 +17,7 @@ from torch import nn
 
 import tachyllm.quantization.apply as apply
 from tachyllm.backends.cpu_backend import CpuBackend
+from tachyllm.config import QuantConfig
 from tachyllm.errors import ModelLoadError
 from tachyllm.eval.quality import sequence_logprobs
 from tachyllm.kernels import native
@@ -127,8 +128,8 @@ def test_tied_head_cut_to_a_shortlist_keeps_the_whole_table_for_the_lookup(tmp_p
     ckpt = load_checkpoint(str(path))
     kept = torch.tensor([3, 7, 100, 5])
     backend = CpuBackend(torch.device("cpu"))
-    model, _ = build_model(ckpt, torch.float32, backend, 128, quantization="gguf", head_token_ids=kept)
-    full, _ = build_model(load_checkpoint(str(path)), torch.float32, backend, 128, quantization="gguf")
+    model, _ = build_model(ckpt, torch.float32, backend, 128, QuantConfig(method="gguf"), head_token_ids=kept)
+    full, _ = build_model(load_checkpoint(str(path)), torch.float32, backend, 128, QuantConfig(method="gguf"))
     assert isinstance(model.embed_tokens, GGUFEmbedding) and model.embed_tokens.num_embeddings == ckpt.config.vocab_size
     assert model.embed_tokens.packed is not model.lm_head.packed
     every = torch.arange(ckpt.config.vocab_size)

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tachyllm.config import SchedulerConfig
 from tachyllm.core.block_manager import NULL_BLOCK, BlockManager, cdiv
 from tachyllm.core.scheduler import Scheduler
 from tachyllm.core.sequence import Sequence, SequenceStatus
@@ -53,7 +54,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             window_blocks = 1 + cdiv(window, block_size) + 2 + cdiv(budget, block_size) + window_spare
         self.bm = BlockManager(num_blocks, block_size, caching, window=window, window_blocks=window_blocks)
         self.stats = StepStats()
-        self.sched = Scheduler(self.bm, max_num_seqs, budget, chunked, self.stats)
+        limits = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        )
+        self.sched = Scheduler(self.bm, limits, self.stats)
         self.kv = FakeKV(num_blocks, block_size)
         self.window_kv = FakeKV(window_blocks, block_size, window) if window else None
         self.live: list[Sequence] = []
@@ -152,7 +156,8 @@ def make_scheduler(
     num_blocks: int, block_size: int, budget: int, chunked: bool = True, caching: bool = True, max_num_seqs: int = 8
 ):
     bm = BlockManager(num_blocks, block_size, caching)
-    return Scheduler(bm, max_num_seqs, budget, chunked, StepStats())
+    limits = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    return Scheduler(bm, limits, StepStats())
 
 
 def step(sched: Scheduler) -> Scheduled:

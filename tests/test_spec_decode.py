@@ -230,7 +230,17 @@ def emitted_pairs(
         if broken == "accept-all":
             tokens = drafts + [0]
         else:
-            entry = ScheduledSeq(seq.seq_id, "r", 0, [0] + drafts, k, [], 1, True, sampling)
+            entry = ScheduledSeq(
+                seq_id=seq.seq_id,
+                request_id="r",
+                start=0,
+                token_ids=[0] + drafts,
+                num_draft_tokens=k,
+                block_table=[],
+                seq_len=1,
+                completes=True,
+                sampling=sampling,
+            )
             tokens, _ = rejection.verify(sampler, logits, [entry])[0]
         if len(tokens) < 2:  # rejected at the first position: the second token is drawn anew from the target
             row = rejection.draft_rows(seq, tokens)[-1:]

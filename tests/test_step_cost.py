@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers.scheduling import execute, make_seq, schedule
 
+from tachyllm.config import EngineConfig, SchedulerConfig
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.scheduler import Scheduler, step_shape
 from tachyllm.core.sequence import Sequence
@@ -76,7 +77,10 @@ def run_with_cost(sched: Scheduler, steps: int, watched: Sequence) -> list[tuple
 
 
 def test_prefill_chunks_shrink_to_keep_decodes_within_the_slowdown():
-    sched = Scheduler(BlockManager(4096, 16, True), 16, 512, True, StepStats(), max_decode_slowdown=2.0)
+    limits = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True, max_decode_slowdown=2.0
+    )
+    sched = Scheduler(BlockManager(4096, 16, True), limits, StepStats())
     streams = [make_seq([1, 2, 3, i], arrival=i, max_tokens=600) for i in range(4)]
     long_prompt = make_seq([1] * 3000, arrival=10, max_tokens=1)
     for seq in streams:
@@ -94,7 +98,10 @@ def test_prefill_chunks_shrink_to_keep_decodes_within_the_slowdown():
 
 
 def test_without_decodes_a_prompt_takes_the_whole_budget():
-    sched = Scheduler(BlockManager(4096, 16, True), 16, 256, True, StepStats(), max_decode_slowdown=1.5)
+    limits = SchedulerConfig(
+        max_num_seqs=16, max_num_batched_tokens=256, enable_chunked_prefill=True, max_decode_slowdown=1.5
+    )
+    sched = Scheduler(BlockManager(4096, 16, True), limits, StepStats())
     for shape in [StepShape(8, 100, 100), StepShape(200, 20_000, 200), StepShape(30, 5_000, 900)] * 4:
         sched.step_cost.observe(shape, true_cost(shape))
     seq = make_seq([1] * 1000, max_tokens=1)
@@ -103,8 +110,6 @@ def test_without_decodes_a_prompt_takes_the_whole_budget():
 
 
 def test_slowdown_must_exceed_one():
-    from tachyllm.config import EngineConfig
-
     with pytest.raises(ConfigError, match="max_decode_slowdown"):
         EngineConfig(max_decode_slowdown=1.0)
 

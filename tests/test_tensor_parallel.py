@@ -34,7 +34,7 @@ from helpers.gguf_files import (
 )
 from helpers.server import ENGINE_FLAGS, error_of, server_process, serving, sse_events
 
-from tachyllm.config import EngineConfig, ModelConfig
+from tachyllm.config import EngineConfig
 from tachyllm.distributed import executor as tp_executor
 from tachyllm.distributed.executor import TensorParallelExecutor, rank_cpus
 from tachyllm.distributed.sharding import ShardPlan
@@ -47,6 +47,7 @@ from tachyllm.errors import ConfigError, EngineCorruptedError, WorkerError
 from tachyllm.kernels.native import native_ops
 from tachyllm.loading import load_checkpoint
 from tachyllm.loading.weights import select_part
+from tachyllm.model_config import ModelConfig
 from tachyllm.quantization.apply import rank_blocks
 from tachyllm.quantization.gguf_packed import GGUFLinear, gguf_matrices
 from tachyllm.quantization.int4 import Int4Linear

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tachyllm import config
+from tachyllm import platform
 
 
 @pytest.fixture
@@ -14,27 +14,27 @@ def machine(tmp_path, monkeypatch):
     root.mkdir()
     proc = tmp_path / "proc_self_cgroup"
     proc.write_text("0::/\n")
-    monkeypatch.setattr(config, "CGROUP_ROOT", root)
-    monkeypatch.setattr(config, "PROC_SELF_CGROUP", proc)
-    monkeypatch.setattr(config.os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(platform, "CGROUP_ROOT", root)
+    monkeypatch.setattr(platform, "PROC_SELF_CGROUP", proc)
+    monkeypatch.setattr(platform.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     return root, proc
 
 
 def test_all_cpus_without_limits(machine):
-    assert config.cgroup_cpu_quota() is None
-    assert config.default_threads() == 8
+    assert platform.cgroup_cpu_quota() is None
+    assert platform.default_threads() == 8
 
 
 def test_affinity_mask(machine, monkeypatch):
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {2, 5, 6}, raising=False)  # taskset -c 2,5,6
-    assert config.default_threads() == 3
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: {2, 5, 6}, raising=False)  # taskset -c 2,5,6
+    assert platform.default_threads() == 3
 
 
 def test_no_affinity_call_falls_back_to_cpu_count(machine, monkeypatch):
-    monkeypatch.delattr(config.os, "sched_getaffinity", raising=False)  # macOS, Windows
-    assert config.default_threads() == 8
+    monkeypatch.delattr(platform.os, "sched_getaffinity", raising=False)  # macOS, Windows
+    assert platform.default_threads() == 8
 
 
 QUOTAS = [("max 100000", 8), ("200000 100000", 2), ("150000 100000", 2), ("50000 100000", 1), ("100000 100000", 1),
@@ -45,7 +45,7 @@ QUOTAS = [("max 100000", 8), ("200000 100000", 2), ("150000 100000", 2), ("50000
 def test_cgroup_v2_quota(machine, cpu_max, threads):
     root, _ = machine
     (root / "cpu.max").write_text(cpu_max + "\n")
-    assert config.default_threads() == threads
+    assert platform.default_threads() == threads
 
 
 def test_cgroup_v2_nested_parent_limit(machine):
@@ -56,8 +56,8 @@ def test_cgroup_v2_nested_parent_limit(machine):
     (child / "cpu.max").write_text("max 100000\n")
     (root / "kubepods" / "pod1" / "cpu.max").write_text("300000 100000\n")
     proc.write_text("0::/kubepods/pod1/ctr\n")
-    assert config.cgroup_cpu_quota() == pytest.approx(3.0)
-    assert config.default_threads() == 3
+    assert platform.cgroup_cpu_quota() == pytest.approx(3.0)
+    assert platform.default_threads() == 3
 
 
 def test_cgroup_v1_quota(machine):
@@ -69,15 +69,15 @@ def test_cgroup_v1_quota(machine):
     (root / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")  # the hierarchy's root: unlimited
     (root / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
     proc.write_text("4:memory:/docker/abc\n2:cpu,cpuacct:/docker/abc\n0::/\n")
-    assert config.cgroup_cpu_quota() == pytest.approx(2.5)
-    assert config.default_threads() == 3
+    assert platform.cgroup_cpu_quota() == pytest.approx(2.5)
+    assert platform.default_threads() == 3
 
 
 def test_quota_and_affinity_take_the_smaller(machine, monkeypatch):
     root, _ = machine
     (root / "cpu.max").write_text("400000 100000\n")
-    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert config.default_threads() == 2
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert platform.default_threads() == 2
 
 
 def test_unreadable_or_malformed_files_are_no_limit(machine):
@@ -86,36 +86,36 @@ def test_unreadable_or_malformed_files_are_no_limit(machine):
     (root / "cpu.cfs_quota_us").write_text("x\n")
     (root / "cpu.cfs_period_us").write_text("100000\n")
     proc.unlink()
-    assert config.cgroup_cpu_quota() is None
-    assert config.default_threads() == 8
+    assert platform.cgroup_cpu_quota() is None
+    assert platform.default_threads() == 8
 
 
 def test_omp_num_threads_wins(machine, monkeypatch):
     root, _ = machine
     (root / "cpu.max").write_text("100000 100000\n")
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
-    assert config.default_threads() == 4
+    assert platform.default_threads() == 4
     monkeypatch.setenv("OMP_NUM_THREADS", "not a number")
-    assert config.default_threads() == 1
+    assert platform.default_threads() == 1
 
 
 def test_busy_machine_warns(machine, monkeypatch, caplog):
-    monkeypatch.setattr(config.os, "getloadavg", lambda: (3.0, 3.0, 2.0))  # 3 CPUs busy elsewhere, 8 threads
-    for name in config.OMP_WAIT_ENV:
+    monkeypatch.setattr(platform.os, "getloadavg", lambda: (3.0, 3.0, 2.0))  # 3 CPUs busy elsewhere, 8 threads
+    for name in platform.OMP_WAIT_ENV:
         monkeypatch.delenv(name, raising=False)
     with caplog.at_level("WARNING", logger="tachyllm"):
-        assert config.default_threads() == 8
+        assert platform.default_threads() == 8
     assert "load average 3.0 on 8 usable CPUs" in caplog.text and "--threads 5" in caplog.text
-    assert f"GOMP_SPINCOUNT={config.LOW_SPINCOUNT}" in caplog.text
+    assert f"GOMP_SPINCOUNT={platform.LOW_SPINCOUNT}" in caplog.text
     caplog.clear()
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the user chose a policy: only the thread advice
     with caplog.at_level("WARNING", logger="tachyllm"):
-        config.default_threads()
+        platform.default_threads()
     assert "--threads 5" in caplog.text and "GOMP_SPINCOUNT" not in caplog.text
 
 
 def test_quiet_machine_does_not_warn(machine, monkeypatch, caplog):
-    monkeypatch.setattr(config.os, "getloadavg", lambda: (0.4, 0.5, 0.5))
+    monkeypatch.setattr(platform.os, "getloadavg", lambda: (0.4, 0.5, 0.5))
     with caplog.at_level("WARNING", logger="tachyllm"):
-        config.default_threads()
+        platform.default_threads()
     assert caplog.text == ""

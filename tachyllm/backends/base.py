@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tachyllm.kernels.kv_quant import QuantizedKV
 
 if TYPE_CHECKING:
-    from tachyllm.config import ModelConfig
+    from tachyllm.model_config import ModelConfig
     from tachyllm.step import StepBatch
 
 # One layer's (K, V) cache: [blocks, block_size, kv_heads, head_dim] in the model dtype, or quantized storage.

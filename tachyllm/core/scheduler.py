@@ -22,6 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tachyllm.config import SchedulerConfig
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.sequence import Sequence, SequenceStatus
 from tachyllm.core.step_cost import StepCostModel, StepShape
@@ -93,20 +94,17 @@ class Scheduler:
     def __init__(
         self,
         block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_chunked_prefill: bool,
+        config: SchedulerConfig,
         stats: StepStats,
-        max_decode_slowdown: float | None = None,
         eos_token_ids: list[int] | None = None,
         max_model_len: int | None = None,
     ):
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
         self.stats = stats
-        self.max_decode_slowdown = max_decode_slowdown if enable_chunked_prefill else None
+        self.max_decode_slowdown = config.max_decode_slowdown if config.enable_chunked_prefill else None
         self.step_cost = StepCostModel(linear_fit=self.max_decode_slowdown is not None)
         self.eos_token_ids = eos_token_ids or []
         self.max_model_len = max_model_len
@@ -222,9 +220,11 @@ class Scheduler:
             new_tokens = seq.token_ids[start : start + num_real] + s.spec_token_ids
             seqs.append(
                 ScheduledSeq(
-                    seq.seq_id, seq.request.request_id, start, new_tokens, len(s.spec_token_ids), seq.block_table,
-                    seq.num_tokens, completes, sampling, _prompt_logprobs_input(seq, start, num_real),
-                    seq.window_block_table if windowed else None,
+                    seq_id=seq.seq_id, request_id=seq.request.request_id, start=start, token_ids=new_tokens,
+                    num_draft_tokens=len(s.spec_token_ids), block_table=seq.block_table, seq_len=seq.num_tokens,
+                    completes=completes, sampling=sampling,
+                    prompt_logprobs=_prompt_logprobs_input(seq, start, num_real),
+                    window_block_table=seq.window_block_table if windowed else None,
                 )
             )  # fmt: skip
         self._fill_bitmasks(plan.scheduled, seqs)

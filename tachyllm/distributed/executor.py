@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tachyllm.backends.base import Backend, LayerKV
-from tachyllm.config import EngineConfig, default_threads
+from tachyllm.config import EngineConfig
 from tachyllm.distributed import shm_allreduce
 from tachyllm.distributed.group import TPGroup
 from tachyllm.distributed.sharding import ShardPlan, build_rank_model
@@ -41,6 +41,7 @@ from tachyllm.distributed.worker import (
 )
 from tachyllm.errors import ConfigError, WorkerError
 from tachyllm.loading import Checkpoint
+from tachyllm.platform import default_threads
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.step import StepBatch, StepResult
@@ -86,7 +87,10 @@ class TensorParallelExecutor:
             ctx = mp.get_context("spawn")
             store = os.path.join(self._dir, "store")
             for rank in range(1, size):
-                spec = WorkerSpec(config, rank, size, store, self.shm_path, threads, cpus[rank], max_model_len)
+                spec = WorkerSpec(
+                    config=config, rank=rank, size=size, store_path=store, shm_path=self.shm_path, threads=threads,
+                    cpus=cpus[rank], max_model_len=max_model_len,
+                )  # fmt: skip
                 parent, child = ctx.Pipe()
                 process = ctx.Process(target=worker_main, args=(spec, child), name=f"tachy-tp-rank{rank}", daemon=True)
                 process.start()

@@ -26,11 +26,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from tachyllm.config import EngineConfig, ModelConfig
+from tachyllm.config import EngineConfig
 from tachyllm.distributed.group import TPGroup
 from tachyllm.errors import ConfigError
 from tachyllm.loading import Checkpoint
 from tachyllm.loading.weights import Select, WeightSource
+from tachyllm.model_config import ModelConfig
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.model_loader import build_model
 
@@ -252,8 +253,7 @@ def build_rank_model(
     shard = replace(ckpt, config=plan.config, weights=rank_weights)
     rank = RankShard(plan.full, plan.rank, plan.size, group)
     model, weight_bytes = build_model(
-        shard, config.resolve_dtype(), backend, max_model_len,
-        config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
+        shard, config.resolve_dtype(), backend, max_model_len, config.quant_config,
         batch_invariant=config.deterministic, fuse_layers=False, shard=rank,
     )  # fmt: skip
     parallelize(model, plan, group)

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tachyllm import faults, tracing
-from tachyllm.backends import create_backend
-from tachyllm.config import EngineConfig, default_threads
+from tachyllm.backends import LayerKV, create_backend
+from tachyllm.config import EngineConfig
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.scheduler import Scheduler, SeqUpdate
 from tachyllm.core.sequence import Request, Sequence
@@ -24,7 +24,9 @@ from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
+from tachyllm.model_config import ModelConfig
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from tachyllm.platform import default_threads
 from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import cuda_graphs, kv_cache
 from tachyllm.runner.model_loader import build_model
@@ -69,6 +71,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.dtype = config.resolve_dtype()
         t0 = time.perf_counter()
+        # Created first: a backend that cannot run here fails before the checkpoint is read.
+        self.backend = create_backend(config.backend, self.device)
         # Read before the weights, so that a bad file fails at once. Requests that leave these fields
         # unset take these values (vLLM's --generation-config auto).
         self.default_sampling_params = default_sampling_values(config.generation_config, config.model)
@@ -91,7 +95,6 @@ class LLMEngine:
         # The weights' quantization: the option, or a pre-quantized checkpoint's own.
         self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.backend = create_backend(config.backend, self.device)
         self.executor = None  # the tensor-parallel group, when there is one
         # Why the engine can no longer serve (a dead tensor-parallel worker, inconsistent KV
         # bookkeeping), or None: it then refuses every request and must be restarted.
@@ -104,116 +107,21 @@ class LLMEngine:
         keep_freed_memory()
 
     def _build(self, config: EngineConfig, ckpt: Checkpoint, t0: float) -> None:
-        mc = self.model_config
-        # What this process holds of the model: all of it, or rank 0's shard (its KV cache sized to match).
-        rank_config = mc
-        if config.tensor_parallel_size > 1:
-            from tachyllm.distributed.executor import TensorParallelExecutor  # torch.distributed only when used
-
-            self.executor = TensorParallelExecutor(config, ckpt, self.backend, self.max_model_len)
-            self.model, self.weight_bytes = self.executor.model, self.executor.weight_bytes
-            rank_config = self.executor.plan.config
-        else:
-            self.model, self.weight_bytes = build_model(
-                ckpt, self.dtype, self.backend, self.max_model_len,
-                config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
-                batch_invariant=config.deterministic,
-            )  # fmt: skip
-        if config.deterministic and self.backend.name != "cpu":
-            logger.info(
-                "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
-                "(docs/determinism.md)", self.backend.name,
-            )  # fmt: skip
-        model = self.model
-
-        kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
-        # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
-        limits = (config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        wanted = kv_cache.wanted_bytes(rank_config, config.block_size, kv_dtype, *limits)
+        rank_config = self._build_model(config, ckpt)
         graph_queries = self._graph_query_counts()
-        max_blocks = -(-self.max_model_len // config.block_size)  # a sequence's longest block table
-        graph_bytes = 0
-        if graph_queries and config.kv_cache_memory is None:
-            # Measured over a cache of the model dtype: the graphs' memory is activations, whatever the cache stores.
-            graph_bytes = cuda_graphs.measure_graph_memory(
-                model, self.backend, lambda n: self.backend.allocate_kv_cache(mc, n, config.block_size, self.dtype),
-                config.block_size, config.max_num_seqs, max_blocks, graph_queries,
-            )  # fmt: skip
-        cache_bytes = config.kv_cache_memory or kv_cache.default_kv_cache_memory(
-            self.device, wanted, config.gpu_memory_utilization, graph_bytes
-        )
-        layout = kv_cache.kv_cache_layout(rank_config, config.block_size, kv_dtype, cache_bytes, *limits)
-        num_blocks = layout.num_blocks
-        if num_blocks < 1:
-            raise RequestError(
-                f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {layout.block_bytes} bytes)"
-            )
-        scales = kv_cache_scales(model, self.tokenizer, kv_dtype) if config.kv_cache_dtype != "auto" else None
-        caches = self.backend.allocate_kv_cache(
-            rank_config, num_blocks, config.block_size, kv_dtype, scales, layout.window_blocks
-        )
-        logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
-            num_blocks, config.block_size, num_blocks * config.block_size, layout.total_bytes / 2**20,
-            str(kv_dtype).removeprefix("torch."), self.max_model_len,
-        )  # fmt: skip
-        if layout.window_blocks:
-            logger.info(
-                "KV cache: the %d sliding-window layers (window %d) hold their last blocks only, in a pool of "
-                "their own: %d blocks (%.1f MiB) of the above", len(mc.sliding_layers), mc.sliding_window,
-                layout.window_blocks - 1, layout.window_blocks * layout.window_block_bytes / 2**20,
-            )  # fmt: skip
-        if config.kv_cache_dtype != "auto":
-            logger.info(
-                "KV cache dtype %s: %.1fx the blocks of %s at the same memory",
-                config.kv_cache_dtype, self.dtype.itemsize / kv_dtype.itemsize, str(self.dtype).removeprefix("torch."),
-            )  # fmt: skip
-
-        self.stats = StepStats()
-        # vLLM's CacheConfig.metrics_info() names for what applies here (num_gpu_blocks: the KV blocks, on
-        # whatever device), as /metrics' cache_config_info labels them.
-        self.cache_config_info = {
-            "block_size": str(config.block_size),
-            "cache_dtype": config.kv_cache_dtype,
-            "enable_prefix_caching": str(config.enable_prefix_caching),
-            "num_gpu_blocks": str(num_blocks),
-        }
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, extra_key=self._prefix_cache_key(),
-            window=mc.sliding_window, window_blocks=layout.window_blocks,
-        )  # fmt: skip
-        eos = list(mc.eos_token_ids) or (
-            [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        )
-        self.input_processor = InputProcessor(self.tokenizer, InputLimits(
-            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
-            config.enable_chunked_prefill, mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
-        ), eos, ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout))  # fmt: skip
-        self.eos_token_ids = eos
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
-            self.stats,
-            config.max_decode_slowdown,
-            eos,
-            self.max_model_len,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
-        if self.executor is not None:
-            self.executor.start(caches, num_blocks, config.block_size, sampler)
-            self.runner = self.executor
-        else:
-            self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
-            if graph_queries:
-                self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
+        # A sequence's longest block table.
+        max_blocks = -(-self.max_model_len // config.block_size)
+        caches, layout = self._allocate_kv_cache(config, rank_config, graph_queries, max_blocks)
+        self.eos_token_ids = self._eos_token_ids()
+        self._build_scheduling(config, layout)
+        sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, self.device, config.seed)
+        self._build_runner(config, caches, layout.num_blocks, sampler, graph_queries, max_blocks)
         self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
-                config, self.model, ckpt, sampler, num_blocks, config.block_size,
-                self.max_model_len, self.dtype, self.backend, self.scheduler.step_cost,
+                config, target=self.model, ckpt=ckpt, sampler=sampler, num_blocks=layout.num_blocks,
+                block_size=config.block_size, max_model_len=self.max_model_len, dtype=self.dtype,
+                backend=self.backend, step_costs=self.scheduler.step_cost,
             )  # fmt: skip
         self.requests: dict[str, Request] = {}
         # The fault barrier's view of the current step: what it works on, who failed already, and
@@ -223,8 +131,144 @@ class LLMEngine:
         self._failed_steps = 0
         self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
         logger.info(
-            "engine ready in %.1f s: %s (%s, %s)", time.perf_counter() - t0, ckpt.source, mc.architecture, self.dtype
+            "engine ready in %.1f s: %s (%s, %s)",
+            time.perf_counter() - t0, ckpt.source, self.model_config.architecture, self.dtype,
+        )  # fmt: skip
+
+    def _build_model(self, config: EngineConfig, ckpt: Checkpoint) -> ModelConfig:
+        """The model (or rank 0's shard, with the tensor-parallel workers started); returns the config
+        of what this process holds, which its KV cache is sized to."""
+        if config.tensor_parallel_size > 1:
+            from tachyllm.distributed.executor import TensorParallelExecutor  # torch.distributed only when used
+
+            self.executor = TensorParallelExecutor(config, ckpt, self.backend, self.max_model_len)
+            self.model, self.weight_bytes = self.executor.model, self.executor.weight_bytes
+            rank_config = self.executor.plan.config
+        else:
+            self.model, self.weight_bytes = build_model(
+                ckpt, self.dtype, self.backend, self.max_model_len, config.quant_config,
+                batch_invariant=config.deterministic,
+            )  # fmt: skip
+            rank_config = self.model_config
+        if config.deterministic and self.backend.name != "cpu":
+            logger.info(
+                "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
+                "(docs/determinism.md)", self.backend.name,
+            )  # fmt: skip
+        return rank_config
+
+    def _allocate_kv_cache(
+        self, config: EngineConfig, rank_config: ModelConfig, graph_queries: tuple[int, ...] | None, max_blocks: int
+    ) -> tuple[list[LayerKV], kv_cache.KVCacheLayout]:
+        """The KV cache's pools sized (the option, or what the memory and the configured sequences
+        allow) and allocated; logged."""
+        mc, cache = self.model_config, config.cache_config
+        kv_dtype = KV_STORAGE.get(cache.kv_cache_dtype, self.dtype)
+        # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
+        limits = dict(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
         )
+        wanted = kv_cache.wanted_bytes(rank_config, cache.block_size, kv_dtype, **limits)
+        graph_bytes = 0
+        if graph_queries and cache.kv_cache_memory is None:
+            # Measured over a cache of the model dtype: the graphs' memory is activations, whatever the cache stores.
+            graph_bytes = cuda_graphs.measure_graph_memory(
+                self.model, self.backend,
+                lambda n: self.backend.allocate_kv_cache(mc, n, cache.block_size, self.dtype),
+                block_size=cache.block_size, max_num_seqs=config.max_num_seqs, max_blocks=max_blocks,
+                query_counts=graph_queries,
+            )  # fmt: skip
+        cache_bytes = cache.kv_cache_memory or kv_cache.default_kv_cache_memory(
+            self.device, wanted, cache.gpu_memory_utilization, graph_bytes
+        )
+        layout = kv_cache.kv_cache_layout(rank_config, cache.block_size, kv_dtype, cache_bytes, **limits)
+        num_blocks = layout.num_blocks
+        if num_blocks < 1:
+            raise RequestError(
+                f"kv_cache_memory={cache_bytes} bytes holds no block (one block needs {layout.block_bytes} bytes)"
+            )
+        scales = kv_cache_scales(self.model, self.tokenizer, kv_dtype) if cache.kv_cache_dtype != "auto" else None
+        caches = self.backend.allocate_kv_cache(
+            rank_config, num_blocks, cache.block_size, kv_dtype, scales, layout.window_blocks
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.1f MiB, %s); max_model_len %d",
+            num_blocks, cache.block_size, num_blocks * cache.block_size, layout.total_bytes / 2**20,
+            str(kv_dtype).removeprefix("torch."), self.max_model_len,
+        )  # fmt: skip
+        if layout.window_blocks:
+            logger.info(
+                "KV cache: the %d sliding-window layers (window %d) hold their last blocks only, in a pool of "
+                "their own: %d blocks (%.1f MiB) of the above", len(mc.sliding_layers), mc.sliding_window,
+                layout.window_blocks - 1, layout.window_blocks * layout.window_block_bytes / 2**20,
+            )  # fmt: skip
+        if cache.kv_cache_dtype != "auto":
+            logger.info(
+                "KV cache dtype %s: %.1fx the blocks of %s at the same memory",
+                cache.kv_cache_dtype, self.dtype.itemsize / kv_dtype.itemsize, str(self.dtype).removeprefix("torch."),
+            )  # fmt: skip
+        return caches, layout
+
+    def _eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence tokens, else the tokenizer's."""
+        eos_token_id = self.tokenizer.eos_token_id
+        return list(self.model_config.eos_token_ids) or ([eos_token_id] if eos_token_id is not None else [])
+
+    def _build_scheduling(self, config: EngineConfig, layout: kv_cache.KVCacheLayout) -> None:
+        """What decides each step over the KV blocks: the block manager, the scheduler, the request checks
+        and the output processor."""
+        mc, cache, num_blocks = self.model_config, config.cache_config, layout.num_blocks
+        self.stats = StepStats()
+        # vLLM's CacheConfig.metrics_info() names for what applies here (num_gpu_blocks: the KV blocks, on
+        # whatever device), as /metrics' cache_config_info labels them.
+        self.cache_config_info = {
+            "block_size": str(cache.block_size),
+            "cache_dtype": cache.kv_cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "num_gpu_blocks": str(num_blocks),
+        }
+        self.block_manager = BlockManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, extra_key=self._prefix_cache_key(),
+            window=mc.sliding_window, window_blocks=layout.window_blocks,
+        )  # fmt: skip
+        scheduling = config.scheduler_config
+        limits = InputLimits(
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=cache.block_size,
+            max_num_batched_tokens=scheduling.max_num_batched_tokens,
+            enable_chunked_prefill=scheduling.enable_chunked_prefill,
+            max_logprobs=mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
+        )
+        constraint_limits = ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout)
+        self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids, constraint_limits)
+        self.scheduler = Scheduler(
+            self.block_manager, scheduling, self.stats, eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def _build_runner(
+        self,
+        config: EngineConfig,
+        caches: list[LayerKV],
+        num_blocks: int,
+        sampler: Sampler,
+        graph_queries: tuple[int, ...] | None,
+        max_blocks: int,
+    ) -> None:
+        """What runs a step: this process's ModelRunner (capturing CUDA graphs where they apply), or the
+        tensor-parallel executor over every rank's."""
+        if self.executor is not None:
+            self.executor.start(caches, num_blocks, config.block_size, sampler)
+            self.runner = self.executor
+        else:
+            self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+            if graph_queries:
+                self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
 
     def _graph_query_counts(self) -> tuple[int, ...] | None:
         """Queries per sequence of the decode-only steps CUDA graphs capture (1, and 1 + k when

@@ -13,7 +13,6 @@ from typing import Literal
 import torch
 from gguf import GGUFReader, ReaderTensor
 
-from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError, TachyError
 from tachyllm.loading import cache
 from tachyllm.loading.default_model import default_model_path
@@ -22,6 +21,7 @@ from tachyllm.loading.hf import load_hf
 from tachyllm.loading.hf_quantized import PrequantizedWeights
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.loading.weights import Select, WeightSource
+from tachyllm.model_config import ModelConfig
 
 __all__ = ["Checkpoint", "Tokenizer", "default_model_path", "load_checkpoint", "load_tokenizer"]
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from tachyllm.config import ModelConfig
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.loading.weights import Select, WeightSource, read_part, select_part
+from tachyllm.model_config import ModelConfig
 
 logger = logging.getLogger("tachyllm")
 

@@ -13,9 +13,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
 from tachyllm.loading.weights import Select, WeightSource, select_part
+from tachyllm.model_config import ModelConfig
 
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")  # Mistral GGUFs say "llama"
 

@@ -10,10 +10,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tachyllm.config import DTYPES, ModelConfig
 from tachyllm.errors import ModelLoadError
 from tachyllm.loading.hf_quantized import PrequantizedWeights, parse_quant_format
 from tachyllm.loading.weights import Select, WeightSource, read_part, select_part
+from tachyllm.model_config import ModelConfig
+from tachyllm.option_values import DTYPES
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tachyllm.config import ModelConfig
+from tachyllm.model_config import ModelConfig
 from tachyllm.models.gemma3 import Gemma3ForCausalLM
 from tachyllm.models.llama import LlamaForCausalLM
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tachyllm.backends.base import PORTABLE_OPS, AttentionMetadata, Backend, LayerKV, LayerOps
-from tachyllm.config import ModelConfig
+from tachyllm.model_config import ModelConfig
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from tachyllm.models.llama import Attention, LlamaForCausalLM
 

@@ -10,8 +10,8 @@ from torch import nn
 
 from tachyllm import tracing
 from tachyllm.backends.base import PORTABLE_OPS, AttentionMetadata, Backend, FusedLayer, LayerKV, LayerOps
-from tachyllm.config import ModelConfig
 from tachyllm.errors import ModelLoadError
+from tachyllm.model_config import ModelConfig
 from tachyllm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 

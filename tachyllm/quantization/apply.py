@@ -12,9 +12,9 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
-from tachyllm.config import ModelConfig
 from tachyllm.errors import ConfigError, ModelLoadError
 from tachyllm.loading.hf_quantized import PrequantizedWeights
+from tachyllm.model_config import ModelConfig
 from tachyllm.quantization.awq import awq_linear, collect_inputs
 from tachyllm.quantization.calibration import calibration_windows
 from tachyllm.quantization.fp8 import ALIGN, Fp8Linear, fp8_unavailable_reason

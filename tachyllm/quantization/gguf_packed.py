@@ -25,8 +25,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 from torch import nn
 
-from tachyllm.config import ModelConfig
 from tachyllm.loading.gguf import fix_rotary_rows, open_gguf, raw_tensors
+from tachyllm.model_config import ModelConfig
 from tachyllm.quantization import int4
 from tachyllm.quantization.int4 import KERNEL_DTYPES, Int4Weight
 

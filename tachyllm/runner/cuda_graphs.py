@@ -45,7 +45,16 @@ def dummy_decodes(num_seqs: int, queries: int, block_size: int) -> StepBatch:
     nothing owns at start-up and a sequence that gets it overwrites before reading."""
     blocks = [0] * -(-queries // block_size)
     seqs = [
-        ScheduledSeq(-1 - i, "", 0, [0] * queries, queries - 1, blocks, seq_len=1, completes=True)
+        ScheduledSeq(
+            seq_id=-1 - i,
+            request_id="",
+            start=0,
+            token_ids=[0] * queries,
+            num_draft_tokens=queries - 1,
+            block_table=blocks,
+            seq_len=1,
+            completes=True,
+        )  # fmt: skip
         for i in range(num_seqs)
     ]
     return StepBatch(seqs)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tachyllm.config import ModelConfig
 from tachyllm.errors import ConfigError
+from tachyllm.model_config import ModelConfig
 
 logger = logging.getLogger("tachyllm")
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from tachyllm import huge_pages
 from tachyllm.backends.base import Backend
+from tachyllm.config import QuantConfig
 from tachyllm.errors import ConfigError
 from tachyllm.kernels.linear import pack_linears, packing_available
 from tachyllm.loading import Checkpoint
@@ -27,10 +28,8 @@ def build_model(
     dtype: torch.dtype,
     backend: Backend,
     max_model_len: int,
-    quantization: str | None = None,
-    quant_group_size: int | None = None,
-    quant_skip: str | None = None,
-    quant_activation_bits: int | None = None,
+    quant: QuantConfig = QuantConfig(),
+    *,
     batch_invariant: bool = False,
     fuse_layers: bool = True,
     shard: TensorShard | None = None,
@@ -41,8 +40,10 @@ def build_model(
     tensor-parallel shard, whose layers join collectives the fused call has no place for).
     `shard`: the tensor-parallel rank `ckpt` is the share of, whose layers quantize as the whole model's.
     `head_token_ids`: the vocabulary rows the LM head keeps (LlamaForCausalLM.keep_head_rows); None: all.
-    `quant_activation_bits`: the block kernels' activation rounding; None: quantization/activation_bits.py's rule."""
+    `quant`: the weights' quantization (its activation_bits: the block kernels' activation rounding; None:
+    quantization/activation_bits.py's rule)."""
     device = backend.device
+    quantization = quant.method  # a pre-quantized checkpoint's own method when unset (below)
     with torch.device("meta"):
         model = model_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)  # casting on meta costs nothing
     model = model.to_empty(device=device)
@@ -52,7 +53,7 @@ def build_model(
         # Layers that will run on the file's blocks are not loaded dense first (a tensor-parallel rank's
         # parts neither): a Q4_K_M 1.5B model's dense copy was 3.5 GB of bf16 written only to be
         # replaced (docs/benchmarks.md#loading-and-start-up).
-        from_file = gguf_layers_from_file(model, parse_skip(quant_skip), blocks, backend.block_kernels(), shard)
+        from_file = gguf_layers_from_file(model, parse_skip(quant.skip), blocks, backend.block_kernels(), shard)
     left_out = frozenset(key for keys in from_file.values() for key in keys)
     weights = ckpt.weights(None, left_out) if left_out else ckpt.weights()
     model.load_weights(weights, unloaded=frozenset(f"{name}.weight" for name in from_file))
@@ -64,20 +65,20 @@ def build_model(
     if ckpt.prequantized is not None:
         # vLLM's rule: the checkpoint's quantization_config decides; --quantization may only repeat it.
         quantization = quantization or ckpt.prequantized.format.method
-        if quant_group_size is not None:
+        if quant.group_size is not None:
             raise ConfigError("quant_group_size does not apply to a pre-quantized checkpoint (its groups are stored)")
-    elif quantization is None and quant_activation_bits not in (None, ACTIVATION_BITS):
+    elif quantization is None and quant.activation_bits not in (None, ACTIVATION_BITS):
         raise ConfigError("quant_activation_bits applies to quantized weights; set quantization (int4, awq, gguf)")
     if quantization:
         # Quantized modules run their own kernels; pack_linears below only packs what is left (lm_head).
-        skip = parse_skip(quant_skip)
+        skip = parse_skip(quant.skip)
         kernels = backend.block_kernels()
         quantize_model(
-            model, quantization, quant_group_size, skip, ckpt.tokenizer, blocks, kernels, ckpt.prequantized,
+            model, quantization, quant.group_size, skip, ckpt.tokenizer, blocks, kernels, ckpt.prequantized,
             backend.quantized_matmul_kernels(), shard,
         )  # fmt: skip
         resolve_activation_bits(
-            model, quantization, quant_activation_bits, ckpt.tokenizer, sharded=shard is not None, source=ckpt.source
+            model, quantization, quant.activation_bits, ckpt.tokenizer, sharded=shard is not None, source=ckpt.source
         )
         weight_bytes = quantized_weight_bytes(model) - lookup_only_bytes(model)
     dense = [name for name in from_file if isinstance(model.get_submodule(name), nn.Linear | nn.Embedding)]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from tachyllm.backends.base import Backend
-from tachyllm.config import EngineConfig
+from tachyllm.config import EngineConfig, QuantConfig
 from tachyllm.core.block_manager import BlockManager, cdiv
 from tachyllm.core.sequence import Sequence
 from tachyllm.errors import ConfigError
@@ -72,7 +72,7 @@ def build_draft_model(
         # checkpoint's method); other checkpoints are quantized round-to-nearest.
         method = "gguf" if ckpt.format == "gguf" else None if ckpt.prequantized is not None else "int4"
         draft, _ = build_model(
-            ckpt, dtype, backend, max_len, method, None, "none", bits,
+            ckpt, dtype, backend, max_len, QuantConfig(method=method, skip="none", activation_bits=bits),
             batch_invariant=invariant, head_token_ids=shortlist,
         )  # fmt: skip
         return draft
@@ -84,12 +84,15 @@ def build_draft_model(
     blocks = method not in ("int8", "fp8") and (method or own) is not None
     if shortlist is not None:
         shortlist = shortlist[shortlist < draft_ckpt.config.vocab_size]
+    quant = QuantConfig(
+        method=method,
+        group_size=config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
+        skip="none" if method else None,
+        activation_bits=bits if blocks else ACTIVATION_BITS,
+    )
     draft, weight_bytes = build_model(
-        draft_ckpt, dtype, backend, max_len, method,
-        config.quant_group_size if method == config.quantization and method in ("int4", "awq") else None,
-        "none" if method else None, bits if blocks else ACTIVATION_BITS, batch_invariant=invariant,
-        head_token_ids=shortlist,
-    )  # fmt: skip
+        draft_ckpt, dtype, backend, max_len, quant, batch_invariant=invariant, head_token_ids=shortlist
+    )
     logger.info(
         "draft model %s: %s, %d layers, quantization %s, LM head over %s tokens, %.1f MiB of weights per step",
         spec.model, draft_ckpt.config.architecture, draft_ckpt.config.num_layers, method or own or "none",
@@ -237,8 +240,11 @@ class DraftModelProposer(Proposer):
     def _last_token_logits(self, shadows: list[Sequence]) -> torch.Tensor:
         """The draft's logits after each shadow's last token, computing all its uncomputed tokens."""
         entries = [
-            ScheduledSeq(s.seq_id, s.request.request_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens :], 0,
-                         s.block_table, s.num_tokens, completes=True)
+            ScheduledSeq(
+                seq_id=s.seq_id, request_id=s.request.request_id, start=s.num_computed_tokens,
+                token_ids=s.token_ids[s.num_computed_tokens :], num_draft_tokens=0, block_table=s.block_table,
+                seq_len=s.num_tokens, completes=True,
+            )
             for s in shadows
         ]  # fmt: skip
         # The runner takes decodes first; the logits come back in the shadows' order.

@@ -33,6 +33,7 @@ class Speculator:
     def __init__(
         self,
         engine_config: EngineConfig,
+        *,
         target: LlamaForCausalLM,
         ckpt: Checkpoint,
         sampler: Sampler,

@@ -75,7 +75,17 @@ def scheduled_seq(
     completes = start + num_real == len(prompt)
     sampling = SamplingInput(Params(), prompt, len(prompt)) if completes else None
     tokens = prompt[start : start + num_real] + drafts
-    return ScheduledSeq(seq_id, str(seq_id), start, tokens, len(drafts), table, len(prompt), completes, sampling)
+    return ScheduledSeq(
+        seq_id=seq_id,
+        request_id=str(seq_id),
+        start=start,
+        token_ids=tokens,
+        num_draft_tokens=len(drafts),
+        block_table=table,
+        seq_len=len(prompt),
+        completes=completes,
+        sampling=sampling,
+    )
 
 
 def gguf_engine(path: Path, **kwargs) -> LLMEngine:
