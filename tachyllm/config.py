@@ -248,6 +248,17 @@ class EngineConfig:
         choices=TP_ALL_REDUCES,
     )
 
+    # LoRA adapters (docs/lora.md), with vLLM's names.
+    enable_lora: bool = option(
+        False,
+        "serve LoRA adapters (PEFT format) on top of the base model, unmerged, many in one batch (default: off)",
+    )
+    max_loras: int = option(1, "distinct LoRA adapters in one step; requests for others wait (default: 1)")
+    max_lora_rank: int = option(16, "the highest LoRA rank an adapter may have (default: 16)")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded, the least recently used unused one evicted first (default: max_loras)"
+    )
+
     def __post_init__(self) -> None:
         self._parse_byte_sizes()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -301,6 +312,7 @@ class EngineConfig:
             raise ConfigError(f"tp_all_reduce must be shm or gloo (or unset), got {self.tp_all_reduce!r}")
         if self.tp_all_reduce is not None and self.device.startswith("cuda"):
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
+        self._check_lora()
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.max_constraint_bytes < 1:
@@ -315,6 +327,14 @@ class EngineConfig:
             from tachyllm.backends import resolve_backend_name  # the backends import the model layers' kernels
 
             resolve_backend_name(self.backend, torch.device(self.device))
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     def _parse_byte_sizes(self) -> None:
         """Byte-size options given as text (LLM(kv_cache_memory="2G"), as on the command line) parsed as their

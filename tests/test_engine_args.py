@@ -72,6 +72,9 @@ NON_DEFAULTS = [
      SpeculativeConfig(method="ngram", num_speculative_tokens=4)),
     (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
     (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+    (["--max-loras", "4"], "max_loras", 4),
+    (["--max-lora-rank", "64"], "max_lora_rank", 64),
+    (["--max-cpu-loras", "8"], "max_cpu_loras", 8),
 ]  # fmt: skip
 
 

@@ -24,6 +24,8 @@ from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
+from tachyllm.lora.manager import LoadedAdapter, LoRAManager
+from tachyllm.lora.request import LoRARequest
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import cuda_graphs, kv_cache
@@ -59,6 +61,8 @@ class EngineSnapshot:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.enable_lora and config.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora does not run with tensor_parallel_size > 1 (docs/lora.md)")
         if config.tensor_parallel_size > 1:
             from tachyllm.distributed.worker import exit_if_importing_main  # distributed/ only when used
 
@@ -117,8 +121,12 @@ class LLMEngine:
             self.model, self.weight_bytes = build_model(
                 ckpt, self.dtype, self.backend, self.max_model_len,
                 config.quantization, config.quant_group_size, config.quant_skip, config.quant_activation_bits,
-                batch_invariant=config.deterministic,
+                batch_invariant=config.deterministic, fuse_layers=not config.enable_lora,
             )  # fmt: skip
+        # LoRA: the targeted linears wrapped, so the backend's fused layers (which bypass them) stay off.
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, mc, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
         if config.deterministic and self.backend.name != "cpu":
             logger.info(
                 "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
@@ -199,6 +207,7 @@ class LLMEngine:
             config.max_decode_slowdown,
             eos,
             self.max_model_len,
+            config.max_loras if config.enable_lora else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
@@ -207,6 +216,7 @@ class LLMEngine:
             self.runner = self.executor
         else:
             self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+            self.runner.lora_segments = self.lora.segments if self.lora is not None else None
             if graph_queries:
                 self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
         self.speculator = None
@@ -230,6 +240,9 @@ class LLMEngine:
         """Queries per sequence of the decode-only steps CUDA graphs capture (1, and 1 + k when
         speculating k tokens), or None when every step runs eagerly."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.executor is not None:
+            return None
+        if self.config.enable_lora:
+            logger.info("CUDA graphs off: LoRA adapters' steps are not captured yet")
             return None
         if not self.backend.graph_capturable:
             logger.info(
@@ -263,10 +276,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
         it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
-        with its own params."""
+        with its own params. `lora_request`: the LoRA adapter it runs with (loaded now if need be)."""
         if self.failure is not None:
             raise EngineCorruptedError(f"the engine has shut down: {self.failure}")
         if request_id in self.requests:
@@ -281,9 +295,12 @@ class LLMEngine:
         # Compiled where the request was checked: here a cache hit, or a compile for a caller that
         # skipped the check (its cost then falls on this thread).
         grammar = self.input_processor.compile_grammar(params)
+        adapter = self._adapter(lora_request)
 
         metrics = RequestMetrics(arrival_time or time.time(), params_n=params.n, params_max_tokens=params.max_tokens)
         req = Request(request_id, text, token_ids, params, metrics, priority)
+        if adapter is not None:
+            req.lora_slot, req.lora_digest = adapter.slot, adapter.adapter.digest
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -301,6 +318,14 @@ class LLMEngine:
         self.requests[request_id] = req
         self.stats.num_prompt_tokens += len(token_ids)
         return req
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoadedAdapter | None:
+        """The loaded adapter a request names (None: the base model); raises RequestError when it cannot run."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise RequestError("lora_request needs an engine started with enable_lora", param="lora_request")
+        return self.lora.acquire(lora_request, {r.lora_slot for r in self.requests.values()})
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request at any stage; its blocks are free when this returns."""

@@ -1,0 +1,87 @@
+"""The adapters an engine keeps loaded: each in a slot of the model's wrapped linears (layers.py), at
+most max_cpu_loras of them, the least recently used one not in use by a request evicted for a new one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tachyllm.config import ModelConfig
+from tachyllm.errors import AdapterError
+from tachyllm.lora.layers import StepSegments, attach_lora
+from tachyllm.lora.peft import LoRAAdapter, load_peft_adapter, projection_shapes
+from tachyllm.lora.request import LoRARequest
+from tachyllm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("tachyllm")
+
+
+@dataclass
+class LoadedAdapter:
+    request: LoRARequest
+    adapter: LoRAAdapter
+    slot: int  # 1 .. max_cpu_loras; 0 is the base model
+
+
+class LoRAManager:
+    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, max_lora_rank: int, max_cpu_loras: int):
+        self.model_config = cfg
+        self.max_lora_rank = max_lora_rank
+        self.capacity = max_cpu_loras
+        self.segments = StepSegments(model.embed_tokens.weight.device)
+        shapes = projection_shapes(cfg)
+        self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
+        self.loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
+
+    def acquire(self, request: LoRARequest, in_use: set[int]) -> LoadedAdapter:
+        """The loaded adapter `request` names, loading it first if need be (evicting the least recently
+        used adapter whose slot is not in `in_use`). A name stays bound to its path while loaded."""
+        if not isinstance(request, LoRARequest):
+            raise AdapterError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        loaded = self.loaded.get(request.lora_name)
+        if loaded is not None:
+            if loaded.request.lora_path != request.lora_path:
+                raise AdapterError(
+                    f"LoRA adapter name {request.lora_name!r} is loaded from {loaded.request.lora_path!r}, "
+                    f"not {request.lora_path!r}"
+                )
+            self.loaded.move_to_end(request.lora_name)
+            return loaded
+        t0 = time.perf_counter()
+        adapter = load_peft_adapter(request.lora_path, self.model_config, self.max_lora_rank)
+        slot = self._free_slot(in_use)
+        self._install(slot, adapter)
+        loaded = self.loaded[request.lora_name] = LoadedAdapter(request, adapter, slot)
+        logger.info(
+            "LoRA adapter %r loaded in %.3f s: rank %d, scale %g, %d projections, slot %d",
+            request.lora_name, time.perf_counter() - t0, adapter.rank, adapter.scale, len(adapter.weights), slot,
+        )  # fmt: skip
+        return loaded
+
+    def _free_slot(self, in_use: set[int]) -> int:
+        taken = {a.slot for a in self.loaded.values()}
+        free = [slot for slot in range(1, self.capacity + 1) if slot not in taken]
+        if free:
+            return free[0]
+        for name, loaded in self.loaded.items():  # least recently used first
+            if loaded.slot not in in_use:
+                self._evict(name)
+                return loaded.slot
+        raise AdapterError(
+            f"all max_cpu_loras={self.capacity} loaded LoRA adapters are in use by requests; none can be evicted"
+        )
+
+    def _evict(self, name: str) -> None:
+        loaded = self.loaded.pop(name)
+        for wrappers in self.layers:
+            for wrapper in set(wrappers.values()):
+                wrapper.clear_adapter(loaded.slot)
+        logger.info("LoRA adapter %r evicted from slot %d", name, loaded.slot)
+
+    def _install(self, slot: int, adapter: LoRAAdapter) -> None:
+        for index, wrappers in enumerate(self.layers):
+            for wrapper in set(wrappers.values()):
+                pieces = {p: adapter.weights[(index, p)] for p in wrapper.projections if (index, p) in adapter.weights}
+                wrapper.set_adapter(slot, pieces, adapter.scale)
