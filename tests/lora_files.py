@@ -16,7 +16,7 @@ MODULE_OF = {p: "self_attn" for p in ALL_TARGETS[:4]} | {p: "mlp" for p in ALL_T
 
 
 def _shapes(model_dir: Path) -> tuple[dict[str, tuple[int, int]], int]:
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
     hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
     head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim

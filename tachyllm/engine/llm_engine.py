@@ -280,7 +280,8 @@ class LLMEngine:
     ) -> Request:
         """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
         it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
-        with its own params. `lora_request`: the LoRA adapter it runs with (loaded now if need be)."""
+        with its own params. `lora_request`: the LoRA adapter it runs with (loaded now if need be; a
+        ProcessedRequest's own otherwise)."""
         if self.failure is not None:
             raise EngineCorruptedError(f"the engine has shut down: {self.failure}")
         if request_id in self.requests:
@@ -289,6 +290,7 @@ class LLMEngine:
             if params is not None and params is not prompt.params:
                 raise ValueError("a ProcessedRequest carries its own sampling params; pass none or the same")
             processed = prompt
+            lora_request = lora_request or prompt.lora_request
         else:
             processed = self.input_processor.process(prompt, params or SamplingParams())
         text, token_ids, params = processed.prompt, processed.prompt_token_ids, processed.params

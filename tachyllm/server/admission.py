@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
@@ -29,6 +31,8 @@ async def start_requests(
         )
     try:
         processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
+        if model.lora is not None:
+            processed = [replace(req, lora_request=model.lora) for req in processed]
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
         return await model.engine.add_requests(requests, max_queued=limit)
     except QueueFullError as e:

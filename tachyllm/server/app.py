@@ -19,6 +19,9 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from tachyllm.errors import ConfigError
+from tachyllm.lora.peft import load_peft_adapter
+from tachyllm.lora.request import LoRARequest
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
 from tachyllm.server.guard import RequestGuard, default_allowed_hosts
@@ -39,7 +42,27 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
         return [({}, metrics.render(engine.snapshot))]
 
-    return assemble_app(server_state([served], args, [local_metrics]), args)
+    adapters = lora_models(served, args)
+    return assemble_app(server_state([served, *adapters], args, [local_metrics]), args)
+
+
+def lora_models(base: ServedModel, args: argparse.Namespace) -> list[ServedModel]:
+    """A model per --lora-modules adapter, on the base model's engine; each adapter is read and checked
+    against the base model now, so that a bad one stops the server before it serves."""
+    modules = getattr(args, "lora_modules", [])
+    if modules and not args.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    names = set(base.names)
+    served = []
+    for int_id, module in enumerate(modules, start=1):
+        if module.name in names:
+            raise ConfigError(f"--lora-modules: the name {module.name!r} is already served")
+        names.add(module.name)
+        load_peft_adapter(module.path, base.engine.model_config, args.max_lora_rank)
+        lora = LoRARequest(module.name, int_id, module.path)
+        parent = module.base_model_name or base.name
+        served.append(ServedModel([module.name], base.engine, base.tool_call_parser, lora=lora, parent=parent))
+    return served
 
 
 def metrics_options(args: argparse.Namespace) -> MetricsOptions:

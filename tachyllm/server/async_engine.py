@@ -220,6 +220,7 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
+        self.model_config = engine.model_config  # the server checks LoRA adapters against it at start
         self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
         self.default_sampling_params = engine.default_sampling_params
 

@@ -815,6 +815,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "tachyllm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int
 
 

@@ -14,6 +14,7 @@ from fastapi import Request
 
 from tachyllm.engine.input_processor import InputProcessor, Prompt
 from tachyllm.loading import Tokenizer
+from tachyllm.lora.request import LoRARequest
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import EngineDeadError, RequestStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
@@ -78,6 +79,10 @@ class ServedModel:
     names: list[str]
     engine: EngineClient
     tool_call_parser: str | None = None  # --tool-call-parser; None: the chat template's format
+    # A LoRA adapter served as a model (--lora-modules): the adapter every request runs with, on the
+    # engine of its parent, the model /v1/models names as such.
+    lora: LoRARequest | None = None
+    parent: str | None = None
 
     @property
     def tool_format(self) -> str:
@@ -133,7 +138,8 @@ class ServerState:
 
     @property
     def engines(self) -> list[EngineClient]:
-        return [m.engine for m in self.models]
+        """Each engine once (a LoRA adapter's model shares its parent's)."""
+        return list({id(m.engine): m.engine for m in self.models}.values())
 
     async def authorize(self, request: Request) -> None:
         if self.api_key is None:

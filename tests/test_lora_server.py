@@ -1,0 +1,175 @@
+"""LoRA adapters on the OpenAI-compatible server (docs/lora.md): --lora-modules (name=path and vLLM's JSON
+form), an adapter selected by `model` on every endpoint, listed by /v1/models with its parent, an
+unknown name answered 404 in OpenAI's shape, and bad flags or adapters refused at start."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import openai
+import pytest
+from conftest import serving
+from lora_files import write_adapter
+
+from tachyllm import LLM, SamplingParams
+from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.engine_args import engine_config
+from tachyllm.entrypoints.cli import build_parser
+from tachyllm.entrypoints.serve import make_server
+from tachyllm.errors import AdapterError, ConfigError
+from tachyllm.lora.request import LoRARequest
+from tachyllm.server.app import build_app
+from tachyllm.server.async_engine import AsyncEngine
+
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4M", "--log-stats-interval", "0", "--block-size", "4"]
+PROMPT = [5, 17, 42, 99, 120, 7, 33]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def adapter_paths(model_path, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("server-adapters")
+    return {
+        "qv": str(write_adapter(root / "qv", model_path, ["q_proj", "v_proj"], seed=11)),
+        "mlp": str(write_adapter(root / "mlp", model_path, ["gate_proj", "up_proj", "down_proj"], rank=8, seed=12)),
+    }
+
+
+def server_args(model_path: str, *flags: str):
+    return build_parser().parse_args(["serve", "--model", model_path, "--port", "0", *ENGINE_FLAGS, *flags])
+
+
+@pytest.fixture(scope="module")
+def url(model_path, adapter_paths) -> Iterator[str]:
+    mlp = json.dumps({"name": "mlp", "path": adapter_paths["mlp"], "base_model_name": "the-base"})
+    args = server_args(
+        model_path, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        "--lora-modules", f"qv={adapter_paths['qv']}", mlp,
+    )  # fmt: skip
+    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
+    with serving(server) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def offline(model_path, adapter_paths) -> dict[str | None, str]:
+    """The offline engine's greedy text of PROMPT for the base model and each adapter."""
+    llm = LLM(
+        model_path,
+        dtype="float32",
+        kv_cache_memory=4 << 20,
+        block_size=4,
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=2,
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    loras = [None, LoRARequest("qv", 1, adapter_paths["qv"]), LoRARequest("mlp", 2, adapter_paths["mlp"])]
+    outputs = llm.generate([PROMPT] * 3, params, use_tqdm=False, lora_request=loras)
+    return {name: out.outputs[0].text for name, out in zip([None, "qv", "mlp"], outputs)}
+
+
+def test_models_lists_adapters_with_parent(client, adapter_paths):
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "qv", "mlp"}
+    assert getattr(cards["tiny"], "parent", None) is None
+    assert cards["qv"].parent == "tiny" and cards["qv"].root == adapter_paths["qv"]
+    assert cards["mlp"].parent == "the-base" and cards["mlp"].root == adapter_paths["mlp"]
+    assert client.models.retrieve("qv").parent == "tiny"
+
+
+@pytest.mark.parametrize("name", ["qv", "mlp", "tiny"])
+def test_completion_runs_the_adapter(name, client, offline):
+    out = client.completions.create(
+        model=name,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.model == name
+    assert out.choices[0].text == offline[None if name == "tiny" else name]
+    assert offline["qv"] != offline[None] and offline["mlp"] != offline[None]
+
+
+def test_streamed_chat_and_responses_with_adapter(client):
+    messages = [{"role": "user", "content": "hello there"}]
+    plain = client.chat.completions.create(model="qv", messages=messages, max_tokens=8, temperature=0)
+    stream = client.chat.completions.create(model="qv", messages=messages, max_tokens=8, temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert plain.model == "qv" and streamed == plain.choices[0].message.content
+    base = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert base.choices[0].message.content != plain.choices[0].message.content
+    response = client.responses.create(model="qv", input="hello there", max_output_tokens=8, temperature=0)
+    assert response.model == "qv" and response.status in ("completed", "incomplete")  # 8 tokens may end it
+    base_response = client.responses.create(model="tiny", input="hello there", max_output_tokens=8, temperature=0)
+    assert response.output_text != base_response.output_text
+
+
+def test_tokenize_takes_an_adapter_name(http):
+    for name in ("qv", "tiny"):
+        answer = http.post("/tokenize", json={"model": name, "prompt": "hello there"})
+        assert answer.status_code == 200, answer.text
+    assert http.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
+
+
+def test_unknown_adapter_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
+    body = err.value.body
+    assert body["code"] == "model_not_found" and body["param"] == "model" and "'no-such-adapter'" in body["message"]
+    # the server goes on serving
+    assert client.completions.create(model="qv", prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def start_app(model_path: str, *flags: str) -> None:
+    """Builds the server's app (and its engine), which must refuse the flags; the engine is shut down."""
+    args = server_args(model_path, *flags)
+    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
+    try:
+        build_app(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def test_lora_modules_need_enable_lora(model_path, adapter_paths):
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        start_app(model_path, "--lora-modules", f"qv={adapter_paths['qv']}")
+
+
+def test_bad_adapter_stops_the_server_at_start(model_path, model_path_dir_adapter):
+    with pytest.raises(AdapterError, match="use_dora=True is not supported"):
+        start_app(model_path, "--enable-lora", "--lora-modules", f"bad={model_path_dir_adapter}")
+
+
+@pytest.fixture
+def model_path_dir_adapter(model_path, tmp_path) -> str:
+    return str(write_adapter(tmp_path / "dora", model_path, ["q_proj"], config_overrides={"use_dora": True}))
+
+
+def test_adapter_name_must_be_new(model_path, adapter_paths):
+    with pytest.raises(ConfigError, match="the name 'tiny' is already served"):
+        start_app(
+            model_path, "--served-model-name", "tiny", "--enable-lora", "--lora-modules", f"tiny={adapter_paths['qv']}"
+        )
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("no-equals-sign", "expected --lora-modules name=path"),
+        ('{"name": "a"}', 'needs "name" and "path"'),
+        ('{"name": "a", "path": "p", "extra": 1}', 'needs "name" and "path"'),
+        ('{"name": "a", "path": ""}', "must be non-empty strings"),
+        ("{not json", "invalid JSON"),
+    ],
+)
+def test_lora_modules_flag_refuses_bad_values(value, message, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--lora-modules", value])
+    assert message in capsys.readouterr().err
