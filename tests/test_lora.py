@@ -116,21 +116,25 @@ def test_max_loras_limits_distinct_adapters_per_step(base, adapters):
 
 def test_prefix_cache_keyed_by_adapter(base, adapters, lora_llm):
     prompt = list(range(10, 30))  # five full blocks of 4
-    params = SamplingParams(temperature=0, max_tokens=2)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     eng = lora_llm.engine
 
-    def cached_tokens(lora: LoRARequest | None, request_id: str) -> int:
+    def run(lora: LoRARequest | None, request_id: str) -> tuple[int, list[int]]:
+        """(prompt tokens served from the prefix cache, output tokens)."""
         req = eng.add_request(request_id, prompt, params, lora_request=lora)
         while eng.has_unfinished_requests():
             eng.step()
-        return req.num_cached_tokens
+        return req.num_cached_tokens, req.seqs[0].output_token_ids
 
     qv, mlp = request(adapters, "qv"), request(adapters, "mlp-o")
-    assert cached_tokens(qv, "qv-1") == 0
-    assert cached_tokens(mlp, "mlp-1") == 0  # same prompt, another adapter: no shared block
-    assert cached_tokens(None, "base-1") == 0  # nor with the base model
-    assert cached_tokens(qv, "qv-2") == 16  # the same adapter shares as usual
-    assert cached_tokens(None, "base-2") == 16
+    cached, qv_tokens = run(qv, "qv-1")
+    assert cached == 0
+    assert run(mlp, "mlp-1")[0] == 0  # same prompt, another adapter: no shared block
+    cached, base_tokens = run(None, "base-1")
+    assert cached == 0  # nor with the base model
+    assert run(qv, "qv-2") == (16, qv_tokens)  # the same adapter shares as usual, with the same output
+    assert run(None, "base-2") == (16, base_tokens)
+    assert qv_tokens != base_tokens
     assert_all_blocks_free(lora_llm)
 
 
@@ -325,3 +329,34 @@ def test_adapter_over_quantized_linears(quantization, base, adapters):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     manager.segments.segments = []
     assert_all_blocks_free(llm)
+
+
+def test_ngram_speculation_verifies_with_the_adapter(base, adapters, lora_llm):
+    """Drafts are verified by the model with the request's adapter: the greedy output is the same as
+    without speculation, for adapter rows and base rows in one batch."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = tiny_llm(base, enable_lora=True, max_loras=3, max_lora_rank=8, speculative_config={**spec, "adaptive": False})
+    repetitive = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9, 10], PROMPTS[0]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    loras = [request(adapters, "qv"), None, request(adapters, "all-rslora")]
+    expected = token_ids(lora_llm.generate(repetitive, params, use_tqdm=False, lora_request=loras))
+    assert token_ids(llm.generate(repetitive, params, use_tqdm=False, lora_request=loras)) == expected
+    assert llm.engine.stats.spec_num_draft_tokens > 0
+    assert_all_blocks_free(llm)
+
+
+def test_preempted_adapter_rows_resume_identically(base, adapters, lora_llm):
+    """A KV cache too small for every sequence at once: preempted adapter sequences recompute (their
+    own prefix blocks only) and end with the tokens they have alone."""
+    names = ["qv", "mlp-o", None, "all-rslora"]
+    loras = [None if n is None else request(adapters, n) for n in names]
+    prompts = [list(range(10 + i, 40 + i)) for i in range(len(names))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = [
+        token_ids(lora_llm.generate([p], params, use_tqdm=False, lora_request=r))[0] for p, r in zip(prompts, loras)
+    ]
+    small = tiny_llm(base, enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=3, kv_cache_memory=96 << 10)
+    outputs = small.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert token_ids(outputs) == alone
+    assert small.engine.stats.num_preemptions > 0
+    assert_all_blocks_free(small)
