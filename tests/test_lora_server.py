@@ -11,6 +11,7 @@ import openai
 import pytest
 from conftest import serving
 from lora_files import write_adapter
+from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.engine.llm_engine import LLMEngine
@@ -21,6 +22,7 @@ from tachyllm.errors import AdapterError, ConfigError
 from tachyllm.lora.request import LoRARequest
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
+from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 
 ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4M", "--log-stats-interval", "0", "--block-size", "4"]
 PROMPT = [5, 17, 42, 99, 120, 7, 33]
@@ -173,3 +175,38 @@ def test_lora_modules_flag_refuses_bad_values(value, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--lora-modules", value])
     assert message in capsys.readouterr().err
+
+
+def lora_info_samples(text: bytes, name: str) -> list[tuple[dict[str, str], float]]:
+    return [
+        (s.labels, s.value) for f in text_string_to_metric_families(text.decode()) for s in f.samples if s.name == name
+    ]
+
+
+def test_lora_requests_info_metric(model_path, adapter_paths):
+    """vLLM's lora_requests_info: max_loras and the adapters of the running and the waiting requests."""
+    llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, block_size=4, enable_lora=True, max_cpu_loras=2)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    eng.add_request("a", PROMPT, params, lora_request=LoRARequest("qv", 1, adapter_paths["qv"]))
+    eng.add_request("b", PROMPT, params, lora_request=LoRARequest("mlp", 2, adapter_paths["mlp"]))
+    eng.add_request("c", PROMPT, params)
+    eng.step()  # max_loras=1: "mlp" waits while "qv" runs
+    metrics = ServerMetrics("tiny", 256, MetricsOptions("vllm"))
+    ((labels, value),) = lora_info_samples(metrics.render(eng.snapshot()), "vllm:lora_requests_info")
+    assert labels == {
+        "model_name": "tiny", "engine": "0", "max_lora": "1", "running_lora_adapters": "qv",
+        "waiting_lora_adapters": "mlp",
+    }  # fmt: skip
+    assert value > 1e9  # the time it was read, as vLLM's
+    while eng.has_unfinished_requests():
+        eng.step()
+    ((labels, _),) = lora_info_samples(metrics.render(eng.snapshot()), "vllm:lora_requests_info")
+    assert labels["running_lora_adapters"] == "" and labels["waiting_lora_adapters"] == ""
+    plain = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20)
+    assert not lora_info_samples(ServerMetrics("tiny", 256).render(plain.engine.snapshot()), "tachy:lora_requests_info")
+
+
+def test_metrics_endpoint_has_lora_requests_info(http):
+    ((labels, _),) = lora_info_samples(http.get("/metrics").content, "tachy:lora_requests_info")
+    assert labels["max_lora"] == "2" and labels["model_name"] == "tiny"

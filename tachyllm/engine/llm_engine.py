@@ -43,6 +43,15 @@ MAX_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True)
+class LoRARequestsInfo:
+    """The LoRA adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
+
+    max_loras: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state at one moment; immutable (its counters are copies), so any thread may read it."""
 
@@ -57,6 +66,7 @@ class EngineSnapshot:
     stats: StepStats = field(default_factory=StepStats)
     # The KV cache's configuration as vLLM's cache_config_info labels it (LLMEngine.cache_config_info).
     cache_config: dict[str, str] = field(default_factory=dict)
+    lora: LoRARequestsInfo | None = None  # with enable_lora
 
 
 class LLMEngine:
@@ -393,7 +403,19 @@ class LLMEngine:
                 iteration_token_steps=list(stats.iteration_token_steps),
             ),
             cache_config=self.cache_config_info,
+            lora=self._lora_requests_info(),
         )
+
+    def _lora_requests_info(self) -> LoRARequestsInfo | None:
+        if self.lora is None:
+            return None
+        names = {loaded.slot: name for name, loaded in self.lora.loaded.items()}
+
+        def adapters(seqs: list[Sequence]) -> tuple[str, ...]:
+            return tuple(sorted({names[s.request.lora_slot] for s in seqs if s.request.lora_slot}))
+
+        scheduler = self.scheduler
+        return LoRARequestsInfo(self.config.max_loras, adapters(scheduler.running), adapters(scheduler.waiting))
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
