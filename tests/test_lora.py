@@ -163,7 +163,7 @@ def test_lru_eviction_keeps_outputs(base, adapters):
     first = [token_ids(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=r)) for r in (qv, rs)]
     again = [token_ids(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=r)) for r in (qv, rs)]
     assert first == again and first[0] != first[1]
-    assert list(llm.engine.lora.loaded) == ["all-rslora"]
+    assert [r.lora_name for r in llm.engine.lora.loaded] == ["all-rslora"]
     # Both at once: the second cannot evict the first, which a request uses.
     outputs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[qv, rs])
     assert outputs[0].error is None
@@ -232,7 +232,7 @@ def test_bad_adapter_fails_with_clear_error(case, base, adapters, lora_llm, tmp_
     assert outputs[0].error is not None and message in outputs[0].error, outputs[0].error
     assert str(path) in outputs[0].error
     assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == GREEDY.max_tokens
-    assert f"bad-{case}" not in lora_llm.engine.lora.loaded
+    assert f"bad-{case}" not in {r.lora_name for r in lora_llm.engine.lora.loaded}
     assert_all_blocks_free(lora_llm)
 
 
@@ -251,12 +251,13 @@ def test_bad_adapter_files(base, lora_llm, tmp_path):
     assert not eng.has_unfinished_requests()
 
 
-def test_name_bound_to_its_path(base, adapters, lora_llm):
+def test_adapter_identity_is_the_whole_request(base, adapters, lora_llm):
+    """A LoRARequest that differs in its path (or id) is another adapter, even under a known name."""
     qv = request(adapters, "qv")
-    lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=qv)
     other = LoRARequest("qv", 1, str(adapters["mlp-o"]))
-    [out] = lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=other)
-    assert "'qv' is loaded from" in out.error
+    alone = token_ids(lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=request(adapters, "mlp-o")))
+    outputs = lora_llm.generate(PROMPTS[:1] * 2, GREEDY, use_tqdm=False, lora_request=[qv, other])
+    assert token_ids(outputs)[1] == alone[0] != token_ids(outputs)[0]
 
 
 def test_lora_request_needs_enable_lora(base, adapters):
@@ -314,7 +315,7 @@ def test_adapter_over_quantized_linears(quantization, base, adapters):
     with_adapter, base_only = token_ids(outputs)[0], token_ids(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))[0]
     assert with_adapter != base_only
     manager = llm.engine.lora
-    loaded = manager.loaded[name]
+    loaded = manager.loaded[request(adapters, name)]
     wrapper = llm.engine.model.layers[1].mlp.gate_up_proj
     assert type(wrapper.base).__module__.startswith("tachyllm.quantization")
     x = torch.randn(5, 64)

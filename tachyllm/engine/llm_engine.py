@@ -409,7 +409,7 @@ class LLMEngine:
     def _lora_requests_info(self) -> LoRARequestsInfo | None:
         if self.lora is None:
             return None
-        names = {loaded.slot: name for name, loaded in self.lora.loaded.items()}
+        names = {loaded.slot: loaded.request.lora_name for loaded in self.lora.loaded.values()}
 
         def adapters(seqs: list[Sequence]) -> tuple[str, ...]:
             return tuple(sorted({names[s.request.lora_slot] for s in seqs if s.request.lora_slot}))

@@ -33,27 +33,25 @@ class LoRAManager:
         self.segments = StepSegments(model.embed_tokens.weight.device)
         shapes = projection_shapes(cfg)
         self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
-        self.loaded: OrderedDict[str, LoadedAdapter] = OrderedDict()  # least recently used first
+        # By the whole LoRARequest (name, id, path): a request that differs in any of them is another
+        # adapter, read anew (the server gives an adapter loaded again over HTTP a new id). Least
+        # recently used first.
+        self.loaded: OrderedDict[LoRARequest, LoadedAdapter] = OrderedDict()
 
     def acquire(self, request: LoRARequest, in_use: set[int]) -> LoadedAdapter:
-        """The loaded adapter `request` names, loading it first if need be (evicting the least recently
-        used adapter whose slot is not in `in_use`). A name stays bound to its path while loaded."""
+        """The loaded adapter of `request`, loading it first if need be (evicting the least recently
+        used adapter whose slot is not in `in_use`)."""
         if not isinstance(request, LoRARequest):
             raise AdapterError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
-        loaded = self.loaded.get(request.lora_name)
+        loaded = self.loaded.get(request)
         if loaded is not None:
-            if loaded.request.lora_path != request.lora_path:
-                raise AdapterError(
-                    f"LoRA adapter name {request.lora_name!r} is loaded from {loaded.request.lora_path!r}, "
-                    f"not {request.lora_path!r}"
-                )
-            self.loaded.move_to_end(request.lora_name)
+            self.loaded.move_to_end(request)
             return loaded
         t0 = time.perf_counter()
         adapter = load_peft_adapter(request.lora_path, self.model_config, self.max_lora_rank)
         slot = self._free_slot(in_use)
         self._install(slot, adapter)
-        loaded = self.loaded[request.lora_name] = LoadedAdapter(request, adapter, slot)
+        loaded = self.loaded[request] = LoadedAdapter(request, adapter, slot)
         logger.info(
             "LoRA adapter %r loaded in %.3f s: rank %d, scale %g, %d projections, slot %d",
             request.lora_name, time.perf_counter() - t0, adapter.rank, adapter.scale, len(adapter.weights), slot,
@@ -65,20 +63,20 @@ class LoRAManager:
         free = [slot for slot in range(1, self.capacity + 1) if slot not in taken]
         if free:
             return free[0]
-        for name, loaded in self.loaded.items():  # least recently used first
+        for request, loaded in self.loaded.items():  # least recently used first
             if loaded.slot not in in_use:
-                self._evict(name)
+                self._evict(request)
                 return loaded.slot
         raise AdapterError(
             f"all max_cpu_loras={self.capacity} loaded LoRA adapters are in use by requests; none can be evicted"
         )
 
-    def _evict(self, name: str) -> None:
-        loaded = self.loaded.pop(name)
+    def _evict(self, request: LoRARequest) -> None:
+        loaded = self.loaded.pop(request)
         for wrappers in self.layers:
             for wrapper in set(wrappers.values()):
                 wrapper.clear_adapter(loaded.slot)
-        logger.info("LoRA adapter %r evicted from slot %d", name, loaded.slot)
+        logger.info("LoRA adapter %r evicted from slot %d", request.lora_name, loaded.slot)
 
     def _install(self, slot: int, adapter: LoRAAdapter) -> None:
         for index, wrappers in enumerate(self.layers):
