@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 from conftest import serving
@@ -210,3 +211,105 @@ def test_lora_requests_info_metric(model_path, adapter_paths):
 def test_metrics_endpoint_has_lora_requests_info(http):
     ((labels, _),) = lora_info_samples(http.get("/metrics").content, "tachy:lora_requests_info")
     assert labels["max_lora"] == "2" and labels["model_name"] == "tiny"
+
+
+@pytest.fixture(scope="module")
+def admin_url(model_path) -> Iterator[str]:
+    """A server that loads and unloads adapters at run time (--allow-runtime-lora-updating)."""
+    args = server_args(
+        model_path, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+        "--allow-runtime-lora-updating",
+    )  # fmt: skip
+    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
+    with serving(server) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def admin(admin_url) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=admin_url, timeout=60) as c:
+        yield c
+
+
+def complete(http: httpx.Client, model: str, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    return http.post("/v1/completions", json=body)
+
+
+def test_load_during_a_stream_and_unload(admin, admin_url, adapter_paths, offline):
+    client = openai.OpenAI(base_url=f"{admin_url}/v1", api_key="unused", max_retries=0)
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    loaded = admin.post("/v1/load_lora_adapter", json={"lora_name": "hot", "lora_path": adapter_paths["qv"]})
+    assert loaded.status_code == 200 and loaded.json()["lora_name"] == "hot"
+    finish = None
+    for chunk in chunks:
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length"  # the running stream went on to its end
+    assert text.startswith(offline[None])
+    answer = complete(admin, "hot")
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == offline["qv"]
+    assert {m["id"]: m.get("parent") for m in admin.get("/v1/models").json()["data"]}["hot"] == "tiny"
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "hot"}).status_code == 200
+    gone = complete(admin, "hot")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    again = admin.post("/v1/unload_lora_adapter", json={"lora_name": "hot"})
+    assert again.status_code == 404 and again.json()["error"]["param"] == "lora_name"
+
+
+def test_adapter_loaded_again_is_read_anew(admin, model_path, tmp_path):
+    """Unloaded, changed on disk and loaded again under its name: the new weights, no old KV block."""
+    path = write_adapter(tmp_path / "v", model_path, ["q_proj", "k_proj"], seed=21)
+    assert admin.post("/v1/load_lora_adapter", json={"lora_name": "v", "lora_path": str(path)}).status_code == 200
+    first = complete(admin, "v").json()["choices"][0]["text"]
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "v"}).status_code == 200
+    write_adapter(tmp_path / "v", model_path, ["q_proj", "k_proj"], seed=22)
+    assert admin.post("/v1/load_lora_adapter", json={"lora_name": "v", "lora_path": str(path)}).status_code == 200
+    second = complete(admin, "v").json()["choices"][0]["text"]
+    llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, block_size=4, enable_lora=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [expected] = llm.generate([PROMPT], params, use_tqdm=False, lora_request=LoRARequest("v", 1, str(path)))
+    assert second == expected.outputs[0].text != first
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "v"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"lora_name": "tiny", "lora_path": "x"}, "lora_name", "'tiny' is already served"),
+        ({"lora_name": "n", "lora_path": "/nowhere"}, "lora_path", "has no adapter_config.json"),
+        ({"lora_name": "n"}, "lora_path", "lora_path"),
+        ({"lora_name": "", "lora_path": "x"}, "lora_name", "lora_name"),
+    ],
+)
+def test_load_refuses_bad_requests(body, param, message, admin):
+    answer = admin.post("/v1/load_lora_adapter", json=body)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and message in error["message"]
+    assert complete(admin, "tiny").status_code == 200
+
+
+def test_load_refuses_a_bad_adapter(admin, model_path, tmp_path):
+    path = write_adapter(tmp_path / "dora", model_path, ["q_proj"], config_overrides={"use_dora": True})
+    answer = admin.post("/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": str(path)})
+    assert answer.status_code == 400 and "use_dora=True is not supported" in answer.json()["error"]["message"]
+    assert complete(admin, "dora").status_code == 404
+
+
+def test_unload_refuses_the_base_model(admin):
+    answer = admin.post("/v1/unload_lora_adapter", json={"lora_name": "tiny"})
+    assert answer.status_code == 400 and "base model" in answer.json()["error"]["message"]
+
+
+def test_runtime_updating_is_off_by_default(http):
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "b"}).status_code == 404
+
+
+def test_runtime_updating_needs_enable_lora(model_path):
+    with pytest.raises(ConfigError, match="--allow-runtime-lora-updating needs --enable-lora"):
+        start_app(model_path, "--allow-runtime-lora-updating")

@@ -28,8 +28,8 @@ from tachyllm.server.guard import RequestGuard, default_allowed_hosts
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
-from tachyllm.server.routes import chat, completions, models, responses, service, tokenize
-from tachyllm.server.state import MetricsSource, RequestLimits, ServedModel, ServerState, authorize
+from tachyllm.server.routes import chat, completions, lora_adapters, models, responses, service, tokenize
+from tachyllm.server.state import MetricsSource, RequestLimits, RuntimeLoRA, ServedModel, ServerState, authorize
 from tachyllm.version import __version__
 
 
@@ -43,7 +43,12 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
         return [({}, metrics.render(engine.snapshot))]
 
     adapters = lora_models(served, args)
-    return assemble_app(server_state([served, *adapters], args, [local_metrics]), args)
+    state = server_state([served, *adapters], args, [local_metrics])
+    if args.allow_runtime_lora_updating:
+        if not args.enable_lora:
+            raise ConfigError("--allow-runtime-lora-updating needs --enable-lora")
+        state.runtime_lora = RuntimeLoRA(served, args.max_lora_rank, next_id=len(adapters) + 1)
+    return assemble_app(state, args)
 
 
 def lora_models(base: ServedModel, args: argparse.Namespace) -> list[ServedModel]:
@@ -96,7 +101,8 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
     app.add_exception_handler(Exception, on_bug)
 
     app.include_router(service.router)
-    for routes in (models, completions, chat, responses, tokenize):
+    admin = (lora_adapters,) if state.runtime_lora is not None else ()  # off unless enabled
+    for routes in (models, completions, chat, responses, tokenize, *admin):
         app.include_router(routes.router, dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
     # Refusals (host, content type, size) happen before routing, for every route; CORS, when on,
     # is added last and so wraps them: an allowed page can read a refusal too.

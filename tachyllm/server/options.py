@@ -110,6 +110,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "(needs --enable-lora; docs/lora.md)",
     )  # fmt: skip
     g.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, an admin operation: anyone who may "
+        "call the API may then make the server read a directory (needs --enable-lora; default: "
+        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)",
+    )  # fmt: skip
+    g.add_argument(
         "--api-key", default=os.environ.get("TACHY_API_KEY"),
         help="require 'Authorization: Bearer KEY' on the API (default: $TACHY_API_KEY; unset = open)",
     )  # fmt: skip

@@ -122,6 +122,17 @@ class ServedModel:
 
 
 @dataclass
+class RuntimeLoRA:
+    """What /v1/load_lora_adapter needs (--allow-runtime-lora-updating): the model adapters are loaded
+    on, their rank limit, and the id the next one gets (each load a new one, so that an adapter loaded
+    again under its name is read anew)."""
+
+    base: ServedModel
+    max_lora_rank: int
+    next_id: int = 1
+
+
+@dataclass
 class ServerState:
     models: list[ServedModel]
     api_key: str | None
@@ -131,6 +142,7 @@ class ServerState:
     # Seconds a step may run before the engine counts as hung (0: never).
     iteration_timeout: float = 0.0
     draining: bool = False
+    runtime_lora: RuntimeLoRA | None = None  # with --allow-runtime-lora-updating
 
     @property
     def served_names(self) -> list[str]:
