@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from lora_files import ALL_TARGETS, adapter_key, merge_adapter, write_adapter
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.config import EngineConfig
 from tachyllm.errors import AdapterError, ConfigError
 from tachyllm.lora.request import LoRARequest
-from tests.lora_files import ALL_TARGETS, adapter_key, merge_adapter, write_adapter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 120, 7, 33], [200, 11, 8, 64, 150], [9, 9, 300, 71, 4, 18, 250, 31, 77]]
@@ -305,30 +305,47 @@ def test_adapter_config_target_string_forms(base, lora_llm, tmp_path):
     assert json.loads((path / "adapter_config.json").read_text())["target_modules"] == "all-linear"
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_adapter_over_quantized_linears(quantization, base, adapters):
-    """The wrapper adds the adapter on top of the quantized module's own output, which keeps its packed
-    kernel: each wrapped linear's result is the base's plus scale · (x Aᵀ) Bᵀ, and generation runs."""
-    llm = tiny_llm(base, enable_lora=True, max_lora_rank=8, quantization=quantization)
-    name = "all-rslora"
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[request(adapters, name), None, None])
-    with_adapter, base_only = token_ids(outputs)[0], token_ids(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False))[0]
-    assert with_adapter != base_only
+@pytest.mark.parametrize("weights", ["int8", "int4", "bf16", "gguf-q4_1"])
+def test_adapter_over_any_base_linear(weights, base, adapters, tmp_path):
+    """The wrapper adds the adapter on top of the base module's own output, which keeps its kernel
+    (quantized blocks, a GGUF file's Q4_1 blocks, packed bf16): each wrapped linear's result is the
+    base's plus scale · (x Aᵀ) Bᵀ on the adapter's rows only, and generation with the adapter runs."""
+    options = {"enable_lora": True, "max_lora_rank": 8}
+    if weights == "gguf-q4_1":
+        from gguf import GGMLQuantizationType
+        from test_quant_gemv import write_tiny_gguf  # the same shapes as the tiny HF model
+
+        path = write_tiny_gguf(tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_1)
+        llm = tiny_llm(path, quantization="gguf", **options)
+    elif weights == "bf16":
+        llm = tiny_llm(base, dtype="bfloat16", **options)
+    else:
+        llm = tiny_llm(base, quantization=weights, **options)
+    name, prompts = "all-rslora", [[5, 17, 42, 99, 120, 7, 33], [20, 11, 8, 64, 150]]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[request(adapters, name), None])
+    with_adapter, base_only = token_ids(outputs)
+    assert with_adapter != token_ids(llm.generate(prompts[:1], GREEDY, use_tqdm=False))[0]
+    assert base_only == token_ids(llm.generate(prompts[1:], GREEDY, use_tqdm=False))[0]
     manager = llm.engine.lora
     loaded = manager.loaded[request(adapters, name)]
     wrapper = llm.engine.model.layers[1].mlp.gate_up_proj
-    assert type(wrapper.base).__module__.startswith("tachyllm.quantization")
-    x = torch.randn(5, 64)
+    if weights != "bf16":
+        assert type(wrapper.base).__module__.startswith("tachyllm.quantization")
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    x = torch.randn(5, 64).to(dtype)
     manager.segments.segments = [(loaded.slot, torch.tensor([1, 3]))]
     with torch.inference_mode():
         got, plain = wrapper(x), wrapper.base(x)
+    manager.segments.segments = []
     a_gate, b_gate = loaded.adapter.weights[(1, "gate_proj")]
     a_up, b_up = loaded.adapter.weights[(1, "up_proj")]
-    delta = torch.cat([x @ a_gate.T @ b_gate.T, x @ a_up.T @ b_up.T], dim=1) * loaded.adapter.scale
-    expected = plain.clone()
+    xf = x.float()
+    delta = torch.cat([xf @ a_gate.T @ b_gate.T, xf @ a_up.T @ b_up.T], dim=1) * loaded.adapter.scale
+    expected = plain.float().clone()
     expected[[1, 3]] += delta[[1, 3]]
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    manager.segments.segments = []
+    tolerance = 2e-2 if weights == "bf16" else 1e-5
+    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    assert torch.equal(got[[0, 2, 4]], plain[[0, 2, 4]])  # base rows untouched
     assert_all_blocks_free(llm)
 
 

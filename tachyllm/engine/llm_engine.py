@@ -136,7 +136,8 @@ class LLMEngine:
         # LoRA: the targeted linears wrapped, so the backend's fused layers (which bypass them) stay off.
         self.lora: LoRAManager | None = None
         if config.enable_lora:
-            self.lora = LoRAManager(self.model, mc, config.max_lora_rank, config.max_cpu_loras or config.max_loras)
+            max_cpu_loras = config.max_cpu_loras or config.max_loras
+            self.lora = LoRAManager(self.model, mc, self.device, config.max_lora_rank, max_cpu_loras)
         if config.deterministic and self.backend.name != "cpu":
             logger.info(
                 "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "

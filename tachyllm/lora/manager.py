@@ -8,6 +8,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import torch
+
 from tachyllm.config import ModelConfig
 from tachyllm.errors import AdapterError
 from tachyllm.lora.layers import StepSegments, attach_lora
@@ -26,11 +28,13 @@ class LoadedAdapter:
 
 
 class LoRAManager:
-    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, max_lora_rank: int, max_cpu_loras: int):
+    def __init__(
+        self, model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device, max_lora_rank: int, max_cpu_loras: int
+    ):
         self.model_config = cfg
         self.max_lora_rank = max_lora_rank
         self.capacity = max_cpu_loras
-        self.segments = StepSegments(model.embed_tokens.weight.device)
+        self.segments = StepSegments(device)
         shapes = projection_shapes(cfg)
         self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
         # By the whole LoRARequest (name, id, path): a request that differs in any of them is another
