@@ -1,8 +1,9 @@
-"""The adapters an engine keeps loaded: each in a slot of the model's wrapped linears (layers.py), at
-most max_cpu_loras of them, the least recently used one not in use by a request evicted for a new one."""
+"""The adapters an engine keeps loaded: each in a slot of the model's wrapped linears (layers.py), up to
+max_cpu_loras of them, the least recently used one not in use by a request evicted for a new one."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
@@ -63,17 +64,21 @@ class LoRAManager:
         return loaded
 
     def _free_slot(self, in_use: set[int]) -> int:
-        taken = {a.slot for a in self.loaded.values()}
-        free = [slot for slot in range(1, self.capacity + 1) if slot not in taken]
-        if free:
-            return free[0]
-        for request, loaded in self.loaded.items():  # least recently used first
+        """A slot for one more adapter: while the cache is full, the least recently used adapters that no
+        request uses are evicted. When every one is in use the cache grows past max_cpu_loras rather than
+        refuse the request (vLLM would keep it waiting); it shrinks back at later loads."""
+        for request, loaded in list(self.loaded.items()):  # least recently used first
+            if len(self.loaded) < self.capacity:
+                break
             if loaded.slot not in in_use:
                 self._evict(request)
-                return loaded.slot
-        raise AdapterError(
-            f"all max_cpu_loras={self.capacity} loaded LoRA adapters are in use by requests; none can be evicted"
-        )
+        if len(self.loaded) >= self.capacity:
+            logger.info(
+                "all %d loaded LoRA adapters are in use: one more is kept loaded (max_cpu_loras=%d) until "
+                "requests finish", len(self.loaded), self.capacity,
+            )  # fmt: skip
+        taken = {a.slot for a in self.loaded.values()}
+        return next(slot for slot in itertools.count(1) if slot not in taken)
 
     def _evict(self, request: LoRARequest) -> None:
         loaded = self.loaded.pop(request)
