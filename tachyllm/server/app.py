@@ -54,7 +54,7 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
 def lora_models(base: ServedModel, args: argparse.Namespace) -> list[ServedModel]:
     """A model per --lora-modules adapter, on the base model's engine; each adapter is read and checked
     against the base model now, so that a bad one stops the server before it serves."""
-    modules = getattr(args, "lora_modules", [])
+    modules = args.lora_modules
     if modules and not args.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
     names = set(base.names)
