@@ -59,6 +59,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     max_decode_slowdown: float | None = None
+    max_loras: int | None = None  # distinct LoRA adapters in one step (None: no adapters served)
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,17 @@ class EngineConfig:
         " and timings)",
     )
 
+    # LoRA adapters (docs/lora.md), with vLLM's names.
+    enable_lora: bool = option(
+        False,
+        "serve LoRA adapters (PEFT format) on top of the base model, unmerged, many in one batch (default: off)",
+    )
+    max_loras: int = option(1, "distinct LoRA adapters in one step; requests for others wait (default: 1)")
+    max_lora_rank: int = option(16, "the highest LoRA rank an adapter may have (default: 16)")
+    max_cpu_loras: int | None = option(
+        None, "LoRA adapters kept loaded, the least recently used unused one evicted first (default: max_loras)"
+    )
+
     def __post_init__(self) -> None:
         self._parse_byte_sizes()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -316,6 +328,7 @@ class EngineConfig:
             raise ConfigError(f"tp_all_reduce must be shm or gloo (or unset), got {self.tp_all_reduce!r}")
         if self.tp_all_reduce is not None and self.device.startswith("cuda"):
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
+        self._check_lora()
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.collect_detailed_traces is not None and self.collect_detailed_traces not in DETAILED_TRACE_MODULES:
@@ -356,6 +369,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_decode_slowdown=self.max_decode_slowdown,
+            max_loras=self.max_loras if self.enable_lora else None,
         )
 
     @property
@@ -385,6 +399,14 @@ class EngineConfig:
             enforce_eager=self.enforce_eager,
             threads=self.threads,
         )
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
     def _parse_byte_sizes(self) -> None:
         """Byte-size options given as text (LLM(kv_cache_memory="2G"), as on the command line) parsed as their

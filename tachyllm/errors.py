@@ -29,3 +29,11 @@ class EngineCorruptedError(TachyError):
 
 class WorkerError(EngineCorruptedError):
     """A tensor-parallel worker failed or died, or the group failed a step: the engine cannot go on."""
+
+
+class AdapterError(RequestError):
+    """A LoRA adapter cannot be served (missing files, an unsupported variant, shapes that do not match
+    the base model): the request that names it fails, or the server refuses to start with it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="lora_request")

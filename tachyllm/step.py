@@ -76,6 +76,7 @@ class ScheduledSeq:
     # The sliding-window layers' own blocks (read-only), where they have a pool of their own; entries
     # before the window of the step's first query are placeholders that attention never reads.
     window_block_table: list[int] | None = None
+    lora_slot: int = 0  # the loaded LoRA adapter the sequence runs with (tachyllm/lora); 0: the base model
 
     @property
     def num_new_tokens(self) -> int:

@@ -73,6 +73,9 @@ NON_DEFAULTS = [
     (["--chat-template", "{{ messages[0].content }}"], "chat_template", "{{ messages[0].content }}"),
     (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
     (["--otlp-traces-endpoint", "http://localhost:4317"], "otlp_traces_endpoint", "http://localhost:4317"),
+    (["--max-loras", "4"], "max_loras", 4),
+    (["--max-lora-rank", "64"], "max_lora_rank", 64),
+    (["--max-cpu-loras", "8"], "max_cpu_loras", 8),
 ]  # fmt: skip
 
 

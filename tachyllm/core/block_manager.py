@@ -220,8 +220,10 @@ class BlockManager:
         return cdiv(num_tokens, self.block_size)
 
     def _full_block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        """Extends seq.block_hashes to cover its first num_full_blocks blocks; hashes depend only on tokens."""
-        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_full_blocks, self.extra_key)
+        """Extends seq.block_hashes to cover its first num_full_blocks blocks; hashes depend only on tokens
+        (and on the LoRA adapter the request runs with)."""
+        extra_key = self.extra_key + seq.request.lora_digest
+        return extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, num_full_blocks, extra_key)
 
     def _window_start(self, position: int) -> int:
         """The first block that a query at `position` or later reads in a sliding-window layer."""

@@ -108,6 +108,7 @@ class Scheduler:
         self.step_cost = StepCostModel(linear_fit=self.max_decode_slowdown is not None)
         self.eos_token_ids = eos_token_ids or []
         self.max_model_len = max_model_len
+        self.max_loras = config.max_loras  # distinct LoRA adapters in one step (None: no adapters served)
         self.waiting: list[Sequence] = []  # kept sorted by arrival_order
         self.running: list[Sequence] = []
         # The sequences of the batch in flight, by seq id, and those that ended since the last batch.
@@ -167,8 +168,14 @@ class Scheduler:
         # blocks that the preempted ones need to resume.
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        adapters = {s.request.lora_slot for s in self.running} - {0}
+        index = 0  # waiting sequences skipped so far: their adapter would exceed max_loras
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            slot = seq.request.lora_slot
+            if slot and slot not in adapters and len(adapters) >= (self.max_loras or 0):
+                index += 1  # its adapter waits for a running one's to finish (vLLM's rule)
+                continue
             # A cached position would go unscored: with prompt logprobs the prefix serves only positions
             # whose prompt logprobs are known (none, at first: vLLM's rule), so they are computed, not kept.
             limit = len(seq.request.prompt_logprobs) // self.block_manager.block_size
@@ -184,7 +191,9 @@ class Scheduler:
                 num_new = self._prefill_cap(seq, num_new, out, len(prefix) * self.block_manager.block_size)
             if not self.block_manager.allocate(seq, num_new, prefix):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(index)
+            if slot:
+                adapters.add(slot)
             self.stats.prefix_cache_queries += seq.num_tokens
             self.stats.prefix_cache_hits += len(prefix) * self.block_manager.block_size
             if seq.request.metrics.first_scheduled_time is None:
@@ -225,6 +234,7 @@ class Scheduler:
                     completes=completes, sampling=sampling,
                     prompt_logprobs=_prompt_logprobs_input(seq, start, num_real),
                     window_block_table=seq.window_block_table if windowed else None,
+                    lora_slot=seq.request.lora_slot,
                 )
             )  # fmt: skip
         self._fill_bitmasks(plan.scheduled, seqs)

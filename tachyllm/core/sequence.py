@@ -114,6 +114,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     # Prompt logprobs known so far (SamplingParams.prompt_logprobs): entry i scores prompt token i + 1.
     prompt_logprobs: list[LogprobInfo] = field(default_factory=list)
+    # The LoRA adapter it runs with: its slot (0: the base model), and its content digest, which keys
+    # the request's prefix-cache blocks apart from the base model's and other adapters'.
+    lora_slot: int = 0
+    lora_digest: bytes = b""
 
     @property
     def finished(self) -> bool:

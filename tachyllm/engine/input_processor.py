@@ -13,6 +13,7 @@ from typing import Any
 
 from tachyllm.errors import RequestError
 from tachyllm.loading.tokenizer import Tokenizer
+from tachyllm.lora.request import LoRARequest
 from tachyllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from tachyllm.structured_output.compiler import CompiledGrammar, ConstraintLimits, GrammarCompiler, GrammarError
 
@@ -50,6 +51,7 @@ class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 def chat_prompt_ids(

@@ -24,6 +24,8 @@ from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
+from tachyllm.lora.manager import LoadedAdapter, LoRAManager
+from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from tachyllm.platform import default_threads
@@ -43,6 +45,15 @@ MAX_FAILED_STEPS = 3
 
 
 @dataclass(frozen=True)
+class LoRARequestsInfo:
+    """The LoRA adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
+
+    max_loras: int
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state at one moment; immutable (its counters are copies), so any thread may read it."""
 
@@ -57,10 +68,13 @@ class EngineSnapshot:
     stats: StepStats = field(default_factory=StepStats)
     # The KV cache's configuration as vLLM's cache_config_info labels it (LLMEngine.cache_config_info).
     cache_config: dict[str, str] = field(default_factory=dict)
+    lora: LoRARequestsInfo | None = None  # with enable_lora
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        if config.enable_lora and config.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora does not run with tensor_parallel_size > 1 (docs/lora.md)")
         if config.tensor_parallel_size > 1:
             from tachyllm.distributed.worker import exit_if_importing_main  # distributed/ only when used
 
@@ -147,9 +161,14 @@ class LLMEngine:
         else:
             self.model, self.weight_bytes = build_model(
                 ckpt, self.dtype, self.backend, self.max_model_len, config.quant_config,
-                batch_invariant=config.deterministic,
+                batch_invariant=config.deterministic, fuse_layers=not config.enable_lora,
             )  # fmt: skip
             rank_config = self.model_config
+        # LoRA: the targeted linears wrapped, so the backend's fused layers (which bypass them) stay off.
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            max_cpu_loras = config.max_cpu_loras or config.max_loras
+            self.lora = LoRAManager(self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras)
         if config.deterministic and self.backend.name != "cpu":
             logger.info(
                 "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "
@@ -267,6 +286,7 @@ class LLMEngine:
             self.runner = self.executor
         else:
             self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+            self.runner.lora_segments = self.lora.segments if self.lora is not None else None
             if graph_queries:
                 self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
 
@@ -274,6 +294,9 @@ class LLMEngine:
         """Queries per sequence of the decode-only steps CUDA graphs capture (1, and 1 + k when
         speculating k tokens), or None when every step runs eagerly."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.executor is not None:
+            return None
+        if self.config.enable_lora:
+            logger.info("CUDA graphs off: LoRA adapters' steps are not captured yet")
             return None
         if not self.backend.graph_capturable:
             logger.info(
@@ -307,10 +330,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validates (self.input_processor) and queues a request; raises RequestError (nothing queued) when
         it can never run. A ProcessedRequest, which that processor made and checked, is queued as it is,
-        with its own params."""
+        with its own params. `lora_request`: the LoRA adapter it runs with (loaded now if need be; a
+        ProcessedRequest's own otherwise)."""
         if self.failure is not None:
             raise EngineCorruptedError(f"the engine has shut down: {self.failure}")
         if request_id in self.requests:
@@ -319,12 +344,14 @@ class LLMEngine:
             if params is not None and params is not prompt.params:
                 raise ValueError("a ProcessedRequest carries its own sampling params; pass none or the same")
             processed = prompt
+            lora_request = lora_request or prompt.lora_request
         else:
             processed = self.input_processor.process(prompt, params or SamplingParams())
         text, token_ids, params = processed.prompt, processed.prompt_token_ids, processed.params
         # Compiled where the request was checked: here a cache hit, or a compile for a caller that
         # skipped the check (its cost then falls on this thread).
         grammar = self.input_processor.compile_grammar(params)
+        adapter = self._adapter(lora_request)
 
         metrics = RequestMetrics(
             arrival_time or time.time(),
@@ -333,6 +360,8 @@ class LLMEngine:
             events=[] if self.config.otlp_traces_endpoint else None,
         )
         req = Request(request_id, text, token_ids, params, metrics, priority)
+        if adapter is not None:
+            req.lora_slot, req.lora_digest = adapter.slot, adapter.adapter.digest
         for i in range(params.n):
             generator = None
             if params.seed is not None:
@@ -350,6 +379,14 @@ class LLMEngine:
         self.requests[request_id] = req
         self.stats.num_prompt_tokens += len(token_ids)
         return req
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoadedAdapter | None:
+        """The loaded adapter a request names (None: the base model); raises RequestError when it cannot run."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise RequestError("lora_request needs an engine started with enable_lora", param="lora_request")
+        return self.lora.acquire(lora_request, {r.lora_slot for r in self.requests.values()})
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request at any stage; its blocks are free when this returns."""
@@ -415,7 +452,19 @@ class LLMEngine:
                 iteration_token_steps=list(stats.iteration_token_steps),
             ),
             cache_config=self.cache_config_info,
+            lora=self._lora_requests_info(),
         )
+
+    def _lora_requests_info(self) -> LoRARequestsInfo | None:
+        if self.lora is None:
+            return None
+        names = {loaded.slot: loaded.request.lora_name for loaded in self.lora.loaded.values()}
+
+        def adapters(seqs: list[Sequence]) -> tuple[str, ...]:
+            return tuple(sorted({names[s.request.lora_slot] for s in seqs if s.request.lora_slot}))
+
+        scheduler = self.scheduler
+        return LoRARequestsInfo(self.config.max_loras, adapters(scheduler.running), adapters(scheduler.waiting))
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -18,6 +18,7 @@ from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import HUB_FLAGS, NO_HUB
 from tachyllm.errors import ConfigError, RequestError
 from tachyllm.loading.tokenizer import Tokenizer
+from tachyllm.lora.request import LoRARequest
 from tachyllm.otel import RequestTracer, TracedRequest, TraceOptions
 from tachyllm.outputs import RequestMetrics, RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
@@ -68,16 +69,20 @@ class LLM:
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order. A prompt that cannot
-        be served (empty, too long, ...) gets an output with `error` set; the others still run."""
-        return self._generate(prompts, sampling_params, use_tqdm, "text_completion")
+        be served (empty, too long, a LoRA adapter that cannot be loaded, ...) gets an output with `error`
+        set; the others still run. `lora_request`: the LoRA adapter of every prompt, or one per prompt
+        (None: the base model); the LLM needs enable_lora=True."""
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, "text_completion")
 
     def _generate(
         self,
         prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | list[LoRARequest | None] | None,
         operation: str,
     ) -> list[RequestOutput]:
         self._check_thread()
@@ -89,11 +94,17 @@ class LLM:
             params_list = sampling_params
         else:
             params_list = [sampling_params or self.get_default_sampling_params()] * len(prompt_list)
+        if isinstance(lora_request, list):
+            if len(lora_request) != len(prompt_list):
+                raise ValueError(f"got {len(lora_request)} lora_request for {len(prompt_list)} prompts")
+            lora_list = lora_request
+        else:
+            lora_list = [lora_request] * len(prompt_list)
 
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         traced: dict[str, TracedRequest] = {}
-        for prompt, params in zip(prompt_list, params_list):
+        for prompt, params, lora in zip(prompt_list, params_list, lora_list):
             request_id = str(next(self._ids))
             order.append(request_id)
             prompt_arg = prompt
@@ -106,7 +117,7 @@ class LLM:
                 prompt_arg = _prompt_value(prompt)
                 # Only the final output is kept: no copy of the completion so far at every step.
                 req = self.engine.add_request(
-                    request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                    request_id, prompt_arg, replace(params, output_kind=RequestOutputKind.FINAL_ONLY), lora_request=lora
                 )
                 if request_id in traced:
                     traced[request_id].admitted_time = req.metrics.arrival_time
@@ -179,13 +190,14 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Renders one conversation, or each of a list of them, in the model's chat template (or
         `chat_template`: the template's text or a Jinja file), then generates: one output per
         conversation, in order (vLLM's LLM.chat). `continue_final_message` continues the last
         (assistant) message instead of starting a new turn; `chat_template_kwargs` are template
-        variables (e.g. {"enable_thinking": False}). A conversation the template refuses raises
-        RequestError before anything runs."""
+        variables (e.g. {"enable_thinking": False}); `lora_request` as generate's. A conversation the
+        template refuses raises RequestError before anything runs."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         template = read_chat_template(chat_template) if chat_template is not None else None
         processor = self.engine.input_processor
@@ -202,7 +214,7 @@ class LLM:
             }
             for conv in conversations
         ]
-        return self._generate(prompts, sampling_params, use_tqdm, "chat")
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, "chat")
 
 
 def _prompt_value(prompt: Prompt) -> str | list[int]:

@@ -116,6 +116,8 @@ class Ingress:
 
 def application(config: ScaleOutConfig, options: argparse.Namespace):
     """`options`: the server options (a `tachy serve` namespace, or server_args())."""
+    if options.lora_modules:
+        raise ConfigError("--lora-modules is served by a single engine, not on Ray Serve (docs/lora.md)")
     engines = {model.name: engine_deployment(model, config, options) for model in config.models}
     # Ray Serve's default of 5 ongoing requests per replica would cap the whole endpoint at 5 streams.
     ingress = serve.deployment(Ingress).options(

@@ -13,6 +13,7 @@ import torch
 
 from tachyllm import faults, tracing
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
+from tachyllm.lora.layers import StepSegments
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.cuda_graphs import DecodeGraphs
 from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
@@ -43,6 +44,8 @@ class ModelRunner:
         self.device = backend.device
         self.builder = backend.metadata_builder(kv_caches, block_size)
         self.graphs: DecodeGraphs | None = None
+        # The LoRA wrappers' view of the step's rows (tachyllm/lora), when adapters are served.
+        self.lora_segments: StepSegments | None = None
 
     def use_graphs(
         self, max_num_seqs: int, max_blocks: int, query_counts: tuple[int, ...], capture: bool = True
@@ -135,6 +138,8 @@ class ModelRunner:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         faults.check("prepare", batch.seqs)
+        if self.lora_segments is not None:
+            self.lora_segments.set_step(batch.seqs)
         bucket = self.graphs.bucket(batch) if self.graphs is not None else None
         if bucket is not None:
             with tracing.span("prepare_inputs"):

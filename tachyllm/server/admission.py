@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import RequestError
@@ -32,6 +33,8 @@ async def start_requests(
         )
     try:
         processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
+        if model.lora is not None:
+            processed = [replace(req, lora_request=model.lora) for req in processed]
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
         traced = current_request()
         if traced is None:

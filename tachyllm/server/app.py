@@ -19,6 +19,9 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from tachyllm.errors import ConfigError
+from tachyllm.lora.peft import load_peft_adapter
+from tachyllm.lora.request import LoRARequest
 from tachyllm.otel import RequestTracer, TraceOptions
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
@@ -27,8 +30,8 @@ from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.request_trace import RequestTracing, dropped_spans_metrics
 from tachyllm.server.responses import json_response
-from tachyllm.server.routes import chat, completions, models, responses, service, tokenize
-from tachyllm.server.state import MetricsSource, RequestLimits, ServedModel, ServerState, authorize
+from tachyllm.server.routes import chat, completions, lora_adapters, models, responses, service, tokenize
+from tachyllm.server.state import MetricsSource, RequestLimits, RuntimeLoRA, ServedModel, ServerState, authorize
 from tachyllm.version import __version__
 
 
@@ -41,7 +44,32 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
         return [({}, metrics.render(engine.snapshot))]
 
-    return assemble_app(server_state([served], args, [local_metrics]), args, engine.trace_options)
+    adapters = lora_models(served, args)
+    state = server_state([served, *adapters], args, [local_metrics])
+    if args.allow_runtime_lora_updating:
+        if not args.enable_lora:
+            raise ConfigError("--allow-runtime-lora-updating needs --enable-lora")
+        state.runtime_lora = RuntimeLoRA(served, args.max_lora_rank, next_id=len(adapters) + 1)
+    return assemble_app(state, args, engine.trace_options)
+
+
+def lora_models(base: ServedModel, args: argparse.Namespace) -> list[ServedModel]:
+    """A model per --lora-modules adapter, on the base model's engine; each adapter is read and checked
+    against the base model now, so that a bad one stops the server before it serves."""
+    modules = args.lora_modules
+    if modules and not args.enable_lora:
+        raise ConfigError("--lora-modules needs --enable-lora")
+    names = set(base.names)
+    served = []
+    for int_id, module in enumerate(modules, start=1):
+        if module.name in names:
+            raise ConfigError(f"--lora-modules: the name {module.name!r} is already served")
+        names.add(module.name)
+        load_peft_adapter(module.path, base.engine.model_config, args.max_lora_rank)
+        lora = LoRARequest(module.name, int_id, module.path)
+        parent = module.base_model_name or base.name
+        served.append(ServedModel([module.name], base.engine, base.tool_call_parser, lora=lora, parent=parent))
+    return served
 
 
 def metrics_options(args: argparse.Namespace) -> MetricsOptions:
@@ -77,7 +105,8 @@ def assemble_app(state: ServerState, args: argparse.Namespace, tracing: TraceOpt
     app.add_exception_handler(Exception, on_bug)
 
     app.include_router(service.router)
-    for routes in (models, completions, chat, responses, tokenize):
+    admin = (lora_adapters,) if state.runtime_lora is not None else ()  # off unless enabled
+    for routes in (models, completions, chat, responses, tokenize, *admin):
         app.include_router(routes.router, dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
     # Refusals (host, content type, size) happen before routing, for every route; CORS, when on,
     # is added last and so wraps them: an allowed page can read a refusal too.

@@ -222,6 +222,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.trace_options = trace_options(engine.config)  # where the server sends request traces, if anywhere
+        self.model_config = engine.model_config  # the server checks LoRA adapters against it at start
         self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
         self.default_sampling_params = engine.default_sampling_params
 

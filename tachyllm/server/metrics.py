@@ -10,14 +10,15 @@ registry, so several servers can live in one process (tests) without name clashe
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from tachyllm.engine.llm_engine import EngineSnapshot
+from tachyllm.engine.llm_engine import EngineSnapshot, LoRARequestsInfo
 from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
@@ -153,6 +154,8 @@ class ServerMetrics:
         self._cache_info_exported = False
         self._iteration_tokens = _IterationTokens(f"{prefix}:iteration_tokens_total", self._labels)
         self.registry.register(self._iteration_tokens)
+        self._lora_info = _LoRAInfo(f"{prefix}:lora_requests_info", self._labels)
+        self.registry.register(self._lora_info)
 
         self._exported = StepStats()  # counter values already added to the registry
         self._progress: dict[str, _Progress] = {}  # engine thread only
@@ -246,6 +249,7 @@ class ServerMetrics:
         self.waiting.set(snapshot.num_waiting)
         self._waiting_by_reason["capacity"].set(snapshot.num_waiting)
         self._iteration_tokens.stats = now
+        self._lora_info.info = snapshot.lora
         if snapshot.cache_config and not self._cache_info_exported:  # constant: labelled once
             labels = {**snapshot.cache_config, **self._labels}  # vLLM's has no model_name; every series here has
             info = Gauge(
@@ -300,6 +304,25 @@ class _IterationTokens:
             cumulative += steps
             buckets.append((bound, cumulative))
         family.add_metric(list(self._labels.values()), buckets, self.stats.iteration_tokens)
+        return [family]
+
+
+class _LoRAInfo:
+    """vLLM's lora_requests_info: one series whose labels name the adapters of the running and the waiting
+    requests (comma-separated) and max_loras, valued at the time it was read; absent without enable_lora."""
+
+    def __init__(self, name: str, labels: dict[str, str]) -> None:
+        self._name, self._labels = name, labels
+        self.info: LoRARequestsInfo | None = None
+
+    def collect(self) -> list[Metric]:
+        info = self.info
+        if info is None:
+            return []
+        names = [*self._labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        family = GaugeMetricFamily(self._name, "Running stats on LoRA requests.", labels=names)
+        values = [*self._labels.values(), str(info.max_loras), ",".join(info.running), ",".join(info.waiting)]
+        family.add_metric(values, time.time())
         return [family]
 
 

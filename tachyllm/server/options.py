@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from tachyllm.argtypes import byte_size, non_negative_float, positive_int
@@ -37,6 +38,37 @@ class ListOrJson(argparse.Action):
                 raise argparse.ArgumentError(self, f"expected values or a JSON list of strings, got {value!r}")
             items += parsed
         setattr(namespace, self.dest, items)
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """A LoRA adapter the server serves as a model of its own (--lora-modules); `base_model_name`: the
+    model /v1/models names as its parent (default: the served base model's name)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_module(text: str) -> LoRAModule:
+    """--lora-modules' value: name=path, or vLLM's JSON {"name": ..., "path": ..., "base_model_name": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON in a --lora-modules value {text!r}: {e}") from None
+        fields = {"name", "path", "base_model_name"}
+        if not isinstance(spec, dict) or not {"name", "path"} <= set(spec) <= fields:
+            raise argparse.ArgumentTypeError(
+                f'a JSON --lora-modules value needs "name" and "path" (and may have "base_model_name"), got {text!r}'
+            )
+        if not all(isinstance(v, str) and v for v in spec.values()):
+            raise argparse.ArgumentTypeError(f"the --lora-modules fields must be non-empty strings, got {text!r}")
+        return LoRAModule(spec["name"], spec["path"], spec.get("base_model_name"))
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected --lora-modules name=path (or vLLM's JSON form), got {text!r}")
+    return LoRAModule(name, path)
 
 
 def port_number(text: str) -> int:
@@ -70,6 +102,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", nargs="+", default=None,
         help="model name(s) clients may ask for; the first is reported in responses "
         "(default: --model, or the embedded model's name)",
+    )  # fmt: skip
+    g.add_argument(
+        "--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served as models of their own, each selected by its name in a "
+        "request's model: name=path, or vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...} "
+        "(needs --enable-lora; docs/lora.md)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, an admin operation: anyone who may "
+        "call the API may then make the server read a directory (needs --enable-lora; default: "
+        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off)",
     )  # fmt: skip
     g.add_argument(
         "--api-key", default=os.environ.get("TACHY_API_KEY"),

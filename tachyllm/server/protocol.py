@@ -595,6 +595,18 @@ class DetokenizeRequest(Request):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(Request):
+    """vLLM's /v1/load_lora_adapter body: the model name the adapter is served as, and its PEFT directory."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(Request):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name alone identifies the adapter here
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 
@@ -815,6 +827,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "tachyllm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int
 
 
@@ -832,6 +845,11 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoRAAdapterResponse(BaseModel):
+    lora_name: str
+    message: str
 
 
 class TokenizerInfoResponse(BaseModel):

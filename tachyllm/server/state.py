@@ -14,6 +14,7 @@ from fastapi import Request
 
 from tachyllm.engine.input_processor import InputProcessor, Prompt
 from tachyllm.loading import Tokenizer
+from tachyllm.lora.request import LoRARequest
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import EngineDeadError, RequestStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
@@ -78,6 +79,10 @@ class ServedModel:
     names: list[str]
     engine: EngineClient
     tool_call_parser: str | None = None  # --tool-call-parser; None: the chat template's format
+    # A LoRA adapter served as a model (--lora-modules): the adapter every request runs with, on the
+    # engine of its parent, the model /v1/models names as such.
+    lora: LoRARequest | None = None
+    parent: str | None = None
 
     @property
     def tool_format(self) -> str:
@@ -117,6 +122,17 @@ class ServedModel:
 
 
 @dataclass
+class RuntimeLoRA:
+    """What /v1/load_lora_adapter needs (--allow-runtime-lora-updating): the model adapters are loaded
+    on, their rank limit, and the id the next one gets (each load a new one, so that an adapter loaded
+    again under its name is read anew)."""
+
+    base: ServedModel
+    max_lora_rank: int
+    next_id: int = 1
+
+
+@dataclass
 class ServerState:
     models: list[ServedModel]
     api_key: str | None
@@ -126,6 +142,7 @@ class ServerState:
     # Seconds a step may run before the engine counts as hung (0: never).
     iteration_timeout: float = 0.0
     draining: bool = False
+    runtime_lora: RuntimeLoRA | None = None  # with --allow-runtime-lora-updating
 
     @property
     def served_names(self) -> list[str]:
@@ -133,7 +150,8 @@ class ServerState:
 
     @property
     def engines(self) -> list[EngineClient]:
-        return [m.engine for m in self.models]
+        """Each engine once (a LoRA adapter's model shares its parent's)."""
+        return list({id(m.engine): m.engine for m in self.models}.values())
 
     async def authorize(self, request: Request) -> None:
         if self.api_key is None:

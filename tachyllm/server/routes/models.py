@@ -24,4 +24,7 @@ async def model(model_id: str, state: ServerState = Depends(server_state)) -> Re
 
 
 def model_card(model: ServedModel, name: str) -> p.ModelCard:
-    return p.ModelCard(id=name, root=model.engine.model_name, max_model_len=model.engine.max_model_len)
+    """A base model's card has its checkpoint as root; a LoRA adapter's (vLLM's form) its path, and its
+    base model as parent."""
+    root = model.engine.model_name if model.lora is None else model.lora.lora_path
+    return p.ModelCard(id=name, root=root, parent=model.parent, max_model_len=model.engine.max_model_len)

@@ -1,0 +1,94 @@
+"""The adapters an engine keeps loaded: each in a slot of the model's wrapped linears (layers.py), up to
+max_cpu_loras of them, the least recently used one not in use by a request evicted for a new one."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from tachyllm.errors import AdapterError
+from tachyllm.lora.layers import StepSegments, attach_lora
+from tachyllm.lora.peft import LoRAAdapter, load_peft_adapter, projection_shapes
+from tachyllm.lora.request import LoRARequest
+from tachyllm.model_config import ModelConfig
+from tachyllm.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger("tachyllm")
+
+
+@dataclass
+class LoadedAdapter:
+    request: LoRARequest
+    adapter: LoRAAdapter
+    slot: int  # 1 .. max_cpu_loras; 0 is the base model
+
+
+class LoRAManager:
+    def __init__(
+        self, model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device, max_lora_rank: int, max_cpu_loras: int
+    ):
+        self.model_config = cfg
+        self.max_lora_rank = max_lora_rank
+        self.capacity = max_cpu_loras
+        self.segments = StepSegments(device)
+        shapes = projection_shapes(cfg)
+        self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
+        # By the whole LoRARequest (name, id, path): a request that differs in any of them is another
+        # adapter, read anew (the server gives an adapter loaded again over HTTP a new id). Least
+        # recently used first.
+        self.loaded: OrderedDict[LoRARequest, LoadedAdapter] = OrderedDict()
+
+    def acquire(self, request: LoRARequest, in_use: set[int]) -> LoadedAdapter:
+        """The loaded adapter of `request`, loading it first if need be (evicting the least recently
+        used adapter whose slot is not in `in_use`)."""
+        if not isinstance(request, LoRARequest):
+            raise AdapterError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        loaded = self.loaded.get(request)
+        if loaded is not None:
+            self.loaded.move_to_end(request)
+            return loaded
+        t0 = time.perf_counter()
+        adapter = load_peft_adapter(request.lora_path, self.model_config, self.max_lora_rank)
+        slot = self._free_slot(in_use)
+        self._install(slot, adapter)
+        loaded = self.loaded[request] = LoadedAdapter(request, adapter, slot)
+        logger.info(
+            "LoRA adapter %r loaded in %.3f s: rank %d, scale %g, %d projections, slot %d",
+            request.lora_name, time.perf_counter() - t0, adapter.rank, adapter.scale, len(adapter.weights), slot,
+        )  # fmt: skip
+        return loaded
+
+    def _free_slot(self, in_use: set[int]) -> int:
+        """A slot for one more adapter: while the cache is full, the least recently used adapters that no
+        request uses are evicted. When every one is in use the cache grows past max_cpu_loras rather than
+        refuse the request (vLLM would keep it waiting); it shrinks back at later loads."""
+        for request, loaded in list(self.loaded.items()):  # least recently used first
+            if len(self.loaded) < self.capacity:
+                break
+            if loaded.slot not in in_use:
+                self._evict(request)
+        if len(self.loaded) >= self.capacity:
+            logger.info(
+                "all %d loaded LoRA adapters are in use: one more is kept loaded (max_cpu_loras=%d) until "
+                "requests finish", len(self.loaded), self.capacity,
+            )  # fmt: skip
+        taken = {a.slot for a in self.loaded.values()}
+        return next(slot for slot in itertools.count(1) if slot not in taken)
+
+    def _evict(self, request: LoRARequest) -> None:
+        loaded = self.loaded.pop(request)
+        for wrappers in self.layers:
+            for wrapper in set(wrappers.values()):
+                wrapper.clear_adapter(loaded.slot)
+        logger.info("LoRA adapter %r evicted from slot %d", request.lora_name, loaded.slot)
+
+    def _install(self, slot: int, adapter: LoRAAdapter) -> None:
+        for index, wrappers in enumerate(self.layers):
+            for wrapper in set(wrappers.values()):
+                pieces = {p: adapter.weights[(index, p)] for p in wrapper.projections if (index, p) in adapter.weights}
+                wrapper.set_adapter(slot, pieces, adapter.scale)
