@@ -38,7 +38,7 @@ lint: $(STAMP)
 	$(VENV)/bin/clang-format --dry-run --Werror tachyllm/kernels/csrc/*.cpp tachyllm/kernels/csrc/*.h || status=1; \
 	$(VENV)/bin/shellcheck -x benchmarks/*.sh benchmarks/competitors/*.sh || status=1; \
 	$(PY) scripts/check_docs_rules.py || status=1; \
-	! grep -rnE '^(from|import) (test_|conftest)' tests || { echo 'a test module imports another: shared helpers go in tests/helpers/'; status=1; }; \
+	! grep -rnE '^\s*(from|import) (test_|conftest)' tests || { echo 'a test module imports another: shared helpers go in tests/helpers/'; status=1; }; \
 	$(PY) -m tachyllm.entrypoints.options_doc --check docs/options.md || status=1; \
 	exit $$status
 

@@ -318,9 +318,9 @@ def test_adapter_over_any_base_linear(weights, base, adapters, tmp_path):
     options = {"enable_lora": True, "max_lora_rank": 8}
     if weights == "gguf-q4_1":
         from gguf import GGMLQuantizationType
-        from test_quant_gemv import write_tiny_gguf  # the same shapes as the tiny HF model
+        from helpers.gguf_files import write_tiny_q4_1_gguf  # the same shapes as the tiny HF model
 
-        path = write_tiny_gguf(tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_1)
+        path = write_tiny_q4_1_gguf(tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_1)
         llm = tiny_llm(path, quantization="gguf", **options)
     elif weights == "bf16":
         llm = tiny_llm(base, dtype="bfloat16", **options)

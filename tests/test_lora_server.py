@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from conftest import serving
 from helpers.lora_files import write_adapter
+from helpers.server import serving
 from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm import LLM, SamplingParams

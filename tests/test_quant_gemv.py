@@ -7,12 +7,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
-from helpers.gguf_files import add_byte_level_tokenizer, add_layer_tensors, add_llama_shape, finish
+from gguf import GGMLQuantizationType
+from helpers.gguf_files import write_tiny_q4_1_gguf
 from helpers.quantization import EXACT_RTOL, UNROUNDED_RTOL, round_activations
 from torch import nn
 
@@ -129,37 +127,6 @@ def test_int4_linear_native_matches_aten(group, tokens):
 
 
 # -- the GGUF LM head -----------------------------------------------------------------------------
-HIDDEN, HEADS, KV_HEADS, FFN = 64, 4, 2, 128
-
-
-def write_tiny_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
-    """A two-layer llama GGUF with Q4_1 layers and a tied token_embd of the given type."""
-    rng = np.random.default_rng(1)
-    writer = GGUFWriter(path, "llama")
-    add_llama_shape(writer, layers=2, hidden=HIDDEN, ffn=FFN, heads=HEADS, kv_heads=KV_HEADS, context=128)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    vocab = add_byte_level_tokenizer(writer)
-
-    def tensor(name: str, *shape: int, kind: GGMLQuantizationType | None = GGMLQuantizationType.Q4_1) -> None:
-        data = (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        if kind is None:
-            writer.add_tensor(name, np.abs(data) + 0.5)
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
-
-    tensor("token_embd.weight", vocab, HIDDEN, kind=embedding)
-    tensor("output_norm.weight", HIDDEN, kind=None)
-
-    def add(name: str, *shape: int, quantize: bool = True) -> None:
-        tensor(name, *shape, kind=GGMLQuantizationType.Q4_1 if quantize else None)
-
-    for i in range(2):
-        add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN)
-    finish(writer)
-    return path
-
-
 def _engine(path: Path, **kwargs) -> LLMEngine:
     return LLMEngine(
         EngineConfig(model=str(path), quantization="gguf", max_num_seqs=2, max_model_len=64, threads=1, **kwargs)
@@ -171,7 +138,7 @@ def test_gguf_q8_0_head_whatever_quant_skip_says(tmp_path, monkeypatch, caplog):
     """A Q8_0 head runs on its blocks with the default skip, an explicit lm_head skip and 'none'
     alike (its dequantized copy would only be rounded once more); without the kernels it is
     dequantized, and the log line says which."""
-    path = write_tiny_gguf(tmp_path / "q8-head.gguf", GGMLQuantizationType.Q8_0)
+    path = write_tiny_q4_1_gguf(tmp_path / "q8-head.gguf", GGMLQuantizationType.Q8_0)
     ids = list(range(3, 40))
     with caplog.at_level(logging.INFO, logger="tachyllm"):
         # 16-bit activations, as the bound on the KL against the dequantized head was measured.
@@ -198,7 +165,7 @@ def test_gguf_q8_0_head_whatever_quant_skip_says(tmp_path, monkeypatch, caplog):
 def test_gguf_q4_head(tmp_path, monkeypatch):
     """With the kernels a Q4_1 head runs on its blocks like any other; without them it follows
     quant_skip (skipped by default: dequantized)."""
-    path = write_tiny_gguf(tmp_path / "q4-head.gguf", GGMLQuantizationType.Q4_1)
+    path = write_tiny_q4_1_gguf(tmp_path / "q4-head.gguf", GGMLQuantizationType.Q4_1)
     for skip in (None, "none"):
         head = _engine(path, quant_skip=skip).model.lm_head
         assert isinstance(head, GGUFLinear) and head.block_types == "Q4_1"  # the tied token_embd's own blocks

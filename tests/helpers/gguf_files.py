@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
@@ -144,5 +145,38 @@ def write_mixed_gguf(
                 writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
 
         add_layer_tensors(add, i, HIDDEN, HEADS, KV_HEADS, HIDDEN // HEADS, FFN)
+    finish(writer)
+    return path
+
+
+TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_FFN = 64, 4, 2, 128  # the tiny HF test model's shapes
+
+
+def write_tiny_q4_1_gguf(path: Path, embedding: GGMLQuantizationType) -> Path:
+    """A two-layer llama GGUF with Q4_1 layers and a tied token_embd of the given type."""
+    rng = np.random.default_rng(1)
+    writer = GGUFWriter(path, "llama")
+    add_llama_shape(
+        writer, layers=2, hidden=TINY_HIDDEN, ffn=TINY_FFN, heads=TINY_HEADS, kv_heads=TINY_KV_HEADS, context=128
+    )
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    vocab = add_byte_level_tokenizer(writer)
+
+    def tensor(name: str, *shape: int, kind: GGMLQuantizationType | None = GGMLQuantizationType.Q4_1) -> None:
+        data = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if kind is None:
+            writer.add_tensor(name, np.abs(data) + 0.5)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+    tensor("token_embd.weight", vocab, TINY_HIDDEN, kind=embedding)
+    tensor("output_norm.weight", TINY_HIDDEN, kind=None)
+
+    def add(name: str, *shape: int, quantize: bool = True) -> None:
+        tensor(name, *shape, kind=GGMLQuantizationType.Q4_1 if quantize else None)
+
+    for i in range(2):
+        add_layer_tensors(add, i, TINY_HIDDEN, TINY_HEADS, TINY_KV_HEADS, TINY_HIDDEN // TINY_HEADS, TINY_FFN)
     finish(writer)
     return path
