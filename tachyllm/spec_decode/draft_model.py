@@ -38,8 +38,8 @@ from tachyllm.runner import kv_cache
 from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler, greedy_tokens
-from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.spec_decode.proposer import Draft, Proposer
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
 
 logger = logging.getLogger("tachyllm")
