@@ -31,7 +31,8 @@ class CpuMetadata(AttentionMetadata):
 
 
 class CpuMetadataBuilder(MetadataBuilder):
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, CpuMetadata]:
+    def prepare(self, batch: StepBatch, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, CpuMetadata]:
+        assert pad_to is None, "the cpu backend is not graph_capturable: nothing pads its steps"
         input_ids, positions, slot_mapping = self.token_inputs(batch)
         info, tables, row = [], [], 0
         for s in batch.seqs:

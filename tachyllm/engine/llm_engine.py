@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,7 +33,11 @@ from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.structured_output.compiler import ConstraintLimits
+
+if TYPE_CHECKING:  # imported where used: torch.distributed only when tensor parallelism is on
+    from tachyllm.distributed.executor import TensorParallelExecutor
 
 logger = logging.getLogger("tachyllm")
 
@@ -92,7 +97,7 @@ class LLMEngine:
         self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.backend = create_backend(config.backend, self.device)
-        self.executor = None  # the tensor-parallel group, when there is one
+        self.executor: TensorParallelExecutor | None = None  # the tensor-parallel group, when there is one
         # Why the engine can no longer serve (a dead tensor-parallel worker, inconsistent KV
         # bookkeeping), or None: it then refuses every request and must be restarted.
         self.failure: EngineCorruptedError | None = None
@@ -128,7 +133,9 @@ class LLMEngine:
 
         kv_dtype = KV_STORAGE.get(config.kv_cache_dtype, self.dtype)
         # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
-        limits = (config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        max_batched = config.max_num_batched_tokens
+        assert max_batched is not None, "EngineConfig.__post_init__ sets it"
+        limits = (config.max_num_seqs, max_batched, self.max_model_len)
         wanted = kv_cache.wanted_bytes(rank_config, config.block_size, kv_dtype, *limits)
         graph_queries = self._graph_query_counts()
         max_blocks = -(-self.max_model_len // config.block_size)  # a sequence's longest block table
@@ -186,14 +193,14 @@ class LLMEngine:
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
         self.input_processor = InputProcessor(self.tokenizer, InputLimits(
-            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, config.max_num_batched_tokens,
+            mc.vocab_size, self.max_model_len, num_blocks, config.block_size, max_batched,
             config.enable_chunked_prefill, mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
         ), eos, ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout))  # fmt: skip
         self.eos_token_ids = eos
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
-            config.max_num_batched_tokens,
+            max_batched,
             config.enable_chunked_prefill,
             self.stats,
             config.max_decode_slowdown,
@@ -204,7 +211,7 @@ class LLMEngine:
         sampler = Sampler(mc.vocab_size, eos, self.device, config.seed)
         if self.executor is not None:
             self.executor.start(caches, num_blocks, config.block_size, sampler)
-            self.runner = self.executor
+            self.runner: ModelRunner | TensorParallelExecutor = self.executor
         else:
             self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
             if graph_queries:
@@ -241,7 +248,10 @@ class LLMEngine:
             logger.info("CUDA graphs off: the model's sliding-window layers are not captured yet")
             return None
         spec = self.config.speculative_config
-        return (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)
+        if spec is None:
+            return (1,)
+        assert isinstance(spec, SpeculativeConfig), "EngineConfig.__post_init__ parses speculative_config"
+        return (1, 1 + spec.num_speculative_tokens)
 
     def shutdown(self) -> None:
         """Stops the engine's worker processes (tensor parallelism); idempotent, a no-op without them."""
@@ -480,7 +490,9 @@ class LLMEngine:
         "error" (even one that had just finished with "stop" or "length")."""
         message = f"the engine failed while running this request ({type(error).__name__}: {error})"
         try:
-            return self.output_processor.make_output(req.request_id, error=message)
+            output = self.output_processor.make_output(req.request_id, error=message)
+            assert output is not None, "with an error every sample has finished: there is a final output"
+            return output
         except Exception:  # its output state is broken too: report the failure without its text
             logger.exception("request %s: its text could not be recovered", req.request_id)
             self.output_processor.remove_request(req.request_id)
