@@ -97,7 +97,8 @@ class RequestStream:
 
     def _add_up_waiting(self, first: RequestOutput) -> RequestOutput | BaseException:
         """`first` and the outputs queued behind it as one; an error among them wins (it ends the request)."""
-        total, latest = DeltaAccumulator(), first
+        total = DeltaAccumulator()
+        latest: RequestOutput | BaseException = first
         total.add(first)
         while not self._queue.empty():
             latest = self._queue.get_nowait()
