@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tachyllm.engine.input_processor import Prompt
+from tachyllm.engine.input_processor import ProcessedRequest, Prompt
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import QueueFullError, RequestStream
@@ -29,7 +29,9 @@ async def start_requests(
         )
     try:
         processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
-        requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
+        requests: list[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]] = [
+            (f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)
+        ]
         return await model.engine.add_requests(requests, max_queued=limit)
     except QueueFullError as e:
         raise APIError(

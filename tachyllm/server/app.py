@@ -67,9 +67,9 @@ def assemble_app(state: ServerState, args: argparse.Namespace) -> FastAPI:
     app.state.server = state
     # A proxy's path prefix (as vLLM sets it; FastAPI's constructor argument for it is deprecated).
     app.root_path = args.root_path
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(EngineDeadError, on_engine_dead)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]  # Starlette types handlers over Exception
+    app.add_exception_handler(EngineDeadError, on_engine_dead)  # type: ignore[arg-type]  # Starlette types handlers over Exception
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]  # Starlette types handlers over Exception
     app.add_exception_handler(Exception, on_bug)
 
     app.include_router(service.router)
@@ -121,7 +121,7 @@ async def on_http_error(request: Request, e: StarletteHTTPException) -> Response
     error = APIError(
         e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"
     )
-    return json_response(error.body, error.status, e.headers)
+    return json_response(error.body, error.status, dict(e.headers) if e.headers is not None else None)
 
 
 async def on_bug(request: Request, e: Exception) -> Response:

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.host_malloc import use_one_arena
@@ -118,7 +119,7 @@ class RequestStream:
 @dataclass
 class _Add:
     stream: RequestStream
-    prompt: str | list[int]
+    prompt: str | list[int] | ProcessedRequest
     params: SamplingParams
     arrival_time: float
     priority: int
@@ -237,7 +238,7 @@ class AsyncEngine:
 
     async def add_requests(
         self,
-        requests: list[tuple[str, str | list[int], SamplingParams]],
+        requests: list[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
         max_queued: int | None = None,
         priority: int = 0,
     ) -> list[RequestStream]:

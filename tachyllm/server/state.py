@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
-from tachyllm.engine.input_processor import InputProcessor, Prompt
+from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from tachyllm.loading import Tokenizer
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.server.async_engine import EngineDeadError, RequestStream
@@ -48,7 +48,9 @@ class EngineClient(Protocol):
     error: BaseException | None
 
     async def add_requests(
-        self, requests: list[tuple[str, str | list[int], SamplingParams]], max_queued: int | None = None
+        self,
+        requests: list[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
+        max_queued: int | None = None,
     ) -> list[RequestStream]: ...
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -80,6 +81,7 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     choices = []
     for c in out.outputs:
         reason, message = finish_reason(out, c, constraint_param(body)), p.AssistantMessage(content=c.text)
+        assert reason is not None, "finish_reason of a final output"
         if plan is not None:
             content, calls, reason = plan.answer(c.text, reason)
             message = p.AssistantMessage(content=content, tool_calls=tool_calls(calls) or None)
@@ -132,7 +134,8 @@ async def chat_events(
                 logprobs = None
                 if top_logprobs is not None:
                     logprobs = chat_logprobs(update.choice, 0, top_logprobs)
-                text, reason, calls = update.text, update.finish_reason, []
+                text, reason = update.text, update.finish_reason
+                calls: list[ToolCall] = []
                 if reason is not None:
                     num_output_tokens += update.progress.num_tokens
                 if tool_streams is not None:
@@ -152,7 +155,7 @@ async def chat_events(
                     )
                     for k, c in enumerate(calls)
                 ]
-                role = None if started[update.index] else "assistant"
+                role: Literal["assistant"] | None = None if started[update.index] else "assistant"
                 started[update.index] = True
                 choice = p.ChatChunkChoice(
                     index=update.index,

@@ -81,6 +81,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for c in out.outputs:
             reason = finish_reason(out, c, constraint_param(body))
             if echo_only(body):
+                assert echo is not None, "echo_only needs echo"
                 choice = echo_choice(body, echo, out, i * n + c.index, "length")
             else:
                 choice = generated_choice(body, echo, out, c, i * n + c.index, reason)
@@ -168,15 +169,16 @@ async def completion_events(
     try:
         num_output_tokens = 0
         async for i, out in merged(streams):
-            if held[i] is not None:
-                held[i].add(out)
+            if (accumulated := held[i]) is not None:
+                accumulated.add(out)
                 if echo_only(body):
                     ready = out.finished
                 else:
                     ready = out.finished or body.logprobs is None or out.prompt_logprobs is not None
                 if not ready:
                     continue
-                out, held[i] = held[i].result(), None
+                out, held[i] = accumulated.result(), None
+                assert echoes is not None, "held outputs wait for their echoed prompt"
                 for c in out.outputs:
                     reason = None
                     if echo_only(body):
