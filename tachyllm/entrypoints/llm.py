@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -144,7 +144,9 @@ class LLM:
         (assistant) message instead of starting a new turn; `chat_template_kwargs` are template
         variables (e.g. {"enable_thinking": False}). A conversation the template refuses raises
         RequestError before anything runs."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            list[list[dict[str, Any]]], [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         template = read_chat_template(chat_template) if chat_template is not None else None
         processor = self.engine.input_processor
         prompts: list[Prompt] = [
@@ -184,5 +186,5 @@ def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    return list(prompts)
+        return [cast(list[int], list(prompts))]  # one prompt given as token ids
+    return list(cast(list[Prompt], prompts))

@@ -51,9 +51,14 @@ class TensorShard(Protocol):
     loaded is the shard's, and its quantized layers must hold exactly the whole model's groups and
     blocks for those rows and columns."""
 
-    full: ModelConfig
-    size: int
-    vocab_per_rank: int
+    @property
+    def full(self) -> ModelConfig: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def vocab_per_rank(self) -> int: ...
 
     def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None: ...
 

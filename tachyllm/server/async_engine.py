@@ -230,7 +230,7 @@ class AsyncEngine:
         self._listeners.append(listener)
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: str | list[int] | ProcessedRequest, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Queues a request and waits until the engine took it (at most one step): raises
         RequestError when the engine refuses it, so callers can answer 400 before streaming."""
