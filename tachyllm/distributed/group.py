@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ COLLECTIVE_TIMEOUT_S = 120.0
 class TPGroup:
     rank: int
     size: int
-    pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo
+    pg: Any  # a ProcessGroupNCCL or ProcessGroupGloo: torch's stubs type collectives on ProcessGroup only
     shm: ShmAllReduce | None = None
 
     @classmethod

@@ -97,10 +97,9 @@ def build(
         # on the CPU, dequantize elsewhere).
         codes, scales, mins = (t.to(device) for t in (weight.codes, weight.scales, weight.mins))
         on_device = Int4Weight(codes, scales, mins, block)
-        module: nn.Module = Int4Linear(
-            on_device, bias, kernels=kernels if device.type == "cpu" else None, matmul=matmul
-        )
-        rounding = _fp16_rounding(weight.scales, 15, weight.mins) if module.kernel == "blocks" else 0.0
+        int4 = Int4Linear(on_device, bias, kernels=kernels if device.type == "cpu" else None, matmul=matmul)
+        module: nn.Module = int4
+        rounding = _fp16_rounding(weight.scales, 15, weight.mins) if int4.kernel == "blocks" else 0.0
     else:
         if any(bool((p.zeros != 128).any()) for p in ordered):
             return Built(None, "8-bit with zero points (the Q8_0 kernel has no min term)")

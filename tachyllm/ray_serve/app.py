@@ -83,7 +83,10 @@ def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: a
 class Ingress:
     """The HTTP front: tachyllm's routes over one RemoteEngine per model."""
 
-    async def __init__(self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace):
+    # Ray Serve awaits an async constructor.
+    async def __init__(  # type: ignore[misc]
+        self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace
+    ):
         serve_grpc_on_node_ip()
         names = list(engines)
         infos = await asyncio.gather(*(engines[name].describe.remote() for name in names))

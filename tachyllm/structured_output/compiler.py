@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -27,10 +28,13 @@ from tachyllm.sampling_params import StructuredOutputsParams
 from tachyllm.structured_output.grammar import Grammar, clean_error
 from tachyllm.structured_output.json_schema import without_undeclared_keys
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in llguidance's stubs only
+
 CACHE_SIZE = 256  # compiled constraints (and refused ones) kept, least recently used dropped first
 # JSON as models write it ({"a": 1, "b": [2, 3]}), with no free whitespace: a model cannot spend
 # its tokens on blank lines inside an object.
-JSON_OPTIONS: llguidance.JsonCompileOptions = {
+JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",
