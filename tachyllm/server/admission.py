@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from tachyllm.engine.input_processor import ProcessedRequest, Prompt
+from collections.abc import Sequence
+
+from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import QueueFullError, RequestStream
+from tachyllm.server.async_engine import OutputStream, QueueFullError
 from tachyllm.server.errors import APIError, bad_request
 from tachyllm.server.state import ServedModel, ServerState
 
@@ -17,7 +19,7 @@ async def start_requests(
     prompts: list[Prompt],
     params: list[SamplingParams],
     prompt_param: str,
-) -> list[RequestStream]:
+) -> Sequence[OutputStream]:
     """Admits one engine request per prompt, all or none, while the queue has room for them all. The
     InputProcessor checks them here, once: the engine queues the processed requests as they are."""
     state.check_not_draining()
@@ -29,9 +31,7 @@ async def start_requests(
         )
     try:
         processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
-        requests: list[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]] = [
-            (f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)
-        ]
+        requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
         return await model.engine.add_requests(requests, max_queued=limit)
     except QueueFullError as e:
         raise APIError(

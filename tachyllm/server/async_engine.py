@@ -22,8 +22,9 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
@@ -59,6 +60,16 @@ class QueueFullError(TachyError):
         super().__init__(f"{num_queued} requests are waiting to start (limit {limit})")
         self.num_queued = num_queued
         self.limit = limit
+
+
+class OutputStream(Protocol):
+    """What the routes use of a request's outputs: a RequestStream, or ray_serve's RemoteStream."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def close(self) -> None: ...
 
 
 class RequestStream:
@@ -238,7 +249,7 @@ class AsyncEngine:
 
     async def add_requests(
         self,
-        requests: list[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
+        requests: Sequence[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
         max_queued: int | None = None,
         priority: int = 0,
     ) -> list[RequestStream]:

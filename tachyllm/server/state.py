@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -15,7 +15,7 @@ from fastapi import Request
 from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from tachyllm.loading import Tokenizer
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import EngineDeadError, RequestStream
+from tachyllm.server.async_engine import EngineDeadError, OutputStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.metrics import merge_expositions
 from tachyllm.server.tools import tool_format
@@ -36,7 +36,7 @@ class RequestLimits:
 class EngineClient(Protocol):
     """What the routes use of an engine: an AsyncEngine in this process, or ray_serve's RemoteEngine
     over a deployment's replicas. Its add_requests returns streams that iterate like RequestStream
-    (outputs, then the end or an exception) and close() like it."""
+    (outputs, then the end or an exception) and close() like it: OutputStreams."""
 
     tokenizer: Tokenizer
     model_name: str
@@ -49,9 +49,9 @@ class EngineClient(Protocol):
 
     async def add_requests(
         self,
-        requests: list[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
+        requests: list[tuple[str, ProcessedRequest, SamplingParams]],
         max_queued: int | None = None,
-    ) -> list[RequestStream]: ...
+    ) -> Sequence[OutputStream]: ...
 
     @property
     def is_running(self) -> bool: ...

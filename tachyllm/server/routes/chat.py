@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
-from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
 from tachyllm.server.parsing import parse_generation_request
@@ -108,7 +108,7 @@ async def chat_events(
     body: p.ChatCompletionRequest,
     request_id: str,
     prompt: Prompt,
-    streams: list[RequestStream],
+    streams: Sequence[OutputStream],
     plan: ToolPlan | None,
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
@@ -16,7 +16,7 @@ from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
-from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
 from tachyllm.server.parsing import parse_generation_request
@@ -151,7 +151,7 @@ async def completion_events(
     request_id: str,
     prompts: list[Prompt],
     echoes: list[Echo] | None,
-    streams: list[RequestStream],
+    streams: Sequence[OutputStream],
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
     progress = [ChoiceProgress() for _ in range(len(prompts) * n)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -24,7 +24,7 @@ from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
-from tachyllm.server.async_engine import EngineDeadError, RequestStream
+from tachyllm.server.async_engine import EngineDeadError, OutputStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
@@ -323,7 +323,7 @@ async def response_events(
     engine: EngineClient,
     response: p.ResponseObject,
     prompt: Prompt,
-    streams: list[RequestStream],
+    streams: Sequence[OutputStream],
     plan: ToolPlan | None,
     top_logprobs: int | None,
     constraint_param: str,
