@@ -29,12 +29,13 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"; tests=$$?; $(MAKE) --no-print-directory lint && exit $$tests
 
 # Every check runs even when one fails. The import layers: [tool.importlinter] in pyproject.toml
-# (no cache: it would be written into the checkout). The docs rule and docs/options.md: CONTRIBUTING.md.
+# (no cache: it would be written into the checkout). The types: [tool.mypy]. The docs rule and docs/options.md: CONTRIBUTING.md.
 lint: $(STAMP)
 	status=0; \
 	$(VENV)/bin/ruff check . || status=1; \
 	$(VENV)/bin/ruff format --check . || status=1; \
 	$(VENV)/bin/lint-imports --no-cache || status=1; \
+	$(VENV)/bin/mypy || status=1; \
 	$(VENV)/bin/clang-format --dry-run --Werror tachyllm/kernels/csrc/*.cpp tachyllm/kernels/csrc/*.h || status=1; \
 	$(VENV)/bin/shellcheck -x benchmarks/*.sh benchmarks/competitors/*.sh || status=1; \
 	$(PY) scripts/check_docs_rules.py || status=1; \

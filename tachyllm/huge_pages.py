@@ -22,7 +22,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -58,6 +58,7 @@ def _module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     weights some layers keep outside both), also inside a list, tuple or dict attribute."""
     for module in model.modules():
         for value in vars(module).values():
+            values: Iterable[object]
             if isinstance(value, dict):
                 values = value.values()
             elif isinstance(value, (list, tuple)):

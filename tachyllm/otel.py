@@ -136,11 +136,11 @@ def otlp_exporter(endpoint: str):
 
             return OTLPSpanExporter(endpoint=endpoint)
         if protocol == "http/protobuf":
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HTTPSpanExporter
 
             if not urlsplit(endpoint).path.rstrip("/").endswith("/v1/traces"):
                 endpoint = endpoint.rstrip("/") + "/v1/traces"
-            return OTLPSpanExporter(endpoint=endpoint)
+            return HTTPSpanExporter(endpoint=endpoint)
     except ImportError as e:
         raise ConfigError(
             f"--otlp-traces-endpoint needs the OTLP exporter ({e.name} is missing): {TRACING_EXTRA}"
@@ -162,7 +162,8 @@ class RequestTracer:
         self._dropped = 0
         tracer = self
 
-        class CountingExporter(SpanExporter):
+        # The SDK is an optional extra, imported when a tracer is made: its classes are values here.
+        class CountingExporter(SpanExporter):  # type: ignore[misc, valid-type]
             """Counts what the real exporter could not deliver (a collector down, slow or refusing)."""
 
             def __init__(self, inner) -> None:
@@ -186,7 +187,7 @@ class RequestTracer:
             def force_flush(self, timeout_millis: int = 30000) -> bool:
                 return self.inner.force_flush(timeout_millis)
 
-        class BoundedQueue(SpanProcessor):
+        class BoundedQueue(SpanProcessor):  # type: ignore[misc, valid-type]
             """Ended spans go to the batch processor while fewer than MAX_QUEUED_SPANS wait; the rest are
             dropped and counted (the batch processor's own drops would go uncounted)."""
 

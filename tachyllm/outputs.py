@@ -149,6 +149,7 @@ class DeltaAccumulator:
 
     def result(self) -> RequestOutput:
         out = self._out
+        assert out is not None, "result() follows at least one add()"
         for c in out.outputs:
             parts = self._texts[c.index]
             c.text = parts[0] if len(parts) == 1 else "".join(parts)

@@ -67,8 +67,8 @@ def cgroup_cpu_quota() -> float | None:
         v1q, v1p = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
         if v1q and v1p:
             limits.append(_quota(v1q, v1p))
-    limits = [q for q in limits if q is not None]
-    return min(limits) if limits else None
+    known = [q for q in limits if q is not None]
+    return min(known) if known else None
 
 
 def available_cpus() -> int:

@@ -67,7 +67,7 @@ class StructuredOutputsParams:
         if kind == "json_object":
             return kind, ""
         if kind == "choice":
-            return kind, json.dumps(list(self.choice))
+            return kind, json.dumps(list(self.choice or ()))
         if kind == "json" and isinstance(self.json, dict):
             return kind, json.dumps(self.json)  # key order kept: the grammar writes properties in it
         return kind, getattr(self, kind)
@@ -195,7 +195,7 @@ class SamplingParams:
 
     def token_ids_at_or_above(self, vocab_size: int) -> list[tuple[str, int]]:
         """(field, id) of every token id these params name that a vocabulary of vocab_size lacks."""
-        named = [("stop_token_ids", t) for t in self.stop_token_ids]
+        named = [("stop_token_ids", t) for t in self.stop_token_ids or ()]
         named += [("logit_bias", t) for t in self.logit_bias or {}]
         named += [("allowed_token_ids", t) for t in self.allowed_token_ids or []]
         return [(name, t) for name, t in named if t >= vocab_size]

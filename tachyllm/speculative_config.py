@@ -99,7 +99,7 @@ class SpeculativeConfig:
             if not is_int(self.draft_vocab_size) or self.draft_vocab_size < 1:
                 raise ConfigError(f"draft_vocab_size must be an integer >= 1, got {self.draft_vocab_size!r}")
         if self.quantization is not None:
-            if self.method != "draft_model" or self.model.startswith("self:"):
+            if self.method != "draft_model" or (self.model or "").startswith("self:"):
                 raise ConfigError(
                     "speculative_config 'quantization' applies to a draft model file, not to "
                     f"{self.model if self.method == 'draft_model' else self.method!r}"

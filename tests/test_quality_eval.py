@@ -8,6 +8,7 @@ import pytest
 
 from tachyllm.config import EngineConfig
 from tachyllm.entrypoints.cli import main
+from tachyllm.errors import ConfigError
 from tachyllm.eval.quality import compare, eval_engine, format_report, heldout_windows, sequence_logprobs
 from tachyllm.quantization.calibration import CALIBRATION_FILE, HELDOUT_FILE, load_text
 
@@ -18,6 +19,13 @@ def test_shipped_text_sets_are_disjoint_and_sizable():
     assert "```python" in heldout  # code as well as prose
     paragraphs = {p for p in calibration.split("\n\n") if len(p) > 80}
     assert not any(p in heldout for p in paragraphs)
+
+
+def test_tensor_parallel_engine_is_refused_before_it_starts(tiny_model_factory):
+    # The eval scores windows through rank 0's runner alone; a tensor-parallel engine has none to lend.
+    path = str(tiny_model_factory("llama"))
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be 1, got 2"):
+        eval_engine(EngineConfig(model=path, threads=1, tensor_parallel_size=2), 32)
 
 
 def test_engine_compared_with_itself_is_identical(tiny_model_factory):

@@ -104,8 +104,8 @@ PORTABLE_OPS = LayerOps()
 class MetadataBuilder(ABC):
     """Belongs to one model runner (one KV cache): prepares each of its steps.
 
-    A builder that takes `prepare(batch, pad_to=n)` pads a decode-only step to n sequences (the
-    padding rows' outputs are dropped); see Backend.graph_capturable."""
+    A graph_capturable backend's builder takes `prepare(batch, pad_to=n)`: it pads a decode-only step
+    to n sequences (the padding rows' outputs are dropped); see Backend.graph_capturable."""
 
     def __init__(self, backend: Backend, kv_caches: list[LayerKV], block_size: int):
         self.backend = backend
@@ -114,7 +114,9 @@ class MetadataBuilder(ABC):
         self.device = backend.device
 
     @abstractmethod
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(
+        self, batch: StepBatch, pad_to: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids, positions, metadata) of the step; reads only the batch."""
 
     def allocate_graph_buffers(self, max_num_seqs: int, max_blocks: int, queries_per_seq: int = 1) -> object:
@@ -211,14 +213,16 @@ class Backend(ABC):
         quantized storage type and each is a QuantizedKV."""
         sliding = [i for i in range(cfg.num_layers) if window_blocks and i in cfg.sliding_layers]
         full = [i for i in range(cfg.num_layers) if i not in sliding]
-        caches: list[LayerKV] = [None] * cfg.num_layers
+        by_layer: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * cfg.num_layers
         for layers, blocks in ((full, num_blocks), (sliding, window_blocks)):
             if layers:
                 storage = self._zeroed((len(layers), 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim), dtype)
                 for j, layer in enumerate(layers):
-                    caches[layer] = (storage[j, 0], storage[j, 1])
+                    by_layer[layer] = (storage[j, 0], storage[j, 1])
+        caches = [kv for kv in by_layer if kv is not None]
+        assert len(caches) == cfg.num_layers, "every layer is a full-attention or a sliding one"
         if scales is None:
-            return caches
+            return list[LayerKV](caches)
         flat = (-1, cfg.num_kv_heads, cfg.head_dim)
         return [
             (

@@ -31,7 +31,8 @@ class CpuMetadata(AttentionMetadata):
 
 
 class CpuMetadataBuilder(MetadataBuilder):
-    def prepare(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, CpuMetadata]:
+    def prepare(self, batch: StepBatch, pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, CpuMetadata]:
+        assert pad_to is None, "the cpu backend is not graph_capturable: nothing pads its steps"
         input_ids, positions, slot_mapping = self.token_inputs(batch)
         info, tables, row = [], [], 0
         for s in batch.seqs:
@@ -47,7 +48,7 @@ class CpuMetadataBuilder(MetadataBuilder):
             block_tables=_padded(tables),
         )
         if batch.seqs[0].window_block_table is not None:
-            window_tables = [s.window_block_table for s in batch.seqs]
+            window_tables = [s.window_block_table or [] for s in batch.seqs]  # all have one when the first has
             meta.sliding = CpuMetadata(
                 backend=self.backend,
                 slot_mapping=self.slot_mapping(batch, window_tables),
@@ -68,7 +69,9 @@ def kernel_caches(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]]:
     """((K cache, K scales), (V cache, V scales)) as the C++ kernels take them; no scales for a plain cache."""
     if isinstance(k_cache, QuantizedKV):
+        assert isinstance(v_cache, QuantizedKV), "a layer's K and V are stored alike"
         return k_cache.kernel_args(), v_cache.kernel_args()
+    assert isinstance(v_cache, torch.Tensor), "a layer's K and V are stored alike"
     return (k_cache, None), (v_cache, None)
 
 
@@ -119,7 +122,9 @@ class CpuBackend(Backend):
 
     def __init__(self, device: torch.device):
         super().__init__(device)
-        self.kernels = native.native_ops()
+        kernels = native.native_ops()
+        assert kernels is not None, "create_backend checked unavailable_reason"
+        self.kernels = kernels
         self.ops = CpuLayerOps(self.kernels)
         self._write_kv = self.kernels.write_kv
         self._paged_attention = self.kernels.paged_attention
@@ -177,7 +182,7 @@ class CpuBackend(Backend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: LayerKV,
-        meta: CpuMetadata,
+        meta: CpuMetadata,  # type: ignore[override]  # a backend gets the metadata its own builder made
         scale: float,
         layer: int,
         window: int | None = None,

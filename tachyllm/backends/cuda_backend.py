@@ -126,7 +126,7 @@ class CudaMetadataBuilder(MetadataBuilder):
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         )
         if batch.seqs[0].window_block_table is not None:
-            window_tables = [s.window_block_table for s in batch.seqs]
+            window_tables = [s.window_block_table or [] for s in batch.seqs]  # all have one when the first has
             meta.sliding = CudaMetadata(
                 backend=self.backend,
                 slot_mapping=self.slot_mapping(batch, window_tables),
@@ -235,7 +235,7 @@ class CudaBackend(Backend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: LayerKV,
-        meta: CudaMetadata,
+        meta: CudaMetadata,  # type: ignore[override]  # a backend gets the metadata its own builder made
         scale: float,
         layer: int,
         window: int | None = None,

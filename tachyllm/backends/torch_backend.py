@@ -68,8 +68,10 @@ class TorchMetadata(AttentionMetadata):
         """(slots, bias) of the decodes' contexts: decode_slots / decode_bias, or with a window only the
         positions some query of the decode sees (made at the first layer that asks, then reused)."""
         if window is None:
+            assert self.decode_slots is not None and self.decode_bias is not None, "asked only of decodes"
             return self.decode_slots, self.decode_bias
         if window not in self._windowed:
+            assert self.decode_tables is not None and self.decode_starts is not None and self.decode_counts is not None
             slots, bias = decode_context(
                 self.decode_tables, self.decode_starts, self.decode_counts, self.decode_queries, self.block_size, window
             )
@@ -113,7 +115,7 @@ class TorchMetadataBuilder(MetadataBuilder):
             start, n = s.start, len(s.token_ids)
             if s.is_decode:
                 tables.append(s.block_table)
-                window_tables.append(s.window_block_table)
+                window_tables.append(s.window_block_table or [])  # all have one when the first has
                 starts.append(start)
                 counts.append(n)
             else:
@@ -128,7 +130,9 @@ class TorchMetadataBuilder(MetadataBuilder):
                         del self.chunk_buffers[s.seq_id]
                 prefills.append(span)
                 if windowed:  # the same chunk (and contiguous copy: its layers are disjoint), other slots
-                    slots = self._slots([s.window_block_table], start + n)[0].to(self.device) if read_back else None
+                    slots = (
+                        self._slots([s.window_block_table or []], start + n)[0].to(self.device) if read_back else None
+                    )
                     window_prefills.append(dataclasses.replace(span, context_slots=slots))
             offset += n
         meta = TorchMetadata(
@@ -139,7 +143,7 @@ class TorchMetadataBuilder(MetadataBuilder):
         if windowed:
             meta.sliding = TorchMetadata(
                 backend=self.backend,
-                slot_mapping=self.slot_mapping(batch, [s.window_block_table for s in batch.seqs]),
+                slot_mapping=self.slot_mapping(batch, [s.window_block_table or [] for s in batch.seqs]),
                 num_decode_tokens=meta.num_decode_tokens,
                 prefills=window_prefills,
             )
@@ -157,6 +161,7 @@ class TorchMetadataBuilder(MetadataBuilder):
         buffer = self.chunk_buffers.get(s.seq_id)
         if buffer is None or buffer.filled > s.start or buffer.kv.shape[3] < s.seq_len:
             k_cache = self.kv_caches[0][0]
+            assert isinstance(k_cache, torch.Tensor), "chunk buffers are off for quantized caches"
             layers, kv_heads, head_dim = len(self.kv_caches), k_cache.shape[2], k_cache.shape[3]
             kv = torch.empty(layers, 2, kv_heads, s.seq_len, head_dim, dtype=k_cache.dtype, device=self.device)
             buffer = self.chunk_buffers[s.seq_id] = _ChunkBuffer(kv)
@@ -237,7 +242,7 @@ class TorchBackend(Backend):
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: LayerKV,
-        meta: TorchMetadata,
+        meta: TorchMetadata,  # type: ignore[override]  # a backend gets the metadata its own builder made
         scale: float,
         layer: int,
         window: int | None = None,
@@ -273,6 +278,7 @@ def paged_attention(
         # The chunk's first key: the start of its first query's window.
         key_start = 0 if window is None else max(0, span.num_cached - window + 1)
         if span.buffer is not None:
+            assert isinstance(k_flat, torch.Tensor) and isinstance(v_flat, torch.Tensor), "off for quantized caches"
             kh, vh = _append_to_buffer(span, layer, k, v, k_flat, v_flat, key_start)
             kh, vh = kh[:, key_start:], vh[:, key_start:]
             out[span.start : span.end] = _causal_head_major(qs, kh, vh, span.num_cached, scale, window, key_start)
@@ -298,6 +304,7 @@ def _append_to_buffer(
     """Writes this chunk's K/V (and, the first time, the cached context from `key_start` on: a
     sliding-window layer's chunks never look before it) into the sequence's contiguous buffer;
     returns head-major views of its whole context."""
+    assert span.buffer is not None and span.context_slots is not None, "a span with a buffer reads back its context"
     kb, vb = span.buffer[layer, 0], span.buffer[layer, 1]
     end = span.num_cached + span.end - span.start
     begin = max(span.buffer_filled, key_start)

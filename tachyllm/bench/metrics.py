@@ -154,7 +154,7 @@ def compute_metrics(
     return BenchMetrics(
         completed=len(done),
         failed=len(failed),
-        errors=dict(Counter(r.error for r in failed)),
+        errors=dict(Counter(r.error or "" for r in failed)),  # a failed result has its error
         duration_s=duration,
         total_input_tokens=input_tokens,
         total_output_tokens=output_tokens,

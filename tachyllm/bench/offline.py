@@ -25,6 +25,7 @@ from tachyllm import LLM, SamplingParams
 from tachyllm.bench.datasets import random_token_ids, read_prompt_file, sample_lengths
 from tachyllm.bench.profile import format_profile, profile_decode
 from tachyllm.engine_args import engine_config
+from tachyllm.entrypoints.llm import Prompt
 from tachyllm.sampling_params import RequestOutputKind
 
 
@@ -77,7 +78,7 @@ def throughput_prompts(args: argparse.Namespace, llm: LLM) -> list[tuple[list[in
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     llm = make_llm(args)
     work = throughput_prompts(args, llm)
-    prompts = [{"prompt_token_ids": ids} for ids, _ in work]
+    prompts: list[Prompt] = [{"prompt_token_ids": ids} for ids, _ in work]
     # ignore_eos: every request produces exactly the asked-for tokens, so runs are comparable.
     params = [SamplingParams(temperature=1.0, max_tokens=out, ignore_eos=True) for _, out in work]
     start = time.perf_counter()

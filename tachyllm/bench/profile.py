@@ -294,8 +294,8 @@ def analyze(events, num_steps: int, device_activity: bool = False) -> StepProfil
 
     per_step = 1e-3 / num_steps  # us in all -> ms per step
     step_ms = step_us * per_step
-    top = sorted(self_us, key=self_us.get, reverse=True)[:TOP_OPS]
-    top_device = sorted(device_us, key=device_us.get, reverse=True)[:TOP_OPS]
+    top = sorted(self_us, key=lambda op: self_us[op], reverse=True)[:TOP_OPS]
+    top_device = sorted(device_us, key=lambda op: device_us[op], reverse=True)[:TOP_OPS]
     return StepProfile(
         num_steps=num_steps,
         step_ms=step_ms,

@@ -129,7 +129,9 @@ class BlockPool:
             if block.hash is None:
                 self.free.move_to_end(block_id, last=False)
 
-    def register(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: tuple[int, int] | None):
+    def register(
+        self, block: Block, block_hash: bytes, token_ids: tuple[int, ...], parent: tuple[int, int] | None
+    ) -> None:
         block.hash, block.token_ids, block.parent = block_hash, token_ids, parent
         self.cached[block_hash] = block.block_id
         if self.events is not None:
@@ -227,6 +229,7 @@ class BlockManager:
 
     def _window_start(self, position: int) -> int:
         """The first block that a query at `position` or later reads in a sliding-window layer."""
+        assert self.window is not None, "only a manager with a window pool has window layers"
         return max(0, position - self.window + 1) // self.block_size
 
     def match_prefix(self, seq: Sequence, max_blocks: int | None = None) -> list[int]:
@@ -261,6 +264,7 @@ class BlockManager:
         """The window pool's cached block i of seq's prefix, computed with the full-attention block hit[i]."""
         bs = self.block_size
         tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        assert self.window_pool is not None, "only a manager with a window pool looks up window blocks"
         block = self.window_pool.lookup(seq.block_hashes[i], tokens, self.pool.blocks[hit[i]].identity())
         return None if block is None else block.block_id
 
@@ -288,14 +292,13 @@ class BlockManager:
         num_new_blocks = cdiv(seq.num_computed_tokens + len(prefix_blocks) * bs + num_new_tokens, bs) - len(
             prefix_blocks
         )
-        window_prefix = []
+        window_prefix: list[int] = []
         if self.window_pool:
             # The prefix's blocks before its last window are not held: their entries are NULL_BLOCK.
             first = self._window_start(len(prefix_blocks) * bs)
-            window_prefix = [NULL_BLOCK] * first + [
-                self._window_lookup(seq, prefix_blocks, i) for i in range(first, len(prefix_blocks))
-            ]
-            assert None not in window_prefix, "prefix_blocks is not a match_prefix hit"
+            held = [self._window_lookup(seq, prefix_blocks, i) for i in range(first, len(prefix_blocks))]
+            window_prefix = [NULL_BLOCK] * first + [block_id for block_id in held if block_id is not None]
+            assert len(window_prefix) == len(prefix_blocks), "prefix_blocks is not a match_prefix hit"
             if not _has_room(self.window_pool, window_prefix[first:], num_new_blocks):
                 return False
         if not _has_room(self.pool, prefix_blocks, num_new_blocks):
@@ -321,6 +324,7 @@ class BlockManager:
             self.pool.release(block_id)
         for block_id in reversed(seq.window_block_table):
             if block_id != NULL_BLOCK:
+                assert self.window_pool is not None, "a window block table's blocks come from the window pool"
                 self.window_pool.release(block_id)
         seq.block_table = []
         seq.window_block_table = []
@@ -332,6 +336,7 @@ class BlockManager:
         keep = max(cdiv(num_tokens, self.block_size), seq.num_cached_blocks)
         for pool, table in ((self.pool, seq.block_table), (self.window_pool, seq.window_block_table)):
             while len(table) > keep:
+                assert pool is not None, "a window block table's blocks come from the window pool"
                 block = pool.blocks[table.pop()]
                 assert block.ref_count == 1 and block.hash is None, f"trimmed block {block.block_id} is shared"
                 pool.release(block.block_id)

@@ -78,6 +78,7 @@ def _prompt_logprobs_input(seq: Sequence, start: int, num_real: int) -> PromptLo
     logprob is not known yet: every prompt position but the last predicts the next prompt token."""
     if not seq.needs_prompt_logprobs:
         return None
+    assert seq.params.prompt_logprobs is not None, "needs_prompt_logprobs checked it"
     first = max(start, len(seq.request.prompt_logprobs))
     end = min(start + num_real, seq.num_prompt_tokens - 1)
     if first >= end:
@@ -245,16 +246,23 @@ class Scheduler:
 
     def _fill_bitmasks(self, planned: list[_Planned], seqs: list[ScheduledSeq]) -> None:
         """The allowed tokens of every position a constrained sequence samples this step, all at once."""
-        constrained = [(p, s) for p, s in zip(planned, seqs) if s.sampling is not None and p.seq.grammar is not None]
+        constrained = [
+            (p, grammar, sampling)
+            for p, s in zip(planned, seqs)
+            if (sampling := s.sampling) is not None and (grammar := p.seq.grammar) is not None
+        ]
         if not constrained:
             return
         if self._bitmasks is None:
-            self._bitmasks = BitmaskFiller(constrained[0][0].seq.grammar.vocab_size)
+            self._bitmasks = BitmaskFiller(constrained[0][1].vocab_size)
         masks = self._bitmasks.fill(
-            [(p.seq.grammar, p.spec_token_ids[: p.num_valid_drafts], 1 + len(p.spec_token_ids)) for p, _ in constrained]
+            [
+                (grammar, p.spec_token_ids[: p.num_valid_drafts], 1 + len(p.spec_token_ids))
+                for p, grammar, _ in constrained
+            ]
         )
-        for (_, s), mask in zip(constrained, masks):
-            s.sampling.token_bitmask = mask
+        for (_, _, sampling), mask in zip(constrained, masks):
+            sampling.token_bitmask = mask
 
     def in_flight(self) -> list[Sequence]:
         """The sequences of the last batch that schedule() returned."""
@@ -319,7 +327,7 @@ class Scheduler:
         can_stop = n_out >= params.min_tokens
         if can_stop and not params.ignore_eos and token in self.eos_token_ids:
             self.finish(seq, "stop", token)
-        elif can_stop and token in params.stop_token_ids:
+        elif can_stop and token in (params.stop_token_ids or ()):
             self.finish(seq, "stop", token)
         elif n_out >= params.max_tokens or (self.max_model_len is not None and seq.num_tokens >= self.max_model_len):
             self.finish(seq, "length")
@@ -329,12 +337,14 @@ class Scheduler:
         grammar is complete ("stop", before any length limit the same token reached) or has failed
         ("rejected", the reason in stop_reason)."""
         grammar = seq.grammar
+        constraint = seq.params.structured_outputs
+        assert grammar is not None and constraint is not None, "only a constrained sequence has a grammar"
         # The masks allow only grammatical tokens; a matcher can still fail on its own limits (then
         # only EOS was allowed): an output cut short must not pass for a complete one. Such a failure is
         # the constraint's (GrammarCompiler finds most at compile time), so the request is rejected, every
         # sample of it: they share the constraint.
         if not grammar.accept(token) or grammar.error:
-            kind = seq.params.structured_outputs.kind
+            kind = constraint.kind
             reason = grammar.error or f"token {token} outside the grammar"
             message = f"structured outputs ({kind}): at output token {seq.num_output_tokens}: {reason}"
             for sample in seq.request.seqs:
@@ -359,9 +369,11 @@ class Scheduler:
             self.finish(seq, "stop", stop)
             return
         reasons = self.stats.finished_reasons
-        reasons[seq.finish_reason] -= 1
-        if not reasons[seq.finish_reason]:
-            del reasons[seq.finish_reason]
+        finished_as = seq.finish_reason
+        assert finished_as is not None, "a finished sequence has a finish reason"
+        reasons[finished_as] -= 1
+        if not reasons[finished_as]:
+            del reasons[finished_as]
         reasons["stop"] = reasons.get("stop", 0) + 1
         seq.finish_reason, seq.stop_reason = "stop", stop
 
@@ -382,7 +394,9 @@ class Scheduler:
         start = seq.num_computed_tokens if start is None else start
 
         def fits(n: int) -> bool:
-            return cost.predict(shape + StepShape.of(start, n)) <= limit
+            seconds = cost.predict(shape + StepShape.of(start, n))
+            assert seconds is not None, "the model predicted `alone`: it is fitted"
+            return seconds <= limit
 
         if fits(num_new):
             return num_new

@@ -89,6 +89,7 @@ class CostBySize:
         below = max((p for p in self.points.values() if p[0] <= size), default=None)
         above = min((p for p in self.points.values() if p[0] >= size), default=None)
         if below is None:
+            assert above is not None, "self.points is not empty"
             return above[1] if high else above[1] * size / above[0]
         if above is None:
             return below[1] * size / below[0] if high else below[1]
@@ -153,5 +154,6 @@ def _nonnegative_fit(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
         solution[active] = np.linalg.lstsq(x[:, active], seconds, rcond=None)[0]
         negative = [i for i in active if solution[i] < 0]
         if not negative:
-            return solution / np.concatenate([[1.0], scale])
+            unscaled: np.ndarray = solution / np.concatenate([[1.0], scale])
+            return unscaled
         active.remove(min(negative, key=lambda i: solution[i]))

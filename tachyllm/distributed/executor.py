@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass, replace
 from functools import partial
 from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from tachyllm.loading import Checkpoint
 from tachyllm.platform import default_threads
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
@@ -61,7 +63,7 @@ NUMA_ROOT = Path("/sys/devices/system/node")
 @dataclass(eq=False)
 class _Worker:
     rank: int
-    process: mp.Process
+    process: BaseProcess
     conn: Connection
 
 
@@ -133,6 +135,7 @@ class TensorParallelExecutor:
         try:
             for w in self.workers:
                 w.conn.send(message)
+            assert self.runner is not None, "start() made rank 0's runner"
             return self.runner.execute(batch)
         except Exception as exc:
             # The ranks may be out of step now (one left a collective the others wait in): stop them all.
@@ -227,6 +230,7 @@ def _create_shm(config: EngineConfig, ckpt: Checkpoint, path: str) -> bool:
     tp_all_reduce is gloo. Where it cannot be had, asked for it fails the start, else gloo sums."""
     if config.device.startswith("cuda") or config.tp_all_reduce == "gloo":
         return False
+    assert config.max_num_batched_tokens is not None, "EngineConfig.__post_init__ sets it"
     largest = config.max_num_batched_tokens * ckpt.config.hidden_size * config.resolve_dtype().itemsize
     try:
         shm_allreduce.create(path, config.tensor_parallel_size, largest)
@@ -271,7 +275,7 @@ def check_supported(config: EngineConfig, ckpt: Checkpoint) -> None:
         ),
         (config.kv_cache_dtype != "auto", f"kv_cache_dtype {config.kv_cache_dtype!r} (its calibration runs the model)"),
         (
-            config.speculative_config is not None
+            isinstance(config.speculative_config, SpeculativeConfig)
             and (config.speculative_config.model or "").startswith("self:layers="),
             "a draft made of the target's own layers (self:layers=N): use ngram, self:int4 or a draft checkpoint",
         ),

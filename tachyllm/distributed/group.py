@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ COLLECTIVE_TIMEOUT_S = 120.0
 class TPGroup:
     rank: int
     size: int
-    pg: dist.ProcessGroup
+    pg: Any  # a ProcessGroupNCCL or ProcessGroupGloo: torch's stubs type collectives on ProcessGroup only
     shm: ShmAllReduce | None = None
 
     @classmethod
@@ -53,7 +54,7 @@ class TPGroup:
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, rank, size, options)
+            pg: dist.ProcessGroupNCCL | dist.ProcessGroupGloo = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
             pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         if shm_path is not None and rank == 0:
@@ -70,7 +71,7 @@ class TPGroup:
     def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum of every rank's x, in place."""
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # torch types the enum's members apart
         self.pg.allreduce([x], opts).wait()
         return x
 

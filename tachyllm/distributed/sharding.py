@@ -176,6 +176,7 @@ class RankShard(ShardPlan):
     group: TPGroup | None = None
 
     def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.group is not None, "a rank's shard is made on its started group"
         return self.group.all_reduce_max(x)
 
 
@@ -228,13 +229,13 @@ class ParallelLMHead(nn.Module):
         return self.group.gather_last_dim(self.inner(hidden))[..., : self.vocab_size]
 
 
-def parallelize(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
+def parallelize(model: LlamaForCausalLM, plan: ShardPlan, group: TPGroup) -> None:
     """Wraps a rank's built model (weights loaded, packed) in the collectives of its splits."""
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.first_token, group)
-    model.lm_head = ParallelLMHead(model.lm_head, plan.full.vocab_size, group)
-    for layer in model.layers:
-        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, plan.first_token, group)  # type: ignore[assignment]  # a module swap
+    model.lm_head = ParallelLMHead(model.lm_head, plan.full.vocab_size, group)  # type: ignore[assignment]  # a module swap
+    for layer in model.decoder_layers():
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)  # type: ignore[assignment]  # a module swap
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)  # type: ignore[assignment]  # a module swap
 
 
 def build_rank_model(

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def remove(path: str) -> None:
 class ShmAllReduce:
     """One rank's side of the shared-memory all-reduce."""
 
-    op: object  # the native ShmAllReduce over this rank's mapping
+    op: Any  # the native ShmAllReduce over this rank's mapping (an untyped extension object)
     timeout_s: float
     # Why a peer is gone (one line), or None while all live; checked between native waits.
     peers_gone: Callable[[], str | None]

@@ -77,7 +77,7 @@ def chat_prompt_ids(
             raise RequestError(
                 "continue_final_message needs the last message to be the assistant's", param="continue_final_message"
             )
-    return tokenizer.apply_chat_template(
+    token_ids = tokenizer.apply_chat_template(
         messages,
         add_generation_prompt=add_generation_prompt,
         tools=tools,
@@ -86,6 +86,8 @@ def chat_prompt_ids(
         template_vars=template_vars,
         tokenize=True,
     )
+    assert isinstance(token_ids, list), "tokenize=True returns token ids"
+    return token_ids
 
 
 class InputProcessor:
@@ -181,9 +183,9 @@ class InputProcessor:
             keep = limits.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
             if len(prompt.token_ids) > keep:  # the text no longer matches the ids: not kept
                 prompt = Prompt(None, prompt.token_ids[-keep:])
-        if params.bad_words:
+        if bad_words := params.bad_words:
             params = replace(params)
-            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+            params.bad_words_token_ids = self.bad_words_token_ids(bad_words)
             if any(t >= limits.vocab_size for word in params.bad_words_token_ids for t in word):
                 raise RequestError("bad_words: a word's tokens are not in the model's vocabulary", param="bad_words")
         prompt_len = len(prompt.token_ids)

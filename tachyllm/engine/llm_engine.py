@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,7 +37,11 @@ from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.structured_output.compiler import ConstraintLimits
+
+if TYPE_CHECKING:  # imported where used: torch.distributed only when tensor parallelism is on
+    from tachyllm.distributed.executor import TensorParallelExecutor
 
 logger = logging.getLogger("tachyllm")
 
@@ -109,7 +114,7 @@ class LLMEngine:
         # The weights' quantization: the option, or a pre-quantized checkpoint's own.
         self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.executor = None  # the tensor-parallel group, when there is one
+        self.executor: TensorParallelExecutor | None = None  # the tensor-parallel group, when there is one
         # Why the engine can no longer serve (a dead tensor-parallel worker, inconsistent KV
         # bookkeeping), or None: it then refuses every request and must be restarted.
         self.failure: EngineCorruptedError | None = None
@@ -184,10 +189,10 @@ class LLMEngine:
         mc, cache = self.model_config, config.cache_config
         kv_dtype = KV_STORAGE.get(cache.kv_cache_dtype, self.dtype)
         # Gemma 3's sliding-window layers get a pool of their own (runner/kv_cache.py has the rule).
+        max_batched = config.max_num_batched_tokens
+        assert max_batched is not None, "EngineConfig.__post_init__ sets it"
         limits = dict(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max_batched, max_model_len=self.max_model_len
         )
         wanted = kv_cache.wanted_bytes(rank_config, cache.block_size, kv_dtype, **limits)
         graph_bytes = 0
@@ -283,12 +288,13 @@ class LLMEngine:
         tensor-parallel executor over every rank's."""
         if self.executor is not None:
             self.executor.start(caches, num_blocks, config.block_size, sampler)
-            self.runner = self.executor
+            self.runner: ModelRunner | TensorParallelExecutor = self.executor
         else:
-            self.runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
-            self.runner.lora_segments = self.lora.segments if self.lora is not None else None
+            runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
+            runner.lora_segments = self.lora.segments if self.lora is not None else None
             if graph_queries:
-                self.runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
+                runner.use_graphs(config.max_num_seqs, max_blocks, graph_queries)
+            self.runner = runner
 
     def _graph_query_counts(self) -> tuple[int, ...] | None:
         """Queries per sequence of the decode-only steps CUDA graphs capture (1, and 1 + k when
@@ -308,7 +314,10 @@ class LLMEngine:
             logger.info("CUDA graphs off: the model's sliding-window layers are not captured yet")
             return None
         spec = self.config.speculative_config
-        return (1,) if spec is None else (1, 1 + spec.num_speculative_tokens)
+        if spec is None:
+            return (1,)
+        assert isinstance(spec, SpeculativeConfig), "EngineConfig.__post_init__ parses speculative_config"
+        return (1, 1 + spec.num_speculative_tokens)
 
     def shutdown(self) -> None:
         """Stops the engine's worker processes (tensor parallelism); idempotent, a no-op without them."""
@@ -584,7 +593,9 @@ class LLMEngine:
         "error" (even one that had just finished with "stop" or "length")."""
         message = f"the engine failed while running this request ({type(error).__name__}: {error})"
         try:
-            return self.output_processor.make_output(req.request_id, error=message)
+            output = self.output_processor.make_output(req.request_id, error=message)
+            assert output is not None, "with an error every sample has finished: there is a final output"
+            return output
         except Exception:  # its output state is broken too: report the failure without its text
             logger.exception("request %s: its text could not be recovered", req.request_id)
             self.output_processor.remove_request(req.request_id)

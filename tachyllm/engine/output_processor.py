@@ -219,7 +219,14 @@ class OutputProcessor:
             del self._requests[request_id]
             req.metrics.sample_output_tokens = [seq.num_output_tokens for seq in req.seqs]
             # A rejected request's samples end together (Scheduler._advance_grammar), each with the reason.
-            error = error or next((seq.stop_reason for seq in req.seqs if seq.finish_reason == "rejected"), None)
+            error = error or next(
+                (
+                    seq.stop_reason
+                    for seq in req.seqs
+                    if seq.finish_reason == "rejected" and isinstance(seq.stop_reason, str)
+                ),
+                None,
+            )
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

@@ -120,7 +120,8 @@ class StatsLogger:
         """Prefill work = tokens of multi-token chunks, plus single tokens at prompt positions (a
         prompt whose rest after a cache hit is one token). Everything else is a decode."""
         for s in batch.seqs:
-            if s.num_real_tokens > 1 or not s.completes or s.seq_len == s.sampling.num_prompt_tokens:
+            sampling = s.sampling
+            if s.num_real_tokens > 1 or not s.completes or (sampling and s.seq_len == sampling.num_prompt_tokens):
                 self.num_prefill_tokens += s.num_new_tokens
 
     def _observe_new_requests(self, seqs: list[Sequence]) -> None:

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import fields, replace
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -138,15 +138,17 @@ class LLM:
 
     def _trace_call(self, start: float, traced: dict[str, TracedRequest], results: dict[str, RequestOutput]) -> None:
         """One trace per generate call: a root span, and an llm_request span per prompt under it."""
-        root = self._tracer.start(None, start, name="llm_generate")
+        tracer = self._tracer
+        assert tracer is not None, "called only when this LLM traces its calls"
+        root = tracer.start(None, start, name="llm_generate")
         for request_id, request in traced.items():
-            span = self._tracer.start(None, request.start_time, parent=root)
+            span = tracer.start(None, request.start_time, parent=root)
             if (out := results.get(request_id)) is not None:
                 if out.outputs:
                     request.observe(out)
                 else:  # refused before it ran
                     request.error = out.error
-            self._tracer.finish(span, request, out.metrics.finished_time if out is not None else None)
+            tracer.finish(span, request, out.metrics.finished_time if out is not None else None)
         root.end()
 
     def _check_thread(self) -> None:
@@ -198,7 +200,9 @@ class LLM:
         (assistant) message instead of starting a new turn; `chat_template_kwargs` are template
         variables (e.g. {"enable_thinking": False}); `lora_request` as generate's. A conversation the
         template refuses raises RequestError before anything runs."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            list[list[dict[str, Any]]], [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         template = read_chat_template(chat_template) if chat_template is not None else None
         processor = self.engine.input_processor
         prompts: list[Prompt] = [
@@ -238,5 +242,5 @@ def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    return list(prompts)
+        return [cast(list[int], list(prompts))]  # one prompt given as token ids
+    return list(cast(list[Prompt], prompts))

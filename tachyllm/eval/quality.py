@@ -19,8 +19,10 @@ import torch
 from tachyllm.config import EngineConfig
 from tachyllm.engine.llm_engine import LLMEngine
 from tachyllm.engine_args import add_engine_args, engine_config
+from tachyllm.errors import ConfigError
 from tachyllm.quantization.activation_bits import model_activation_bits
 from tachyllm.quantization.calibration import HELDOUT_FILE, load_text, next_token_kl, sequence_batch, token_windows
+from tachyllm.runner.model_runner import ModelRunner
 
 DEFAULT_SEQ_LEN = 128
 
@@ -60,7 +62,12 @@ def describe(engine: LLMEngine) -> str:
 
 
 def eval_engine(config: EngineConfig, seq_len: int) -> LLMEngine:
-    """An engine whose cache holds exactly one window (the eval never schedules requests)."""
+    """An engine whose cache holds exactly one window (the eval never schedules requests). It scores
+    windows through rank 0's runner alone (ModelRunner.forward): a tensor-parallel engine cannot."""
+    if config.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"tachy eval runs in one process: tensor_parallel_size must be 1, got {config.tensor_parallel_size}"
+        )
     return LLMEngine(
         replace(
             config, max_num_seqs=1, max_model_len=max(seq_len, 2), kv_cache_memory=None, enable_prefix_caching=False
@@ -70,7 +77,9 @@ def eval_engine(config: EngineConfig, seq_len: int) -> LLMEngine:
 
 def sequence_logprobs(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
     """Log-probabilities [n, vocab] (fp32) of the next token at every position of the window."""
-    hidden = engine.runner.forward(sequence_batch(token_ids, engine.config.block_size))
+    runner = engine.runner
+    assert isinstance(runner, ModelRunner), "eval_engine refuses tensor parallelism"
+    hidden = runner.forward(sequence_batch(token_ids, engine.config.block_size))
     with torch.inference_mode():
         return torch.log_softmax(engine.model.compute_logits(hidden).float(), dim=-1)
 
@@ -90,7 +99,7 @@ def compare(
         nll_ref -= float(lp_ref.gather(1, target).sum())
         nll_cfg -= float(lp_cfg.gather(1, target).sum())
         kl = next_token_kl(lp_ref, lp_cfg)
-        same = (lp_ref.argmax(-1) == lp_cfg.argmax(-1)).sum().item()
+        same = int((lp_ref.argmax(-1) == lp_cfg.argmax(-1)).sum())
         agree, tokens = agree + same, tokens + len(ids) - 1
         preview = reference.tokenizer.decode(ids[:24]).replace("\n", " ")
         scores.append(SequenceScore(i, float(kl.mean()), same / (len(ids) - 1), preview))

@@ -36,6 +36,7 @@ class QuantizedKV:
     _kernel_args: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def paged(self) -> torch.Tensor:
+        assert self.block_size is not None, "only a cache made with its block size is read paged"
         return self.data.view(-1, self.block_size, *self.data.shape[1:])
 
     def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,8 @@ class PackedLinear(nn.Module):
         self.ops = kernels if weight.dtype == torch.bfloat16 else None
         every_row = batch_invariant or not onednn_packing_available(torch.bfloat16)
         self.max_kernel_rows = None if every_row else NATIVE_MAX_ROWS
+        self.weight: torch.Tensor | None
+        self.packed_weight: torch.Tensor | None
         if self.ops is not None:
             self.weight, self.packed_weight = weight, None
         else:
@@ -80,6 +82,7 @@ class PackedLinear(nn.Module):
                 y = torch.ops.mkldnn._linear_pointwise(pair, self.packed_weight, self.bias, "none", [], "")
                 return y[:1].view(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        assert self.ops is not None and self.weight is not None, "unpacked: the kernel's own weight"
         if self.max_kernel_rows is None or x.numel() <= self.max_kernel_rows * self.in_features:
             return self.ops.bf16_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

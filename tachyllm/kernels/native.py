@@ -80,6 +80,7 @@ def enabled() -> bool:
 def _import_built(path: Path) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
     spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
+    assert spec is not None, "a spec with its loader given"
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module

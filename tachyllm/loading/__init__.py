@@ -90,7 +90,7 @@ def _load_gguf(source: str) -> Checkpoint:
     except OSError:
         entry = None
     cached = cache.load(entry) if entry is not None else None
-    if cached is not None:
+    if entry is not None and cached is not None:
         logger.info("checkpoint cache: loaded %s from %s", source, entry.path)
         return Checkpoint(cached.config, cached.tokenizer, _guarded(cached.weights, source), source, "gguf")
     reader, config, weights = load_gguf(source)

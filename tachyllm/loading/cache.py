@@ -283,7 +283,8 @@ class _Writer:
             return False
         try:
             self.file.seek(self.data_start + planned[0])
-            self.file.write(memoryview(tensor.detach().contiguous().numpy()).cast("B"))
+            data = tensor.detach().contiguous().numpy()
+            self.file.write(memoryview(data).cast("B"))  # type: ignore[arg-type]  # numpy types __buffer__ from 3.12
         except (OSError, RuntimeError, ValueError) as exc:  # e.g. a full disk
             logger.warning("checkpoint cache: writing %s failed (%s)", self.tmp, exc)
             return False

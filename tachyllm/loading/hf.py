@@ -68,7 +68,7 @@ def tensor_files(directory: Path) -> dict[str, Path]:
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError("no *.safetensors weight files (other formats are not supported)")
-    located = {}
+    located: dict[str, Path] = {}
     for file in files:
         with safe_open(file, framework="pt") as handle:
             located.update((name, file) for name in handle.keys())
@@ -180,6 +180,7 @@ def hf_weights(
         for module in packed.modules if packed is not None else ():
             name = f"{module}.weight"
             if not (module == "lm_head" and config.tie_word_embeddings) and name not in leave_out:
+                assert packed is not None, "the loop runs over its modules"
                 yield name, select_part(select, name, packed.read(module).dequantize())
 
     return weights

@@ -160,6 +160,7 @@ class PrequantizedWeights:
     def __init__(self, fmt: QuantFormat, tensors: dict[str, Path]):
         self.format = fmt
         self._tensors = tensors
+        self._parts: tuple[str, ...]
         marker, self._parts = {
             "awq": (".qweight", _AWQ_GPTQ_PARTS),
             "gptq": (".qweight", _AWQ_GPTQ_PARTS),
@@ -235,6 +236,7 @@ def _read_awq(get: Callable[[str], torch.Tensor | None], fmt: QuantFormat) -> Pa
 def _read_gptq(get: Callable[[str], torch.Tensor | None], fmt: QuantFormat) -> PackedLinear:
     # qweight [in*bits/32, out] packed along the input; qzeros [groups, out*bits/32]; scales [groups, out].
     bits = fmt.bits
+    assert bits is not None, "a gptq config names its width"
     codes = _unpack(_require(get("qweight"), "qweight"), bits, dim=0).t()
     zeros = _unpack(_require(get("qzeros"), "qzeros"), bits, dim=1).t()
     if fmt.layout == "gptq":
@@ -253,6 +255,7 @@ def _read_compressed(get: Callable[[str], torch.Tensor | None], fmt: QuantFormat
             raise ValueError(f"weight_packed {tuple(packed.shape)} does not hold 4- or 8-bit values of {k} inputs")
         codes = _unpack(packed, bits, dim=1)[:out]
     else:
+        assert fmt.bits is not None, "int-quantized configs name one width"
         bits = fmt.bits
         codes = _require(get("weight"), "weight").to(torch.int32) + (1 << (bits - 1))
         out, k = codes.shape

@@ -190,7 +190,7 @@ class Tokenizer:
         # thread runs while a large prompt is encoded) and skips the offsets nobody reads
         # (measurements: docs/design_measurements.md#tokenizer-gil).
         ids = self._backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        if add_special_tokens and self.add_bos:
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:  # add_bos implies an id
             return [self.bos_token_id, *ids]
         return ids
 
@@ -203,7 +203,8 @@ class Tokenizer:
         next to them."""
         if skip_special_tokens or spaces_between_special_tokens:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        parts, run = [], []
+        parts: list[str] = []
+        run: list[int] = []
         for token in ids:
             if token in self._added_texts:
                 if run:

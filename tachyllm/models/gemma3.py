@@ -12,6 +12,7 @@ norms or the window.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -70,10 +71,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # The scale is rounded to the model dtype first, as the reference implementation does.
-        x, residual = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(cast("list[Gemma3DecoderLayer]", self.layers), kv_caches):
             rotary = self.rotary if layer.self_attn.window is None else self.local_rotary
             x, residual = layer(x, residual, positions, rotary, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 

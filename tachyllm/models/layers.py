@@ -35,6 +35,7 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
         return inv_freq
+    assert scaling is not None, "without rope_scaling the type is the default"
     if rope_type == "linear":
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":

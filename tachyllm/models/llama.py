@@ -4,6 +4,7 @@ Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm). Differences are config flag
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,7 +36,7 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         if self.window is not None and meta.sliding is not None:
@@ -93,10 +94,14 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, w.device, w.dtype, self.ops
         )
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """self.layers as the decoder layers they are (nn.ModuleList's items are typed as any Module)."""
+        return cast("list[DecoderLayer]", self.layers)
+
     def fuse_layers(self, backend: Backend) -> None:
         """Gives each decoder layer the backend's fused form of it, where it has one. Called once the
         layers are final (weights loaded, quantized and packed; rotary table made)."""
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.fused = backend.fused_decoder_layer(layer, self.rotary)
 
     def forward(
@@ -106,13 +111,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         fuse = meta.fused_layers
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.decoder_layers(), kv_caches):
             if fuse and layer.fused is not None:
                 x, residual = layer.fused(x, residual, positions, kv_cache, meta)
             else:
                 x, residual = layer(x, residual, positions, self.rotary, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
         x, _ = self.norm.add_and_norm(x, residual)
         return x
 

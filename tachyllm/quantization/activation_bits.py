@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ from tachyllm.quantization.calibration import (
 )
 from tachyllm.quantization.gguf_packed import GGUFLinear
 from tachyllm.quantization.int4 import ACTIVATION_BITS, Int4Linear
+from tachyllm.quantization.model_parts import compute_logits, norm_weight
 
 logger = logging.getLogger("tachyllm")
 
@@ -51,13 +53,13 @@ KL_BOUND = 0.01  # nats per token: between the Qwen and SmolLM2 files' 0.002-0.0
 CHECK_WINDOWS, CHECK_TOKENS = 4, 128
 
 
-def block_layers(model: nn.Module) -> list[nn.Module]:
+def block_layers(model: nn.Module) -> list[GGUFLinear | Int4Linear]:
     """The layers on the C++ block kernels (int4/awq layers, a GGUF file's blocks): the ones whose
     activations are rounded."""
     return [m for m in model.modules() if _on_blocks(m)]
 
 
-def _on_blocks(module: nn.Module) -> bool:
+def _on_blocks(module: nn.Module) -> TypeGuard[GGUFLinear | Int4Linear]:
     return isinstance(module, GGUFLinear) or (isinstance(module, Int4Linear) and module.kernel == "blocks")
 
 
@@ -109,7 +111,7 @@ def check_8_bits(model: nn.Module, windows: list[list[int]]) -> ActivationCheck:
         for bits in (ACTIVATION_BITS, 8):
             set_activation_bits(model, bits)
             hidden = forward_sequence(model, ids, caches)
-            logprobs.append(torch.log_softmax(model.compute_logits(hidden[:-1]).float(), dim=-1))
+            logprobs.append(torch.log_softmax(compute_logits(model, hidden[:-1]).float(), dim=-1))
         window_kls.append(float(next_token_kl(*logprobs).mean()))
     set_activation_bits(model, ACTIVATION_BITS)
     return ActivationCheck(window_kls, sum(len(ids) - 1 for ids in windows), time.perf_counter() - t0)
@@ -132,7 +134,7 @@ def stored_check_path(source: str, model: nn.Module, windows: list[list[int]]) -
         return None
     blocks = [(name, getattr(m, "block_types", type(m).__name__)) for name, m in model.named_modules() if _on_blocks(m)]
     key = json.dumps(
-        {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(model.norm.weight.dtype), "blocks": blocks,
+        {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(norm_weight(model).dtype), "blocks": blocks,
          "windows": windows, "code": code},
         sort_keys=True,
     )  # fmt: skip

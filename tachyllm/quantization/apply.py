@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import Protocol
 
 import torch
-from gguf import GGML_QUANT_SIZES
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from tachyllm.errors import ConfigError, ModelLoadError
@@ -30,6 +30,7 @@ from tachyllm.quantization.gguf_packed import (
 )
 from tachyllm.quantization.int4 import GROUP_SIZES, Int4Linear, Int4Weight
 from tachyllm.quantization.int8 import Int8Linear, row_amax
+from tachyllm.quantization.model_parts import model_config, submodule
 from tachyllm.quantization.policy import select_linears
 from tachyllm.quantization.prequantized import build, read_parts
 
@@ -51,9 +52,14 @@ class TensorShard(Protocol):
     loaded is the shard's, and its quantized layers must hold exactly the whole model's groups and
     blocks for those rows and columns."""
 
-    full: ModelConfig
-    size: int
-    vocab_per_rank: int
+    @property
+    def full(self) -> ModelConfig: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def vocab_per_rank(self) -> int: ...
 
     def index(self, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None: ...
 
@@ -76,8 +82,9 @@ def module_bytes(module: nn.Module) -> int:
     tensors = list(module.parameters()) + list(module.buffers())
     if isinstance(module, Int4Linear) and module.input_scale is not None:
         tensors.append(module.input_scale)
-    if getattr(module, "bias", None) is not None and not isinstance(module, nn.Linear):
-        tensors.append(module.bias)
+    bias = getattr(module, "bias", None)  # a packed layer may keep its bias outside its parameters
+    if isinstance(bias, torch.Tensor) and not isinstance(module, nn.Linear):
+        tensors.append(bias)
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -135,13 +142,13 @@ def quantize_model(
         if reason is not None:
             raise ConfigError(f"quantization='fp8' cannot run here: {reason}; accepted here: int8, int4, awq")
         for name in list(targets):
-            m = model.get_submodule(name)
+            m = submodule(model, name, nn.Linear)
             if m.in_features % ALIGN or m.out_features % ALIGN:
                 result.kept[name] = f"in/out features not multiples of {ALIGN} (fp8 GEMM)"
         targets = [n for n in targets if n not in result.kept]
     if method in ("int4", "awq"):
         for name in targets:
-            in_features = model.get_submodule(name).in_features
+            in_features = submodule(model, name, nn.Linear).in_features
             if shard is not None:  # the whole layer's group size, the same on every rank as at TP=1
                 key = _part_keys(name)[0]
                 in_features = shard.full_in_features(key)
@@ -158,20 +165,22 @@ def quantize_model(
     if prequantized is not None:
         replacements = _prequantized(model, targets, prequantized, result, kernels, matmul)
     elif method == "int8":
-        replacements = {n: _int8(model.get_submodule(n), n, matmul, shard) for n in targets}
+        replacements = {n: _int8(submodule(model, n, nn.Linear), n, matmul, shard) for n in targets}
     elif method == "int4":
-        replacements = {n: Int4Linear.from_linear(model.get_submodule(n), groups[n], kernels, matmul) for n in targets}
+        replacements = {
+            n: Int4Linear.from_linear(submodule(model, n, nn.Linear), groups[n], kernels, matmul) for n in targets
+        }
     elif method == "awq":
         replacements = _awq(model, targets, groups, tokenizer, kernels, matmul)
     elif method == "gguf":
         replacements = _gguf(model, targets, gguf_blocks, result, kernels, matmul, shard)
     elif method == "fp8":
-        replacements = {n: Fp8Linear.from_linear(model.get_submodule(n)) for n in targets}
+        replacements = {n: Fp8Linear.from_linear(submodule(model, n, nn.Linear)) for n in targets}
     else:
         raise ConfigError(f"unknown quantization {method!r}")
 
     for name, new in replacements.items():
-        old = model.get_submodule(name)
+        old = submodule(model, name, nn.Linear)
         result.bytes_before += old.weight.numel() * old.weight.element_size()
         result.bytes_after += module_bytes(new)
         parent_name, _, child = name.rpartition(".")
@@ -181,7 +190,7 @@ def quantize_model(
     return result
 
 
-def _int8(linear: nn.Module, name: str, matmul: ModuleType | None, shard: TensorShard | None) -> Int8Linear:
+def _int8(linear: nn.Linear, name: str, matmul: ModuleType | None, shard: TensorShard | None) -> Int8Linear:
     """A rank's part of a row-parallel layer (o, down: all rows, some columns) takes the whole rows'
     scales (their maxima over the ranks; every rank quantizes the same layers in the same order)."""
     if shard is None:
@@ -204,9 +213,12 @@ def _awq(
     if not windows:
         raise ConfigError("awq: the calibration text is shorter than one window")
     inputs = collect_inputs(model, targets, windows)
-    out, plain_total, best_total = {}, 0.0, 0.0
+    out: dict[str, nn.Module] = {}
+    plain_total, best_total = 0.0, 0.0
     for name in targets:
-        out[name], plain, best = awq_linear(model.get_submodule(name), inputs.pop(name), groups[name], kernels, matmul)
+        out[name], plain, best = awq_linear(
+            submodule(model, name, nn.Linear), inputs.pop(name), groups[name], kernels, matmul
+        )
         plain_total, best_total = plain_total + plain, best_total + best
     logger.info(
         "awq: %d calibration tokens; summed layer output MSE %.4g (plain int4) -> %.4g (awq)",
@@ -242,40 +254,44 @@ def _gguf(
     if matrices is None:
         raise ConfigError("quantization='gguf' needs a GGUF model file; accepted for other models: int8, int4, awq")
     packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
-    dtype = model.embed_tokens.weight.dtype
-    head_source = head_weight_name(model.config)
+    config = model_config(model)
+    dtype = submodule(model, "embed_tokens", nn.Embedding).weight.dtype
+    head_source = head_weight_name(config)
     head, table = matrices.get(head_source), matrices.get(TABLE)
     kept_rows = getattr(model, "head_token_ids", None)
     if head is not None and kept_rows is not None:
         # A draft's vocabulary shortlist (keep_head_rows): its head is those rows of the file's blocks.
         head = matrices[head_source] = head.part(kept_rows.cpu(), slice(None))
     if _packs_head(head, packable, kernels):
+        assert head is not None and kernels is not None, "_packs_head checked both"
         model.lm_head = GGUFLinear([rank_blocks(head, shard)], kernels)
         result.kept.pop("lm_head", None)
         targets = [n for n in targets if n != "lm_head"]
         result.head = f"the file's {head.qtype.name} blocks ({head_source}), C++ kernel"
     if _packs_embedding(table, packable, kernels, shard):
-        if table.raw.shape[0] != model.config.vocab_size:  # the check a dense table gets from load_weights
+        assert table is not None and kernels is not None, "_packs_embedding checked both"
+        if table.raw.shape[0] != config.vocab_size:  # the check a dense table gets from load_weights
             raise ModelLoadError(
                 f"checkpoint tensor {TABLE!r} has {table.raw.shape[0]} rows, expected the vocabulary's "
-                f"{model.config.vocab_size}"
+                f"{config.vocab_size}"
             )
-        whole_table = model.config.tie_word_embeddings and kept_rows is None and isinstance(model.lm_head, GGUFLinear)
-        if whole_table:
-            model.embed_tokens = GGUFEmbedding.sharing(model.lm_head, dtype, kernels)
+        lm_head = model.lm_head
+        if config.tie_word_embeddings and kept_rows is None and isinstance(lm_head, GGUFLinear):
+            model.embed_tokens = GGUFEmbedding.sharing(lm_head, dtype, kernels)
             result.embedding = f"the file's {table.qtype.name} blocks, the tied LM head's tiles (one copy)"
         else:
             model.embed_tokens = GGUFEmbedding.from_blocks(table, dtype, kernels)
             result.embedding = f"the file's {table.qtype.name} blocks, rows dequantized as looked up"
-    out, unpacked = {}, {}
+    out: dict[str, nn.Module] = {}
+    unpacked: dict[str, str] = {}
     for name in targets:
-        parts = [matrices.get(k) for k in _file_keys(name, head_source)]
-        lacking = _lacking(parts, packable)
+        file_parts = [matrices.get(k) for k in _file_keys(name, head_source)]
+        lacking = _lacking(file_parts, packable)
         if lacking:
             unpacked[name] = "+".join(sorted(lacking))
             continue
-        parts = [rank_blocks(p, shard) for p in parts]
-        linear = model.get_submodule(name)
+        parts = [rank_blocks(p, shard) for p in file_parts if p is not None]  # none lacking: all stored
+        linear = submodule(model, name, nn.Linear)
         bias = None if linear.bias is None else linear.bias.detach()
         if kernels is not None:
             out[name] = GGUFLinear(parts, kernels, bias)
@@ -307,7 +323,7 @@ def gguf_layers_from_file(
     it is made of, so that loading can leave those tensors out (not dequantized, and the modules'
     dense weights never written). A tied head's table is among them only if the lookup reads the
     blocks too."""
-    config = model.config
+    config = model_config(model)
     packable = kernel_types(kernels) if kernels is not None else ATEN_TYPES
     head_source = head_weight_name(config)
     head = matrices.get(head_source)
@@ -323,13 +339,16 @@ def gguf_layers_from_file(
     return layers
 
 
-def _packs_head(head: GGUFBlocks | None, packable: frozenset, kernels: ModuleType | None) -> bool:
+def _packs_head(head: GGUFBlocks | None, packable: frozenset[GGMLQuantizationType], kernels: ModuleType | None) -> bool:
     """The LM head runs on the file's blocks whenever the block kernels take its type (quant_skip aside)."""
     return kernels is not None and head is not None and head.qtype in packable
 
 
 def _packs_embedding(
-    table: GGUFBlocks | None, packable: frozenset, kernels: ModuleType | None, shard: TensorShard | None
+    table: GGUFBlocks | None,
+    packable: frozenset[GGMLQuantizationType],
+    kernels: ModuleType | None,
+    shard: TensorShard | None,
 ) -> bool:
     """The lookup reads the table's blocks where the block kernels take its type, except on a
     tensor-parallel rank (VocabParallelEmbedding wraps a dense shard)."""
@@ -341,7 +360,7 @@ def _file_keys(name: str, head_source: str) -> list[str]:
     return [head_source] if name == "lm_head" else _part_keys(name)
 
 
-def _lacking(parts: list[GGUFBlocks | None], packable: frozenset) -> set[str]:
+def _lacking(parts: list[GGUFBlocks | None], packable: frozenset[GGMLQuantizationType]) -> set[str]:
     """Why these file tensors cannot run packed: the types (or absence) the kernels do not take."""
     return {p.qtype.name if p else "absent" for p in parts if p is None or p.qtype not in packable}
 
@@ -419,7 +438,7 @@ def _prequantized(
         if packed is None:
             result.kept[name] = "stored unquantized in the checkpoint"
             continue
-        linear = model.get_submodule(name)
+        linear = submodule(model, name, nn.Linear)
         bias = None if linear.bias is None else linear.bias.detach()
         built = build(packed, bias, kernels, linear.weight.device, matmul)
         if built.module is None:

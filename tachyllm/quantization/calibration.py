@@ -10,6 +10,7 @@ from torch import nn
 
 from tachyllm.backends.base import LayerKV
 from tachyllm.backends.torch_backend import TorchBackend
+from tachyllm.quantization.model_parts import model_config, norm_weight, rotary_positions
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
 
@@ -30,7 +31,7 @@ def token_windows(tokenizer, text: str, seq_len: int, max_windows: int | None = 
 
 def calibration_windows(model: nn.Module, tokenizer, seq_len: int, max_windows: int) -> list[list[int]]:
     """Windows of the calibration text, no longer than the model's rotary table allows."""
-    seq_len = min(seq_len, model.rotary.cos.shape[0])
+    seq_len = min(seq_len, rotary_positions(model))
     return token_windows(tokenizer, load_text(CALIBRATION_FILE), seq_len, max_windows)
 
 
@@ -47,8 +48,8 @@ def sequence_batch(token_ids: list[int], block_size: int) -> StepBatch:
 
 def scratch_kv_caches(model: nn.Module, num_tokens: int) -> list[LayerKV]:
     """Plain model-dtype caches of one num_tokens block per layer."""
-    w = _dense_weight(model)
-    return TorchBackend(w.device).allocate_kv_cache(model.config, 1, num_tokens, w.dtype)
+    w = norm_weight(model)
+    return TorchBackend(w.device).allocate_kv_cache(model_config(model), 1, num_tokens, w.dtype)
 
 
 @torch.inference_mode()
@@ -58,19 +59,16 @@ def forward_sequence(model: nn.Module, token_ids: list[int], kv_caches: list[Lay
     It runs the portable backend's step whatever backend the model was built for: attention over
     the fresh K/V in the Python modules, so that calibration hooks on them see every layer.
     """
-    w = _dense_weight(model)
-    block_size = kv_caches[0][0].shape[1]
+    w = norm_weight(model)
+    k_cache = kv_caches[0][0]
+    assert isinstance(k_cache, torch.Tensor), "scratch caches are plain"
+    block_size = k_cache.shape[1]
     builder = TorchBackend(w.device).metadata_builder(kv_caches, block_size)
     input_ids, positions, meta = builder.prepare(sequence_batch(token_ids, block_size))
-    return model(input_ids, positions, kv_caches, meta)
+    hidden: torch.Tensor = model(input_ids, positions, kv_caches, meta)
+    return hidden
 
 
 def next_token_kl(reference: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """KL(reference || other) in nats at each position, from log-probabilities [n, vocab]."""
     return (reference.exp() * (reference - other)).sum(dim=-1)
-
-
-def _dense_weight(model: nn.Module) -> torch.Tensor:
-    """A weight with the model's dtype and device: the final norm's (the embedding may be a GGUF
-    file's packed blocks, which have no dense weight)."""
-    return model.norm.weight

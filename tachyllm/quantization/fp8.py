@@ -48,6 +48,10 @@ def fp8_unavailable_reason(device: torch.device) -> str | None:
 
 
 class Fp8Linear(nn.Module):
+    # Registered buffers (register_buffer in __init__), typed for the checker.
+    codes: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = codes.shape

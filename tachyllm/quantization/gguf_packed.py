@@ -99,8 +99,8 @@ def int4_weight(blocks: GGUFBlocks) -> Int4Weight:
     w = decode(np.asarray(blocks.raw), blocks.raw.shape[0])
     if blocks.config is None:
         return w
-    fix = [fix_rotary_rows(t, blocks.name, blocks.config) for t in (w.codes, w.scales, w.mins)]
-    return Int4Weight(*fix, GGUF_GROUP_SIZE)
+    codes, scales, mins = (fix_rotary_rows(t, blocks.name, blocks.config) for t in (w.codes, w.scales, w.mins))
+    return Int4Weight(codes, scales, mins, GGUF_GROUP_SIZE)
 
 
 TABLE = "model.embed_tokens.weight"  # the token embedding table's checkpoint name
@@ -139,6 +139,9 @@ class GGUFLinear(nn.Module):
     One-token steps stream the tiles at about the file's own bytes per weight (Q4_K 0.59, Q6_K
     0.83, Q5_0 0.69, Q8_0 1.06)."""
 
+    # Registered buffers (register_buffer in __init__), typed for the checker.
+    packed: torch.Tensor
+
     def __init__(self, parts: list[GGUFBlocks], kernels: ModuleType, bias: torch.Tensor | None = None):
         super().__init__()
         self.in_features = parts[0].in_features
@@ -174,6 +177,9 @@ class GGUFEmbedding(nn.Module):
     model dtype), so the table stays at the file's bytes instead of a dequantized copy (Qwen2.5-
     Coder-1.5B's Q4_K table: 139 MB instead of 467 MB of bf16). A tied LM head on the same blocks
     shares the tiles: one copy serves both."""
+
+    # Registered buffers (register_buffer in __init__), typed for the checker.
+    packed: torch.Tensor
 
     def __init__(self, packed: torch.Tensor, layout: torch.Tensor, embedding_dim: int, dtype: torch.dtype,
                  kernels: ModuleType):  # fmt: skip

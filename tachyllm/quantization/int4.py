@@ -91,6 +91,11 @@ class Int4Linear(nn.Module):
     matmul. An optional per-input-channel `input_scale` (AWQ) multiplies x first.
     """
 
+    # Registered buffers (register_buffer in __init__), typed for the checker.
+    packed: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
     def __init__(
         self,
         weight: Int4Weight,
@@ -109,6 +114,7 @@ class Int4Linear(nn.Module):
         else:
             self.kernel = "blocks" if ops is not None else "aten" if device.type == "cpu" else "dequantize"
         if self.kernel == "triton":
+            assert matmul is not None, "the triton kernel is chosen only with matmul kernels"
             packed, scales, mins = matmul.pack_int4(weight.codes, weight.scales, weight.mins, self.group_size)
             self.register_buffer("packed", packed)
             self.register_buffer("scales", scales)

@@ -40,6 +40,11 @@ class Int8Linear(nn.Module):
     inputs (prefill chunks, big decode batches) and other devices: dequantize + matmul. The scales
     are kept in bf16 on every path (the same weights whichever kernel runs)."""
 
+    # Registered buffers (register_buffer in __init__), typed for the checker.
+    codes: torch.Tensor
+    packed: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(
         self, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, matmul: ModuleType | None = None
     ):

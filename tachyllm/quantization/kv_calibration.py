@@ -15,6 +15,7 @@ from torch import nn
 from tachyllm.backends.base import KVScales
 from tachyllm.kernels.kv_quant import qmax
 from tachyllm.quantization.calibration import calibration_windows, forward_sequence, scratch_kv_caches
+from tachyllm.quantization.model_parts import model_config
 
 logger = logging.getLogger("tachyllm")
 
@@ -29,13 +30,15 @@ DEFAULT_MARGIN = 2.0
 def kv_absmax(model: nn.Module, windows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Largest |K| and |V| per KV head ([kv_heads] each) of every layer over the windows."""
     caches = scratch_kv_caches(model, max(map(len, windows)))
-    cfg = model.config
+    cfg = model_config(model)
     amax = [(torch.zeros(cfg.num_kv_heads), torch.zeros(cfg.num_kv_heads)) for _ in range(cfg.num_layers)]
     for ids in windows:
         for k, v in caches:
+            assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor), "scratch caches are plain"
             k.zero_(), v.zero_()
         forward_sequence(model, ids, caches)
         for (ka, va), (k, v) in zip(amax, caches):
+            assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor), "scratch caches are plain"
             torch.maximum(ka, k.float().abs().amax(dim=(0, 1, 3)).cpu(), out=ka)
             torch.maximum(va, v.float().abs().amax(dim=(0, 1, 3)).cpu(), out=va)
     return amax

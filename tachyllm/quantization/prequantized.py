@@ -34,6 +34,8 @@ logger = logging.getLogger("tachyllm")
 class PermutedInput(nn.Module):
     """A linear whose weight columns were reordered by `perm`: y = inner(x[..., perm])."""
 
+    perm: torch.Tensor  # a registered buffer
+
     def __init__(self, inner: nn.Module, perm: torch.Tensor):
         super().__init__()
         self.inner = inner
@@ -93,9 +95,11 @@ def build(
         weight = Int4Weight.concat([_int4(p, block) for p in ordered])
         # The backend's matmul kernels, else the device decides Int4Linear's layout (C++ blocks / aten
         # on the CPU, dequantize elsewhere).
-        on_device = Int4Weight(*(t.to(device) for t in (weight.codes, weight.scales, weight.mins)), block)
-        module = Int4Linear(on_device, bias, kernels=kernels if device.type == "cpu" else None, matmul=matmul)
-        rounding = _fp16_rounding(weight.scales, 15, weight.mins) if module.kernel == "blocks" else 0.0
+        codes, scales, mins = (t.to(device) for t in (weight.codes, weight.scales, weight.mins))
+        on_device = Int4Weight(codes, scales, mins, block)
+        int4 = Int4Linear(on_device, bias, kernels=kernels if device.type == "cpu" else None, matmul=matmul)
+        module: nn.Module = int4
+        rounding = _fp16_rounding(weight.scales, 15, weight.mins) if int4.kernel == "blocks" else 0.0
     else:
         if any(bool((p.zeros != 128).any()) for p in ordered):
             return Built(None, "8-bit with zero points (the Q8_0 kernel has no min term)")

@@ -40,14 +40,15 @@ def router_config(model: ModelDeployment, config: ScaleOutConfig) -> RequestRout
     if policy == "power_of_two":
         return None  # Ray Serve's default
     if policy == "round_robin":
-        return RequestRouterConfig(request_router_class=RoundRobinRouter)
+        return RequestRouterConfig(request_router_class=RoundRobinRouter)  # type: ignore[arg-type]  # see below
     kwargs = {
         "deployment": model.deployment_name,
         "model_name": model.name,
         "load_margin": config.router.load_margin,
         "poll_interval_s": config.router.event_interval_s,
     }
-    return RequestRouterConfig(request_router_class=PrefixCacheRouter, request_router_kwargs=kwargs)
+    # Ray's config takes the class (its stubs type the field as the dict it is serialized into).
+    return RequestRouterConfig(request_router_class=PrefixCacheRouter, request_router_kwargs=kwargs)  # type: ignore[arg-type]
 
 
 # Ray Serve's default (10 s) would leave a hung engine serving errors for half a minute before three
@@ -75,7 +76,8 @@ def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: a
         settings["num_replicas"] = model.replicas
     if (routing := router_config(model, config)) is not None:
         settings["request_router_config"] = routing
-    deployment = serve.deployment(EngineReplica).options(**settings)
+    # serve.deployment(cls) is a Deployment; Ray's stubs type only its decorator-factory form.
+    deployment = serve.deployment(EngineReplica).options(**settings)  # type: ignore[attr-defined]
     return deployment.bind(model, config.router, options.engine_iteration_timeout, metrics_options(options))
 
 
@@ -83,7 +85,10 @@ def engine_deployment(model: ModelDeployment, config: ScaleOutConfig, options: a
 class Ingress:
     """The HTTP front: tachyllm's routes over one RemoteEngine per model."""
 
-    async def __init__(self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace):
+    # Ray Serve awaits an async constructor.
+    async def __init__(  # type: ignore[misc]
+        self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace
+    ):
         serve_grpc_on_node_ip()
         names = list(engines)
         infos = await asyncio.gather(*(engines[name].describe.remote() for name in names))
@@ -120,7 +125,7 @@ def application(config: ScaleOutConfig, options: argparse.Namespace):
         raise ConfigError("--lora-modules is served by a single engine, not on Ray Serve (docs/lora.md)")
     engines = {model.name: engine_deployment(model, config, options) for model in config.models}
     # Ray Serve's default of 5 ongoing requests per replica would cap the whole endpoint at 5 streams.
-    ingress = serve.deployment(Ingress).options(
+    ingress = serve.deployment(Ingress).options(  # type: ignore[attr-defined]  # as EngineReplica's above
         name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS
     )
     deployments = {model.name: model.deployment_name for model in config.models}

@@ -76,5 +76,5 @@ def serve_grpc_on_node_ip() -> None:
             address = build_address(node_ip, port)
         return add_port(server, address)
 
-    add_port_on_node_ip.binds_node_ip = True
+    add_port_on_node_ip.binds_node_ip = True  # type: ignore[attr-defined]  # the marker Ray reads off the function
     replica.add_port_to_grpc_server = add_port_on_node_ip

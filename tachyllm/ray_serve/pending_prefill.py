@@ -58,8 +58,9 @@ class PendingPrefill:
         """A replica died: nothing owed there stands before a new request."""
         with self._lock:
             for attempt_id in [a for a, (_, r, _) in self._entries.items() if r == replica]:
-                model = self._remove(attempt_id)[0]
-                self._publish(model)
+                removed = self._remove(attempt_id)
+                assert removed is not None, "an attempt of _entries"
+                self._publish(removed[0])
 
     def blocks(self, replica: str) -> int:
         with self._lock:

@@ -105,17 +105,17 @@ def choose_replica(
     request."""
     if not matched:
         raise ValueError("no replica to choose from")
-    rng = rng or random
+    sample = (rng or random).sample
     shortest = min(queue_lengths.values())
     any_match = max(matched.values()) > 0
     work = {r: prompt_blocks - matched[r] + pending_blocks[r] for r in matched}
     least = min(work.values())
     # A fixed order would pile ties on one replica.
     tied = [r for r in sorted(matched) if work[r] == least]
-    best = min(rng.sample(tied, len(tied)), key=lambda r: queue_lengths[r])
+    best = min(sample(tied, len(tied)), key=lambda r: queue_lengths[r])
     if queue_lengths[best] <= shortest + load_margin:
         reason = NO_MATCH if not any_match else PREFIX_HIT if matched[best] > 0 else LOAD_FALLBACK
         return RoutingDecision(best, reason, matched[best], prompt_blocks)
     others = [r for r in sorted(matched) if r != best]  # too busy: never drawn below
-    chosen = min(rng.sample(others, min(2, len(others))), key=lambda r: queue_lengths[r])
+    chosen = min(sample(others, min(2, len(others))), key=lambda r: queue_lengths[r])
     return RoutingDecision(chosen, LOAD_FALLBACK if any_match else NO_MATCH, matched[chosen], prompt_blocks)

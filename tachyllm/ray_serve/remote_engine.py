@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve import context as serve_context
@@ -72,7 +73,7 @@ class RemoteStream:
         self._request = request
         self._max_queued = max_queued
         self._hashes = prompt_block_hashes(request.prompt_token_ids, engine.info)
-        self._generator = None
+        self._generator: Any = None  # the current attempt's DeploymentResponseGenerator
         self._attempt = 0
         self._attempt_id = request_id  # the engine request id of the current attempt
         self._streamed = False  # a token reached the caller: the request can no longer be retried

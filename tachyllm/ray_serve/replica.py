@@ -124,7 +124,8 @@ class CacheEventBuffer:
 class EngineReplica:
     """The body of a model's engine deployment (ray_serve.app makes it a @serve.deployment)."""
 
-    async def __init__(
+    # Ray Serve awaits an async constructor.
+    async def __init__(  # type: ignore[misc]
         self, model: ModelDeployment, router: RouterConfig, iteration_timeout: float, metrics: MetricsOptions
     ) -> None:
         from ray import serve

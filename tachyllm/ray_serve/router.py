@@ -42,7 +42,9 @@ class PrefixCacheRouter(RequestRouter):
     """Not FIFOMixin: that hands a chosen replica to the oldest pending request, not to the one it was
     chosen for (RemoteEngine gives every call its own id, which the base router matches on)."""
 
-    def initialize_state(self, deployment: str, model_name: str, load_margin: int, poll_interval_s: float) -> None:
+    def initialize_state(  # type: ignore[override]  # Ray passes request_router_kwargs as keywords
+        self, deployment: str, model_name: str, load_margin: int, poll_interval_s: float
+    ) -> None:
         self._deployment = deployment
         self._model_name = model_name
         self._load_margin = load_margin
@@ -70,16 +72,20 @@ class PrefixCacheRouter(RequestRouter):
         if not candidate_replicas:
             return []
         hashes: list[bytes] = []
-        counted = pending_request is not None and pending_request.metadata.call_method == GENERATE
-        if counted and len(pending_request.args) > BLOCK_HASHES_ARG:
-            hashes = pending_request.args[BLOCK_HASHES_ARG]
+        counted_call = (
+            pending_request
+            if pending_request is not None and pending_request.metadata.call_method == GENERATE
+            else None
+        )
+        if counted_call is not None and len(counted_call.args) > BLOCK_HASHES_ARG:
+            hashes = counted_call.args[BLOCK_HASHES_ARG]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         matched = self._index.matched_blocks(hashes, by_id)
         queues = {rid: self._queue_len(r) for rid, r in by_id.items()}
         pending = {rid: pending_prefill().blocks(rid) for rid in by_id}
         decision = choose_replica(matched, queues, self._load_margin, len(hashes), pending)
-        if counted:
-            bounded_insert(self._decisions, pending_request.metadata.internal_request_id, decision)
+        if counted_call is not None:
+            bounded_insert(self._decisions, counted_call.metadata.internal_request_id, decision)
         return ranked(by_id[decision.replica], candidate_replicas, self._queue_len)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:

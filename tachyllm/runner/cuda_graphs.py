@@ -23,13 +23,14 @@ from collections.abc import Callable
 
 import torch
 
-from tachyllm.backends.base import AttentionMetadata, MetadataBuilder
+from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV, MetadataBuilder
 from tachyllm.step import ScheduledSeq, StepBatch
 
 logger = logging.getLogger("tachyllm")
 
 # (input ids, positions, kv caches, metadata) -> hidden states [tokens, hidden]: the model's forward.
 Forward = Callable[..., torch.Tensor]
+StepInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]  # input ids, positions, metadata
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -72,7 +73,7 @@ class DecodeGraphs:
         self,
         forward: Forward,
         builder: MetadataBuilder,
-        kv_caches: list,
+        kv_caches: list[LayerKV],
         max_num_seqs: int,
         max_blocks: int,
         query_counts: tuple[int, ...] = (1,),
@@ -122,12 +123,12 @@ class DecodeGraphs:
             f"{len(self.graphs)} (batch sizes {_ranges(self.buckets)} x queries per sequence {list(self.query_counts)})"
         )
 
-    def _capture(self, size: int, queries: int, pool) -> _Graph:
+    def _capture(self, size: int, queries: int, pool: torch.cuda._POOL_HANDLE) -> _Graph:
         device = self.builder.device
         inputs = self.builder.prepare(dummy_decodes(size, queries, self.builder.block_size), pad_to=size)
         # One eager run first, on a side stream as capture needs: lazy initialisation (cuBLAS
         # workspaces, Triton compilation and autotuning) must not happen inside the capture.
-        stream = torch.cuda.Stream(device)
+        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             self.forward(*inputs[:2], self.kv_caches, inputs[2])
@@ -141,7 +142,7 @@ class DecodeGraphs:
         """The step's inputs padded to its bucket."""
         return self.builder.prepare(batch, pad_to=key[0])
 
-    def replay(self, key: tuple[int, int], inputs: tuple) -> torch.Tensor:
+    def replay(self, key: tuple[int, int], inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the padded step (the real tokens first): the bucket's graph replayed, or
         without graphs the forward run eagerly. The graph's output is overwritten by its next replay."""
         self.replays += 1
@@ -153,7 +154,7 @@ class DecodeGraphs:
         return entry.output
 
 
-def _copy_into(static: tuple, fresh: tuple) -> None:
+def _copy_into(static: StepInputs, fresh: StepInputs) -> None:
     """Copies the tensors of a step's (ids, positions, metadata) into the captured ones, where the
     builder did not already write them in place (a persistent-buffer builder returns views of the
     same memory: nothing is copied). Scalars the capture baked in must not have changed."""
@@ -174,8 +175,8 @@ def _copy_into(static: tuple, fresh: tuple) -> None:
 
 
 def measure_graph_memory(
-    forward: Forward, backend, allocate_cache: Callable[[int], list], block_size: int, max_num_seqs: int,
-    max_blocks: int, query_counts: tuple[int, ...],
+    forward: Forward, backend: Backend, allocate_cache: Callable[[int], list[LayerKV]], block_size: int,
+    max_num_seqs: int, max_blocks: int, query_counts: tuple[int, ...],
 ) -> int:  # fmt: skip
     """Bytes the graphs' memory pool takes, measured before the KV cache is sized: the largest bucket
     of each query count captured against a one-block cache, then freed (smaller buckets reuse the

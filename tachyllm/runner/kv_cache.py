@@ -50,6 +50,8 @@ def window_pool_blocks(
     at most cdiv(window, block_size) + 1 window blocks; during a step one more, and the blocks of its
     new tokens, which are at most max_num_batched_tokens in all."""
     window = cfg.sliding_window
+    if window is None:
+        return 0
     if not cfg.sliding_layers or len(cfg.sliding_layers) == cfg.num_layers or max_model_len - window < block_size:
         return 0
     return 1 + max_num_seqs * (-(-window // block_size) + 2) + -(-max_num_batched_tokens // block_size)

@@ -101,7 +101,11 @@ def lookup_only_table(model: LlamaForCausalLM) -> torch.Tensor | None:
     row of it per token."""
     table = _stored(model.embed_tokens)
     head = _stored(model.lm_head)
-    if head is not None and head.untyped_storage().data_ptr() == table.untyped_storage().data_ptr():
+    if (
+        table is not None
+        and head is not None
+        and head.untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
+    ):
         return None
     return table
 

@@ -17,7 +17,7 @@ from tachyllm.lora.layers import StepSegments
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.runner.cuda_graphs import DecodeGraphs
 from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
-from tachyllm.sampling.verify import verify
+from tachyllm.sampling.verify import sampling_input, verify
 from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
@@ -46,6 +46,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # The LoRA wrappers' view of the step's rows (tachyllm/lora), when adapters are served.
         self.lora_segments: StepSegments | None = None
+
+    @property
+    def _sampler(self) -> Sampler:
+        assert self.sampler is not None, "only a worker rank has no sampler, and it runs execute_shard"
+        return self.sampler
 
     def use_graphs(
         self, max_num_seqs: int, max_blocks: int, query_counts: tuple[int, ...], capture: bool = True
@@ -96,8 +101,9 @@ class ModelRunner:
         for i in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             part = slice(i, i + PROMPT_LOGPROB_ROWS)
             logits = self.model.compute_logits(hidden[torch.tensor(rows[part], device=self.device)])
-            raw = torch.log_softmax(logits[:, : self.sampler.vocab_size], dim=-1)
-            entries += logprob_rows(raw, torch.tensor(targets[part], device=self.device), nums[part])
+            raw = torch.log_softmax(logits[:, : self._sampler.vocab_size], dim=-1)
+            scored = logprob_rows(raw, torch.tensor(targets[part], device=self.device), nums[part])
+            entries += [entry for entry in scored if entry is not None]  # every row has a number: none is None
         out, pos = {}, 0
         for seq_id, count in owners:
             out[seq_id] = entries[pos : pos + count]
@@ -109,13 +115,13 @@ class ModelRunner:
     ) -> list[SeqResult]:
         results = []
         if plain:
-            sampled = self.sampler(logits[:num_plain], [s.sampling for s in plain])
+            sampled = self._sampler(logits[:num_plain], [sampling_input(s) for s in plain])
             results += [
                 SeqResult(s.seq_id, [token], [logprob])
                 for s, token, logprob in zip(plain, sampled.token_ids, sampled.logprobs)
             ]
         if spec:
-            for s, (tokens, logprobs) in zip(spec, verify(self.sampler, logits[num_plain:], spec)):
+            for s, (tokens, logprobs) in zip(spec, verify(self._sampler, logits[num_plain:], spec)):
                 results.append(SeqResult(s.seq_id, tokens, logprobs, s.num_draft_tokens, len(tokens) - 1))
         return results
 
@@ -140,23 +146,28 @@ class ModelRunner:
         faults.check("prepare", batch.seqs)
         if self.lora_segments is not None:
             self.lora_segments.set_step(batch.seqs)
-        bucket = self.graphs.bucket(batch) if self.graphs is not None else None
-        if bucket is not None:
+        graphs = self.graphs
+        bucket = graphs.bucket(batch) if graphs is not None else None
+        if graphs is not None and bucket is not None:
             with tracing.span("prepare_inputs"):
-                inputs = self.graphs.prepare(batch, bucket)
+                inputs = graphs.prepare(batch, bucket)
             faults.check("forward", batch.seqs)
             with tracing.span("forward"):
-                return self.graphs.replay(bucket, inputs)[: batch.num_tokens]
+                return graphs.replay(bucket, inputs)[: batch.num_tokens]
         with tracing.span("prepare_inputs"):
             input_ids, positions, meta = self.prepare(batch)
         faults.check("forward", batch.seqs)
         with tracing.span("forward"):
-            return self.model(input_ids, positions, self.kv_caches, meta)
+            hidden: torch.Tensor = self.model(input_ids, positions, self.kv_caches, meta)
+            return hidden
 
 
 def _sampled_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[ScheduledSeq], list[int], list[ScheduledSeq]]:
     """(rows sampled plainly, their sequences, rows of speculating sequences, theirs), in batch order."""
-    plain_rows, plain, spec_rows, spec = [], [], [], []
+    plain_rows: list[int] = []
+    spec_rows: list[int] = []
+    plain: list[ScheduledSeq] = []
+    spec: list[ScheduledSeq] = []
     end = 0
     for s in seqs:
         end += s.num_new_tokens
@@ -169,9 +180,12 @@ def _sampled_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[ScheduledSe
     return plain_rows, plain, spec_rows, spec
 
 
-def _prompt_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+def _prompt_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int | None], list[tuple[int, int]]]:
     """(rows to score, the prompt token each is scored for, top-N of each, (seq id, row count) per sequence)."""
-    rows, targets, nums, owners = [], [], [], []
+    rows: list[int] = []
+    targets: list[int] = []
+    nums: list[int | None] = []
+    owners: list[tuple[int, int]] = []
     start = 0
     for s in seqs:
         want = s.prompt_logprobs

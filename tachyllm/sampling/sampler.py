@@ -13,12 +13,14 @@ comes from its own device generator (a launch, not a sync).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from tachyllm.sampling_params import GREEDY_TEMPERATURE
+from tachyllm.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from tachyllm.step import LogprobInfo, SamplingInput
 
 # The largest penalised logit: divided by the smallest sampling temperature it is still 10x below
@@ -34,7 +36,30 @@ class SampleResult:
     logprobs: list[LogprobInfo | None]  # per row, when that row asked for logprobs
 
 
-def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+class SamplingRow(Protocol):
+    """What the sampler reads of the sequence a row belongs to: a SamplingInput, or the sequence as
+    seen after some of its draft tokens (sampling/verify.py's DraftRow)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+
+    @property
+    def generator(self) -> torch.Generator | None: ...
+
+    @property
+    def allowed_tokens(self) -> torch.Tensor | None: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def to_device(values: Sequence[float] | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list (or CPU tensor) on `device`. To a GPU through pinned memory without blocking: a
     plain copy from pageable memory waits for the device's queue to drain (a host sync); the caching
     host allocator keeps the pinned block until the copy has run."""
@@ -53,7 +78,7 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> SampleResult:
         """logits: [rows, vocab] float32, row i belongs to seqs[i] and predicts its next token."""
         logits = self.constrain(logits[:, : self.vocab_size], seqs)
         num_logprobs = [s.params.logprobs for s in seqs]
@@ -66,17 +91,20 @@ class Sampler:
             tokens = self.draw(self.probs(logits, seqs), seqs)
             if any(greedy):
                 tokens = torch.where(to_device(greedy, torch.bool, logits.device), greedy_tokens(logits), tokens)
-        rows = logprob_rows(raw_logprobs, tokens, num_logprobs) if raw_logprobs is not None else [None] * len(seqs)
+        rows: list[LogprobInfo | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            rows = logprob_rows(raw_logprobs, tokens, num_logprobs)
         return SampleResult(tokens.tolist(), rows)
 
-    def constrain(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def constrain(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """Structured outputs: the tokens its grammar forbids set to -inf in each constrained row, in
         one masked fill over those rows (unconstrained batches return at once). Logprobs are taken
         after this: they are those of the distribution the grammar leaves."""
-        rows = [i for i, s in enumerate(seqs) if s.allowed_tokens is not None]
-        if not rows:
+        masks = [(i, mask) for i, s in enumerate(seqs) if (mask := s.allowed_tokens) is not None]
+        if not masks:
             return logits
-        words = torch.stack([seqs[i].allowed_tokens for i in rows])
+        rows = [i for i, _ in masks]
+        words = torch.stack([mask for _, mask in masks])
         # Little-endian words: byte b of word w holds tokens 32w + 8b .. 32w + 8b + 7, lowest bit first.
         bits = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
         allowed = torch.from_numpy(bits.view(np.bool_))  # 0/1 bytes read as bools, not copied
@@ -90,7 +118,7 @@ class Sampler:
         index = to_device(rows, torch.long, logits.device)
         return logits.index_copy(0, index, torch.where(allowed, logits[index], float("-inf")))
 
-    def process(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """The logits a greedy request takes the argmax of: stop tokens masked before min_tokens, tokens
         outside allowed_token_ids or ending a bad word masked, penalties, logit biases."""
         logits = self._suppress_stops_before_min_tokens(logits[:, : self.vocab_size], seqs)
@@ -102,7 +130,7 @@ class Sampler:
             logits = self._apply_logit_bias(logits, seqs)
         return logits
 
-    def probs(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def probs(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """The distribution a sampling request draws from: processed logits under temperature,
         top-k / top-p and min-p (greedy rows are treated as temperature 1)."""
         dev = logits.device
@@ -120,7 +148,7 @@ class Sampler:
             probs = torch.where(probs < threshold, torch.zeros_like(probs), probs)
         return probs
 
-    def draw(self, probs: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """One token per row from (unnormalised) probs, by inverting the row's CDF at one uniform
         from the row's own noise stream (the engine's for unseeded rows). One random number per row:
         a [rows, vocab] tensor of exponential noise cost more than the rest of a decode step's
@@ -128,7 +156,7 @@ class Sampler:
         dev = probs.device
         unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
         seeded = [i for i, s in enumerate(seqs) if s.generator is not None]
-        counts = [(len(unseeded), self.generator)] if unseeded else []
+        counts: list[tuple[int, torch.Generator | None]] = [(len(unseeded), self.generator)] if unseeded else []
         counts += [(1, seqs[i].generator) for i in seeded]
         parts = [torch.rand(n, generator=g, dtype=torch.float64, device=dev) for n, g in counts]
         u = torch.cat(parts)
@@ -140,11 +168,11 @@ class Sampler:
         """count uniforms in [0, 1) from the sequence's own stream (or the engine's)."""
         return torch.rand(count, generator=seq.generator or self.generator, device=self.device)
 
-    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def _suppress_stops_before_min_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         vocab, flat = logits.shape[1], []  # flat (row * vocab + token) indices, as in the methods below
         for i, s in enumerate(seqs):
             if s.num_output_tokens < s.params.min_tokens:
-                stop_ids = list(s.params.stop_token_ids)
+                stop_ids = list(s.params.stop_token_ids or ())
                 if not s.params.ignore_eos:
                     stop_ids += self.eos_token_ids
                 flat += [i * vocab + t for t in stop_ids]
@@ -155,7 +183,7 @@ class Sampler:
             logits = logits.flatten().index_fill(0, index, float("-inf")).view(logits.shape)
         return logits
 
-    def _restrict_tokens(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def _restrict_tokens(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         """-inf for every token outside a row's allowed_token_ids and for the tokens that would end one of
         its bad words now: one host mask over the batch, one transfer."""
         banned = torch.zeros(logits.shape, dtype=torch.bool)
@@ -167,7 +195,7 @@ class Sampler:
                 banned[i, bad_word_endings(s.params.bad_words_token_ids, s.output_token_ids)] = True
         return logits.masked_fill(to_device(banned, torch.bool, logits.device), float("-inf"))
 
-    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         flat, values = [], []
         for i, s in enumerate(seqs):
@@ -179,7 +207,7 @@ class Sampler:
         index = to_device(flat, torch.long, dev)
         return logits.reshape(-1).scatter_add(0, index, to_device(values, logits.dtype, dev)).view(logits.shape)
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[SamplingInput]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
         n, vocab, dev = len(seqs), logits.shape[1], logits.device
         # Two transfers: the three penalties per row, then the flat (row * vocab + token) indices of
         # outputs and of history, scattered (see _apply_logit_bias: no index_put here).
@@ -269,7 +297,7 @@ def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (block * BLOCK + offset).clamp_(max=vocab - 1)
 
 
-def _per_block(values: torch.Tensor, reduce) -> torch.Tensor:
+def _per_block(values: torch.Tensor, reduce: Callable[..., torch.Tensor]) -> torch.Tensor:
     """[rows, vocab] -> [rows, blocks]: `reduce` (torch.amax, torch.sum) over each block of BLOCK
     columns, the last block being the tail when BLOCK does not divide the vocabulary."""
     rows, vocab = values.shape

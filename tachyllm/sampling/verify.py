@@ -65,23 +65,32 @@ def draft_rows(seq: SamplingInput, drafts: list[int]) -> list[DraftRow]:
     return [DraftRow(seq, drafts[:j]) for j in range(len(drafts) + 1)]
 
 
+def sampling_input(s: ScheduledSeq) -> SamplingInput:
+    """What sampling reads of a sequence that reaches its next token this step (it has one)."""
+    assert s.sampling is not None, "a sequence that completes its step samples its next token"
+    return s.sampling
+
+
 def verify(
     sampler: Sampler, logits: torch.Tensor, spec: list[ScheduledSeq]
 ) -> list[tuple[list[int], list[LogprobInfo | None]]]:
     """logits: [sum(k_i + 1), vocab], the rows of each speculating sequence in order. Returns, per
     sequence, the emitted tokens (accepted drafts + one target token) and their logprob entries."""
-    rows = [row for s in spec for row in draft_rows(s.sampling, s.draft_token_ids)]
+    rows = [row for s in spec for row in draft_rows(sampling_input(s), s.draft_token_ids)]
     first_rows = [0]
     for s in spec:
         first_rows.append(first_rows[-1] + s.num_draft_tokens + 1)
     logits = sampler.constrain(logits[:, : sampler.vocab_size], rows)
-    want_logprobs = any(s.sampling.params.logprobs is not None for s in spec)
+    want_logprobs = any(sampling_input(s).params.logprobs is not None for s in spec)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     processed = sampler.process(logits, rows)
     argmaxes = greedy_tokens(processed).tolist()
     # Target distributions, only for the rows of sampling requests: row index -> row of `probs`.
     sampled = [
-        r for i, s in enumerate(spec) if not s.sampling.params.greedy for r in range(first_rows[i], first_rows[i + 1])
+        r
+        for i, s in enumerate(spec)
+        if not sampling_input(s).params.greedy
+        for r in range(first_rows[i], first_rows[i + 1])
     ]
     probs = None
     if sampled:
@@ -90,7 +99,7 @@ def verify(
 
     out = []
     for i, s in enumerate(spec):
-        drafts, first, seq = s.draft_token_ids, first_rows[i], s.sampling
+        drafts, first, seq = s.draft_token_ids, first_rows[i], sampling_input(s)
         if seq.params.greedy:
             target = argmaxes[first : first_rows[i + 1]]
             accepted = 0
@@ -98,12 +107,14 @@ def verify(
                 accepted += 1
             tokens = drafts[:accepted] + [target[accepted]]
         else:
+            assert probs is not None, "a sampling request's rows are in `sampled`"
             p = probs[position[first] : position[first] + len(drafts) + 1]
             tokens = _rejection_sample(sampler, seq, drafts, p, seq.draft_probs)
         logprobs: list[LogprobInfo | None] = [None] * len(tokens)
         if seq.params.logprobs is not None:
             emitted = slice(first, first + len(tokens))
             chosen = to_device(tokens, torch.long, logits.device)
+            assert raw_logprobs is not None, "want_logprobs covers this sequence"
             logprobs = logprob_rows(raw_logprobs[emitted], chosen, [seq.params.logprobs] * len(tokens))
         out.append((tokens, logprobs))
     return out

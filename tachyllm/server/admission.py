@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import QueueFullError, RequestStream
+from tachyllm.server.async_engine import OutputStream, QueueFullError
 from tachyllm.server.errors import APIError, bad_request
 from tachyllm.server.request_trace import TracedStream, current_request
 from tachyllm.server.state import ServedModel, ServerState
@@ -21,7 +22,7 @@ async def start_requests(
     prompts: list[Prompt],
     params: list[SamplingParams],
     prompt_param: str,
-) -> list[RequestStream]:
+) -> Sequence[OutputStream]:
     """Admits one engine request per prompt, all or none, while the queue has room for them all. The
     InputProcessor checks them here, once: the engine queues the processed requests as they are."""
     state.check_not_draining()

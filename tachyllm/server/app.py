@@ -22,6 +22,7 @@ from starlette.middleware.cors import CORSMiddleware
 from tachyllm.errors import ConfigError
 from tachyllm.lora.peft import load_peft_adapter
 from tachyllm.lora.request import LoRARequest
+from tachyllm.model_config import ModelConfig
 from tachyllm.otel import RequestTracer, TraceOptions
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError
 from tachyllm.server.errors import APIError, engine_dead
@@ -44,16 +45,16 @@ def build_app(engine: AsyncEngine, args: argparse.Namespace) -> FastAPI:
     async def local_metrics() -> list[tuple[dict[str, str], bytes]]:
         return [({}, metrics.render(engine.snapshot))]
 
-    adapters = lora_models(served, args)
+    adapters = lora_models(served, engine.model_config, args)
     state = server_state([served, *adapters], args, [local_metrics])
     if args.allow_runtime_lora_updating:
         if not args.enable_lora:
             raise ConfigError("--allow-runtime-lora-updating needs --enable-lora")
-        state.runtime_lora = RuntimeLoRA(served, args.max_lora_rank, next_id=len(adapters) + 1)
+        state.runtime_lora = RuntimeLoRA(served, engine.model_config, args.max_lora_rank, next_id=len(adapters) + 1)
     return assemble_app(state, args, engine.trace_options)
 
 
-def lora_models(base: ServedModel, args: argparse.Namespace) -> list[ServedModel]:
+def lora_models(base: ServedModel, model_config: ModelConfig, args: argparse.Namespace) -> list[ServedModel]:
     """A model per --lora-modules adapter, on the base model's engine; each adapter is read and checked
     against the base model now, so that a bad one stops the server before it serves."""
     modules = args.lora_modules
@@ -65,7 +66,7 @@ def lora_models(base: ServedModel, args: argparse.Namespace) -> list[ServedModel
         if module.name in names:
             raise ConfigError(f"--lora-modules: the name {module.name!r} is already served")
         names.add(module.name)
-        load_peft_adapter(module.path, base.engine.model_config, args.max_lora_rank)
+        load_peft_adapter(module.path, model_config, args.max_lora_rank)
         lora = LoRARequest(module.name, int_id, module.path)
         parent = module.base_model_name or base.name
         served.append(ServedModel([module.name], base.engine, base.tool_call_parser, lora=lora, parent=parent))
@@ -99,9 +100,9 @@ def assemble_app(state: ServerState, args: argparse.Namespace, tracing: TraceOpt
     app.state.server = state
     # A proxy's path prefix (as vLLM sets it; FastAPI's constructor argument for it is deprecated).
     app.root_path = args.root_path
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(EngineDeadError, on_engine_dead)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]  # Starlette types handlers over Exception
+    app.add_exception_handler(EngineDeadError, on_engine_dead)  # type: ignore[arg-type]  # Starlette types handlers over Exception
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]  # Starlette types handlers over Exception
     app.add_exception_handler(Exception, on_bug)
 
     app.include_router(service.router)
@@ -165,7 +166,7 @@ async def on_http_error(request: Request, e: StarletteHTTPException) -> Response
     error = APIError(
         e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error"
     )
-    return json_response(error.body, error.status, e.headers)
+    return json_response(error.body, error.status, dict(e.headers) if e.headers is not None else None)
 
 
 async def on_bug(request: Request, e: Exception) -> Response:

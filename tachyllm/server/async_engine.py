@@ -22,9 +22,11 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.host_malloc import use_one_arena
@@ -59,6 +61,18 @@ class QueueFullError(TachyError):
         super().__init__(f"{num_queued} requests are waiting to start (limit {limit})")
         self.num_queued = num_queued
         self.limit = limit
+
+
+class OutputStream(Protocol):
+    """What the routes use of a request's outputs: a RequestStream, or ray_serve's RemoteStream."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def close(self) -> None: ...
 
 
 class RequestStream:
@@ -98,7 +112,8 @@ class RequestStream:
 
     def _add_up_waiting(self, first: RequestOutput) -> RequestOutput | BaseException:
         """`first` and the outputs queued behind it as one; an error among them wins (it ends the request)."""
-        total, latest = DeltaAccumulator(), first
+        total = DeltaAccumulator()
+        latest: RequestOutput | BaseException = first
         total.add(first)
         while not self._queue.empty():
             latest = self._queue.get_nowait()
@@ -118,7 +133,7 @@ class RequestStream:
 @dataclass
 class _Add:
     stream: RequestStream
-    prompt: str | list[int]
+    prompt: str | list[int] | ProcessedRequest
     params: SamplingParams
     arrival_time: float
     priority: int
@@ -231,7 +246,7 @@ class AsyncEngine:
         self._listeners.append(listener)
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: str | list[int] | ProcessedRequest, params: SamplingParams, priority: int = 0
     ) -> RequestStream:
         """Queues a request and waits until the engine took it (at most one step): raises
         RequestError when the engine refuses it, so callers can answer 400 before streaming."""
@@ -239,7 +254,7 @@ class AsyncEngine:
 
     async def add_requests(
         self,
-        requests: list[tuple[str, str | list[int], SamplingParams]],
+        requests: Sequence[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
         max_queued: int | None = None,
         priority: int = 0,
     ) -> list[RequestStream]:

@@ -95,7 +95,7 @@ class RequestGuard:
         self.body_timeout = body_timeout  # seconds; 0 = none
         # Entries are read as Host headers are: a port, brackets and case do not matter.
         any_host = allowed_hosts is None or "*" in allowed_hosts
-        self.allowed_hosts = None if any_host else set(map(host_name, allowed_hosts))
+        self.allowed_hosts = None if allowed_hosts is None or any_host else set(map(host_name, allowed_hosts))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

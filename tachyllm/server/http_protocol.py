@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -69,7 +69,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.cancel_header_timer()
-        extensions = self.scope.setdefault("extensions", {})
+        # Keys of this server's own: ASGI types an extension's value as a dict, these carry a string.
+        extensions = cast(dict[str, object], self.scope.setdefault("extensions", {}))
         if self.over_capacity:
             extensions[CONNECTION_REFUSED] = (
                 f"this server holds its limit of {self.limits.max_connections} open connections "

@@ -40,7 +40,8 @@ _WAITING_REASONS = ("capacity", "deferred")
 
 def token_buckets(max_model_len: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_model_len (vLLM's request length buckets)."""
-    buckets, exponent = [], 0
+    buckets: list[int] = []
+    exponent = 0
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * 10**exponent
@@ -173,7 +174,7 @@ class ServerMetrics:
                     if m.ttft is not None:
                         self.ttft.observe(m.ttft)
                     new_tokens -= 1  # the first token has no interval before it
-                if new_tokens > 0 and progress.last_token_time is not None:
+                if new_tokens > 0 and progress.last_token_time is not None and m.last_token_time is not None:
                     gap = (m.last_token_time - progress.last_token_time) / new_tokens
                     for _ in range(new_tokens):
                         self.itl.observe(gap)

@@ -9,17 +9,17 @@ possible stop string held back): ChoiceProgress keeps those until text arrives w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from tachyllm.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
-from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.responses import finish_reason
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: Sequence[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several requests as they come, tagged with each request's position.
     Leaving early (client gone, error) aborts every unfinished request."""
     tasks: list[asyncio.Task] = []
@@ -30,7 +30,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             return
         queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
-        async def pump(i: int, stream: RequestStream) -> None:
+        async def pump(i: int, stream: OutputStream) -> None:
             try:
                 async for out in stream:
                     queue.put_nowait((i, out))
@@ -56,7 +56,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             stream.close()
 
 
-async def final_outputs(request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+async def final_outputs(request: Request, streams: Sequence[OutputStream]) -> list[RequestOutput] | None:
     """Each request's final output, in order; None if the client hung up first (all are then aborted)."""
 
     async def collect() -> list[RequestOutput]:

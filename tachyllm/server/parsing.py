@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import APIError, bad_request
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from tachyllm.server.state import ServedModel, ServerState
 
 T = TypeVar("T", bound=BaseModel)
+GenerationRequest = TypeVar("GenerationRequest", bound=p.SamplingFields)
 
 # What a union-typed field accepts, for one readable message instead of one per alternative.
 UNION_HINTS = {
@@ -36,7 +38,9 @@ async def parse_body(request: Request, model: type[T]) -> T:
         raise invalid_body(e) from None
 
 
-async def parse_generation_request(request: Request, model: type[T], state: ServerState) -> tuple[T, ServedModel]:
+async def parse_generation_request(
+    request: Request, model: type[GenerationRequest], state: ServerState
+) -> tuple[GenerationRequest, ServedModel]:
     """A completions or chat request's body and the model it names, refused (400/404) for what no
     generation route serves: a model not served, a field this server does not support, too many
     choices; checked in that order."""
@@ -89,7 +93,7 @@ def unknown_field(path: str) -> APIError:
     return bad_request(f"unknown field {path!r}: this server does not support it", param=path)
 
 
-def got(err: dict) -> str:
+def got(err: ErrorDetails) -> str:
     return "" if err["type"] == "missing" else f" (got {repr(err['input'])[:100]})"
 
 
@@ -111,7 +115,7 @@ def reject_unsupported(body: p.SamplingFields) -> None:
             raise bad_request("max_tokens 0 needs echo (it returns the prompt alone)", param="max_tokens")
     if body.prompt_logprobs is not None and body.stream:
         raise bad_request("prompt_logprobs are not available with stream (as in vLLM)", param="prompt_logprobs")
-    if not isinstance(body, p.CompletionRequest):
+    if isinstance(body, p.ChatCompletionRequest):  # the other kind of generation request
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         if body.modalities is not None and any(m != "text" for m in body.modalities):

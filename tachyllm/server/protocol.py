@@ -23,9 +23,8 @@ def _integral_float_as_int(value: object) -> object:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def integer(**bounds: object) -> object:
-    """An integer field type with bounds; accepts integral floats (17.0)."""
-    return Annotated[Annotated[int, Field(**bounds)], BeforeValidator(_integral_float_as_int)]
+# Integer field types with bounds; each accepts integral floats (17.0).
+_AS_INT = BeforeValidator(_integral_float_as_int)
 
 
 def route_checked(schema: dict) -> object:
@@ -55,12 +54,14 @@ Probability = Annotated[float, Field(ge=0, le=1)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 PositiveFloat = Annotated[float, Field(gt=0)]
-PositiveInt = integer(ge=1)
-NonNegInt = integer(ge=0)
-TopK = integer(ge=-1)
-NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
-TokenId = integer(ge=0, json_schema_extra={"x-token-id": True})  # openapi.py adds the vocabulary's bound
-Seed = integer(ge=0, lt=2**63)  # what a torch.Generator accepts, with room for seed + i
+PositiveInt = Annotated[int, Field(ge=1), _AS_INT]
+NonNegInt = Annotated[int, Field(ge=0), _AS_INT]
+TopK = Annotated[int, Field(ge=-1), _AS_INT]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _AS_INT]
+TokenId = Annotated[
+    int, Field(ge=0, json_schema_extra={"x-token-id": True}), _AS_INT
+]  # openapi.py adds the vocabulary's bound
+Seed = Annotated[int, Field(ge=0, lt=2**63), _AS_INT]  # what a torch.Generator accepts, with room for seed + i
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE)]
 # Per-token work for every step of a request grows with these lists: bounded, so that one request
 # cannot slow the whole batch (OpenAI allows 4 stop strings and 300 biased tokens).

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from tachyllm.otel import RequestTracer, TracedRequest
 from tachyllm.outputs import RequestOutput
-from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.state import MetricsSource
 
 # The GenAI operation name (OpenTelemetry semantic conventions) of each traced route.
@@ -45,7 +45,7 @@ def tracing(request: TracedRequest) -> Iterator[TracedRequest]:
 class TracedStream:
     """An engine stream whose outputs are also kept for the request's trace."""
 
-    def __init__(self, stream: RequestStream, request: TracedRequest) -> None:
+    def __init__(self, stream: OutputStream, request: TracedRequest) -> None:
         self._stream = stream
         self._request = request
         self.request_id = stream.request_id
@@ -100,7 +100,7 @@ class RequestTracing:
         finally:
             # 499: the client hung up, an abort rather than a failure (the finish reason says so).
             if request.error is None and (request.status_code or 0) >= 400 and request.status_code != 499:
-                request.error = _error_message(b"".join(error_body), request.status_code)
+                request.error = _error_message(b"".join(error_body), request.status_code or 0)
             self.tracer.finish(span, request)
 
 

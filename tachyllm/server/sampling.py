@@ -51,10 +51,12 @@ def structured_outputs(body: p.SamplingFields) -> StructuredOutputsParams | None
     try:
         if field == "response_format":
             fmt = body.response_format
+            assert fmt is not None, "constraint_field found it set"
             schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
             return format_constraint(fmt.type, schema, "response_format", "json_schema.schema")
         if field == "structured_outputs":
             so = body.structured_outputs
+            assert so is not None, "constraint_field found it set"
             return StructuredOutputsParams(
                 json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=so.json_object
             )
@@ -126,7 +128,7 @@ def prompt_logprobs(body: p.SamplingFields) -> int | None:
     wanted = [body.prompt_logprobs]
     if isinstance(body, p.CompletionRequest) and body.echo:
         wanted.append(body.logprobs)
-    return max((n for n in wanted if n is not None), default=None)
+    return max([n for n in wanted if n is not None], default=None)
 
 
 def with_defaults(options: dict[str, Any], defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -149,7 +151,8 @@ def sampling_params(
     constraint = structured_outputs(body)
     if constraint is not None and tool_constraint is not None:
         field = constraint_field(body)
-        raise bad_request(f"{field} cannot be combined with tool_choice {body.tool_choice!r}", param=field)
+        choice = body.tool_choice if isinstance(body, p.ChatCompletionRequest) else None
+        raise bad_request(f"{field} cannot be combined with tool_choice {choice!r}", param=field)
     options = {
         "n": body.n,
         "temperature": body.temperature,

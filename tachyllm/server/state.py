@@ -6,17 +6,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import Request
 
-from tachyllm.engine.input_processor import InputProcessor, Prompt
+from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest, Prompt
 from tachyllm.loading import Tokenizer
 from tachyllm.lora.request import LoRARequest
+from tachyllm.model_config import ModelConfig
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import EngineDeadError, RequestStream
+from tachyllm.server.async_engine import EngineDeadError, OutputStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.metrics import merge_expositions
 from tachyllm.server.tools import tool_format
@@ -37,7 +38,7 @@ class RequestLimits:
 class EngineClient(Protocol):
     """What the routes use of an engine: an AsyncEngine in this process, or ray_serve's RemoteEngine
     over a deployment's replicas. Its add_requests returns streams that iterate like RequestStream
-    (outputs, then the end or an exception) and close() like it."""
+    (outputs, then the end or an exception) and close() like it: OutputStreams."""
 
     tokenizer: Tokenizer
     model_name: str
@@ -49,8 +50,10 @@ class EngineClient(Protocol):
     error: BaseException | None
 
     async def add_requests(
-        self, requests: list[tuple[str, str | list[int], SamplingParams]], max_queued: int | None = None
-    ) -> list[RequestStream]: ...
+        self,
+        requests: list[tuple[str, ProcessedRequest, SamplingParams]],
+        max_queued: int | None = None,
+    ) -> Sequence[OutputStream]: ...
 
     @property
     def is_running(self) -> bool: ...
@@ -128,6 +131,7 @@ class RuntimeLoRA:
     again under its name is read anew)."""
 
     base: ServedModel
+    model_config: ModelConfig  # the base model's, which an adapter is checked against
     max_lora_rank: int
     next_id: int = 1
 

@@ -217,7 +217,8 @@ def _generic_calls(text: str, partial: bool) -> list[Any] | None:
     opening = _GENERIC_CALL_LIST.match(text.lstrip())
     if opening is None:
         return None
-    rest, at, entries = text.lstrip(), opening.end(), []
+    rest, at = text.lstrip(), opening.end()
+    entries: list[Any] = []
     decoder = json.JSONDecoder()
     while True:
         try:
@@ -334,7 +335,7 @@ def tool_plan(body: p.ChatCompletionRequest, tokenizer: Tokenizer, parser: str |
             raise bad_request(f"tool_choice names {named!r}, which is not among the tools ({', '.join(names)})",
                               param="tool_choice")  # fmt: skip
     tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    kind = "named" if named else (choice or "auto")
+    kind = "named" if isinstance(choice, p.NamedToolChoice) else (choice or "auto")
     parallel = body.parallel_tool_calls is not False
     fmt = tool_format(tokenizer.chat_template, parser)
     return ToolPlan(fmt, tools, kind, named, parallel, keep_special_tokens=fmt == HERMES and _special_tags(tokenizer))

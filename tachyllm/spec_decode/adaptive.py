@@ -110,9 +110,9 @@ class AdaptiveController:
         (`base` seconds) by MIN_GAIN."""
         best_k, best_rate = 0, 0.0
         for k in range(1, self.max_k + 1):
-            cost = self.step_costs.by_size.estimate(base_tokens + num_spec * k, high=True) + self.proposal_seconds(
-                num_spec, k
-            )
+            step = self.step_costs.by_size.estimate(base_tokens + num_spec * k, high=True)
+            assert step is not None, "the callers measured `base`: the table has points"
+            cost = step + self.proposal_seconds(num_spec, k)
             rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -150,7 +150,9 @@ class AdaptiveController:
         if not self.has_draft_model:
             return 0.0
         first = self.proposal_cost.estimate(2 * num_spec, high=True)
-        return first + (k - 1) * self.proposal_cost.estimate(num_spec, high=True)
+        later = self.proposal_cost.estimate(num_spec, high=True)
+        assert first is not None and later is not None, "choose() measures the proposer before judging it"
+        return first + (k - 1) * later
 
     def _spec(self, k: int) -> int:
         self.steps_without_spec = 0

@@ -39,6 +39,7 @@ from tachyllm.runner.model_loader import build_model
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler, greedy_tokens
 from tachyllm.spec_decode.proposer import Draft, Proposer
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import SamplingInput, ScheduledSeq, StepBatch
 
 logger = logging.getLogger("tachyllm")
@@ -56,6 +57,8 @@ def build_draft_model(
     tokenizer. Quantized drafts include their LM head: a draft's rounding costs acceptance, never
     output tokens, and the head is a large part of a small model's step."""
     spec = config.speculative_config
+    assert isinstance(spec, SpeculativeConfig), "EngineConfig.__post_init__ parses speculative_config"
+    assert spec.model is not None, "SpeculativeConfig requires 'model' for method 'draft_model'"
     invariant = config.deterministic
     if spec.model.startswith("self:layers="):
         return _truncated(target, int(spec.model.removeprefix("self:layers=")))
@@ -227,8 +230,8 @@ class DraftModelProposer(Proposer):
             for shadow in scheduled:
                 shadow.num_computed_tokens = shadow.num_tokens
             tokens, dists = self._sample(logits, scheduled)
-            for i, (seq, shadow, _) in enumerate(active):
-                shadow.seq.token_ids.append(tokens[i])
+            for i, (seq, synced, _) in enumerate(active):
+                synced.seq.token_ids.append(tokens[i])
                 drafts[seq.seq_id].append(tokens[i])
                 if dists is not None and not seq.params.greedy:
                     probs[seq.seq_id].append(dists[i])
@@ -286,17 +289,17 @@ class DraftModelProposer(Proposer):
     def _sample(self, logits: torch.Tensor, shadows: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         """Greedy requests take the draft's argmax; sampling requests draw from the draft's own
         distribution under their parameters and keep it (q) for the rejection test."""
-        shadows = [SamplingInput(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in shadows]
-        processed = self.sampler.process(logits, shadows)
+        inputs = [SamplingInput(s.params, s.token_ids, s.num_prompt_tokens, s.generator) for s in shadows]
+        processed = self.sampler.process(logits, inputs)
         tokens = greedy_tokens(processed)
-        if all(s.params.greedy for s in shadows):
+        if all(s.params.greedy for s in inputs):
             return tokens.tolist(), None
-        dists = self.sampler.probs(processed, shadows)
+        dists = self.sampler.probs(processed, inputs)
         dists = dists / dists.sum(dim=-1, keepdim=True)
         if dists.shape[1] < self.vocab_size:  # a draft with fewer embedding rows never proposes the rest
             dists = torch.nn.functional.pad(dists, (0, self.vocab_size - dists.shape[1]))
-        sampled = self.sampler.draw(dists, shadows)
-        is_greedy = torch.tensor([s.params.greedy for s in shadows], device=logits.device)
+        sampled = self.sampler.draw(dists, inputs)
+        is_greedy = torch.tensor([s.params.greedy for s in inputs], device=logits.device)
         return torch.where(is_greedy, tokens, sampled).tolist(), dists
 
 

@@ -19,6 +19,7 @@ from tachyllm.spec_decode.adaptive import AdaptiveController
 from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.spec_decode.proposer import Proposer
+from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
@@ -44,7 +45,9 @@ class Speculator:
         backend: Backend,
         step_costs: StepCostModel,
     ):
-        self.config = config = engine_config.speculative_config
+        config = engine_config.speculative_config
+        assert isinstance(config, SpeculativeConfig), "EngineConfig.__post_init__ parses speculative_config"
+        self.config = config
         self.max_model_len = max_model_len
         self.proposer: Proposer
         if config.method == "ngram":

@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -27,10 +28,17 @@ from tachyllm.sampling_params import StructuredOutputsParams
 from tachyllm.structured_output.grammar import Grammar, clean_error
 from tachyllm.structured_output.json_schema import without_undeclared_keys
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in llguidance's stubs only
+
 CACHE_SIZE = 256  # compiled constraints (and refused ones) kept, least recently used dropped first
 # JSON as models write it ({"a": 1, "b": [2, 3]}), with no free whitespace: a model cannot spend
 # its tokens on blank lines inside an object.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 # Without verbose errors llguidance's messages leave out its parser state and the grammar.
 PARSER_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 
@@ -72,13 +80,17 @@ def grammar_source(params: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_json_schema(without_undeclared_keys(schema), defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        # params.kind names the field that is set.
         if kind == "regex":
+            assert params.regex is not None
             return llguidance.LLMatcher.grammar_from_regex(params.regex)
         if kind == "choice":
             # One terminal, as a JSON schema's enum is: its strings go into the lexer, where any number
             # of them fits, not into one grammar rule of that many alternatives (llguidance allows 2000).
+            assert params.choice is not None
             choices = " | ".join(json.dumps(choice) for choice in params.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {choices}")
+        assert params.grammar is not None
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except json.JSONDecodeError as e:
         raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
@@ -143,7 +155,7 @@ class GrammarCompiler:
         }
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["tokenizer"], state["vocab_size"], state["eos"], state["limits"])
+        GrammarCompiler.__init__(self, state["tokenizer"], state["vocab_size"], state["eos"], state["limits"])
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:

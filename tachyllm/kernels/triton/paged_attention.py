@@ -423,5 +423,10 @@ def _check_cache(
     if quantized != (k_scale is not None and v_scale is not None):
         raise ValueError(f"a {k_cache.dtype} cache needs k_scale and v_scale" if quantized
                          else f"scales given for a {k_cache.dtype} cache")  # fmt: skip
-    if quantized and (k_scale.shape != (kv_heads,) or v_scale.shape != (kv_heads,)):
+    if (
+        quantized
+        and k_scale is not None
+        and v_scale is not None
+        and (k_scale.shape != (kv_heads,) or v_scale.shape != (kv_heads,))
+    ):
         raise ValueError(f"k_scale / v_scale must be fp32 [{kv_heads}]")

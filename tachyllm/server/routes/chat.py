@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -13,7 +14,7 @@ from fastapi.responses import Response
 from tachyllm.engine.input_processor import Prompt
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
-from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
 from tachyllm.server.parsing import parse_generation_request
@@ -80,6 +81,7 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
     choices = []
     for c in out.outputs:
         reason, message = finish_reason(out, c, constraint_param(body)), p.AssistantMessage(content=c.text)
+        assert reason is not None, "finish_reason of a final output"
         if plan is not None:
             content, calls, reason = plan.answer(c.text, reason)
             message = p.AssistantMessage(content=content, tool_calls=tool_calls(calls) or None)
@@ -106,7 +108,7 @@ async def chat_events(
     body: p.ChatCompletionRequest,
     request_id: str,
     prompt: Prompt,
-    streams: list[RequestStream],
+    streams: Sequence[OutputStream],
     plan: ToolPlan | None,
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
@@ -132,7 +134,8 @@ async def chat_events(
                 logprobs = None
                 if top_logprobs is not None:
                     logprobs = chat_logprobs(update.choice, 0, top_logprobs)
-                text, reason, calls = update.text, update.finish_reason, []
+                text, reason = update.text, update.finish_reason
+                calls: list[ToolCall] = []
                 if reason is not None:
                     num_output_tokens += update.progress.num_tokens
                 if tool_streams is not None:
@@ -152,7 +155,7 @@ async def chat_events(
                     )
                     for k, c in enumerate(calls)
                 ]
-                role = None if started[update.index] else "assistant"
+                role: Literal["assistant"] | None = None if started[update.index] else "assistant"
                 started[update.index] = True
                 choice = p.ChatChunkChoice(
                     index=update.index,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
@@ -16,7 +16,7 @@ from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
-from tachyllm.server.async_engine import RequestStream
+from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
 from tachyllm.server.parsing import parse_generation_request
@@ -81,6 +81,7 @@ async def completions(request: Request, state: ServerState = Depends(server_stat
         for c in out.outputs:
             reason = finish_reason(out, c, constraint_param(body))
             if echo_only(body):
+                assert echo is not None, "echo_only needs echo"
                 choice = echo_choice(body, echo, out, i * n + c.index, "length")
             else:
                 choice = generated_choice(body, echo, out, c, i * n + c.index, reason)
@@ -150,7 +151,7 @@ async def completion_events(
     request_id: str,
     prompts: list[Prompt],
     echoes: list[Echo] | None,
-    streams: list[RequestStream],
+    streams: Sequence[OutputStream],
 ) -> AsyncIterator[str]:
     n, created = body.n or 1, int(time.time())
     progress = [ChoiceProgress() for _ in range(len(prompts) * n)]
@@ -168,15 +169,16 @@ async def completion_events(
     try:
         num_output_tokens = 0
         async for i, out in merged(streams):
-            if held[i] is not None:
-                held[i].add(out)
+            if (accumulated := held[i]) is not None:
+                accumulated.add(out)
                 if echo_only(body):
                     ready = out.finished
                 else:
                     ready = out.finished or body.logprobs is None or out.prompt_logprobs is not None
                 if not ready:
                     continue
-                out, held[i] = held[i].result(), None
+                out, held[i] = accumulated.result(), None
+                assert echoes is not None, "held outputs wait for their echoed prompt"
                 for c in out.outputs:
                     reason = None
                     if echo_only(body):

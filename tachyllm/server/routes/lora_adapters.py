@@ -29,11 +29,12 @@ router = APIRouter()
 async def load_lora_adapter(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body = await parse_body(request, p.LoadLoRAAdapterRequest)
     runtime = state.runtime_lora
+    assert runtime is not None, "the route is included only with --allow-runtime-lora-updating"
     name = body.lora_name
     check_name_free(state, name)
     base = runtime.base
     try:
-        await asyncio.to_thread(load_peft_adapter, body.lora_path, base.engine.model_config, runtime.max_lora_rank)
+        await asyncio.to_thread(load_peft_adapter, body.lora_path, runtime.model_config, runtime.max_lora_rank)
     except AdapterError as e:
         raise bad_request(str(e), param="lora_path") from None
     check_name_free(state, name)  # another load may have taken it meanwhile

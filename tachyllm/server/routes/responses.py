@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, cast
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -24,7 +24,7 @@ from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
-from tachyllm.server.async_engine import EngineDeadError, RequestStream
+from tachyllm.server.async_engine import EngineDeadError, OutputStream
 from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.output_stream import ChoiceProgress, choice_updates, final_outputs, merged
@@ -81,6 +81,7 @@ async def create_response(request: Request, state: ServerState = Depends(server_
     choice = out.outputs[0]
     answer = Answer(choice.text, reason=finish_reason(out, choice, constraint_param), num_tokens=len(choice.token_ids))
     if plan is not None:
+        assert answer.reason is not None, "finish_reason of a final output"
         content, answer.calls, answer.reason = plan.answer(choice.text, answer.reason)
         answer.text = content or ""
     if top_logprobs is not None:
@@ -116,9 +117,12 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
         return [*messages, p.ChatMessage(role="user", content=body.input)]
     for i, item in enumerate(body.input):
         kind = checked_item_type(item, f"input[{i}]")
+        # checked_item_type found the fields each kind requires (RESPONSE_ITEM_REQUIRED).
         if kind == "message":
+            assert item.role is not None and item.content is not None
             messages.append(p.ChatMessage(role=item.role, content=part_texts(item.content, f"input[{i}].content")))
         elif kind == "function_call":
+            assert item.call_id is not None and item.name is not None and item.arguments is not None
             call = p.ToolCallIn(id=item.call_id, function=p.FunctionCallIn(name=item.name, arguments=item.arguments))
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
@@ -126,6 +130,7 @@ def input_messages(body: p.ResponsesRequest) -> list[p.ChatMessage]:
             else:
                 messages.append(p.ChatMessage(role="assistant", tool_calls=[call]))
         else:
+            assert item.output is not None
             output = part_texts(item.output, f"input[{i}].output")
             messages.append(p.ChatMessage(role="tool", content=output, tool_call_id=item.call_id, name=item.name))
     return messages
@@ -189,6 +194,8 @@ def response_tool_plan(
         )
         tools.append(p.Tool(type="function", function=function))
     choice = body.tool_choice
+    # A string was checked above to be one of chat's three.
+    chat_choice = cast(Literal["none", "auto", "required"] | p.NamedToolChoice | None, choice)
     if isinstance(choice, p.ResponseToolChoice):
         if choice.type != "function":
             raise bad_request(
@@ -197,9 +204,9 @@ def response_tool_plan(
             )
         if choice.name is None:
             raise bad_request("a function tool_choice needs a name", param="tool_choice.name")
-        choice = p.NamedToolChoice(type="function", function=p.NamedFunction(name=choice.name))
+        chat_choice = p.NamedToolChoice(type="function", function=p.NamedFunction(name=choice.name))
     as_chat = p.ChatCompletionRequest(
-        messages=messages, tools=tools, tool_choice=choice, parallel_tool_calls=body.parallel_tool_calls
+        messages=messages, tools=tools, tool_choice=chat_choice, parallel_tool_calls=body.parallel_tool_calls
     )
     return tool_plan(as_chat, tokenizer, parser)
 
@@ -278,8 +285,11 @@ def message_id(response: p.ResponseObject) -> str:
     return f"msg_{response.id.removeprefix('resp_')}"
 
 
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
 def output_message(
-    item_id: str, text: str, status: str, logprobs: list[p.ChatTokenLogprob] | None = None
+    item_id: str, text: str, status: ItemStatus, logprobs: list[p.ChatTokenLogprob] | None = None
 ) -> p.ResponseOutputMessage:
     part = p.ResponseOutputText(text=text, logprobs=logprobs or [])
     return p.ResponseOutputMessage(id=item_id, status=status, content=[part])
@@ -288,7 +298,7 @@ def output_message(
 def finish(response: p.ResponseObject, answer: Answer, prompt: Prompt) -> None:
     """Completes `response` with its answer: a message (unless the answer is only calls), then a
     function_call item per call; incomplete when max_output_tokens (or the context) cut it."""
-    status = "incomplete" if answer.reason == "length" else "completed"
+    status: ItemStatus = "incomplete" if answer.reason == "length" else "completed"
     response.status = status
     response.incomplete_details = {"reason": "max_output_tokens"} if status == "incomplete" else None
     output: list[p.ResponseOutputMessage | p.ResponseFunctionCall] = []
@@ -313,7 +323,7 @@ async def response_events(
     engine: EngineClient,
     response: p.ResponseObject,
     prompt: Prompt,
-    streams: list[RequestStream],
+    streams: Sequence[OutputStream],
     plan: ToolPlan | None,
     top_logprobs: int | None,
     constraint_param: str,

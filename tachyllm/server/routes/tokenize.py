@@ -34,6 +34,7 @@ async def tokenize(request: Request, state: ServerState = Depends(server_state))
             model, body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
         )
     else:
+        assert body.prompt is not None, "checked above: exactly one of prompt and messages"
         param = "prompt"
         # No token spells more than max_token_chars characters: a longer prompt is refused untokenized.
         state.check_tokens_returned(-(-len(body.prompt) // tokenizer.max_token_chars), param, at_least=True)
