@@ -142,7 +142,7 @@ def test_which_steps_the_engine_captures(caplog):
     sliding-window layers: decode steps, and verification steps of the speculator's k drafts."""
 
     def counts(device="cuda", eager=False, capturable=True, spec=None, executor=None, sliding=()):
-        config = SimpleNamespace(enforce_eager=eager, speculative_config=spec)
+        config = SimpleNamespace(enforce_eager=eager, speculative_config=spec, enable_lora=False)
         backend = SimpleNamespace(graph_capturable=capturable, name="x")
         engine = SimpleNamespace(device=torch.device(device), config=config, backend=backend, executor=executor,
                                  model_config=SimpleNamespace(sliding_layers=sliding))  # fmt: skip

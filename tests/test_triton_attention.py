@@ -176,12 +176,8 @@ def test_backend_steps_match_the_torch_backend(tiny_model_factory):
     a, b = list(range(3, 23)), list(range(40, 70))  # 20 and 30 tokens
     ta, tb = list(range(0, 8)), list(range(8, 18))
     steps = [
-        StepBatch(
-            [ScheduledSeq(1, "1", 0, a[:12], 0, ta, 20, False), ScheduledSeq(2, "2", 0, b[:10], 0, tb, 30, False)]
-        ),
-        StepBatch(
-            [ScheduledSeq(1, "1", 12, a[12:], 0, ta, 20, True), ScheduledSeq(2, "2", 10, b[10:], 0, tb, 30, True)]
-        ),
+        StepBatch([_prefill(1, 0, a[:12], ta, 20, False), _prefill(2, 0, b[:10], tb, 30, False)]),
+        StepBatch([_prefill(1, 12, a[12:], ta, 20, True), _prefill(2, 10, b[10:], tb, 30, True)]),
         StepBatch([_decode(1, a + [5], 20, [6, 7], ta), _decode(2, b + [9], 30, [], tb)]),
     ]
     for batch in steps:
@@ -189,10 +185,23 @@ def test_backend_steps_match_the_torch_backend(tiny_model_factory):
         torch.testing.assert_close(triton, plain, rtol=1e-4, atol=1e-4)
 
 
+def _prefill(
+    seq_id: int, start: int, tokens: list[int], table: list[int], seq_len: int, completes: bool
+) -> ScheduledSeq:
+    """A prefill chunk of `tokens` from position `start` (unsampled: the forward alone is compared)."""
+    return ScheduledSeq(
+        seq_id=seq_id, request_id=str(seq_id), start=start, token_ids=tokens, num_draft_tokens=0,
+        block_table=table, seq_len=seq_len, completes=completes,
+    )  # fmt: skip
+
+
 def _decode(seq_id: int, tokens: list[int], start: int, drafts: list[int], table: list[int]) -> ScheduledSeq:
     sampling = SamplingInput(Params(), tokens, len(tokens))
     step = tokens[start : start + 1] + drafts
-    return ScheduledSeq(seq_id, str(seq_id), start, step, len(drafts), table, len(tokens), True, sampling)
+    return ScheduledSeq(
+        seq_id=seq_id, request_id=str(seq_id), start=start, token_ids=step, num_draft_tokens=len(drafts),
+        block_table=table, seq_len=len(tokens), completes=True, sampling=sampling,
+    )  # fmt: skip
 
 
 def test_padded_decode_step_equals_unpadded(tiny_model_factory):
@@ -206,7 +215,7 @@ def test_padded_decode_step_equals_unpadded(tiny_model_factory):
     a, b = list(range(3, 14)), list(range(40, 46))  # 11 and 6 tokens of context
     ta, tb = [5, 1, 7], [2, 9]
     prefill = StepBatch([
-        ScheduledSeq(1, "1", 0, a[:10], 0, ta, 11, False), ScheduledSeq(2, "2", 0, b[:5], 0, tb, 6, False),
+        _prefill(1, 0, a[:10], ta, 11, False), _prefill(2, 0, b[:5], tb, 6, False),
     ])  # fmt: skip
     runner.forward(prefill)
     step = StepBatch([_decode(1, a, 10, [], ta), _decode(2, b, 5, [7, 8], tb)])

@@ -304,11 +304,13 @@ def _append_to_buffer(
     """Writes this chunk's K/V (and, the first time, the cached context from `key_start` on: a
     sliding-window layer's chunks never look before it) into the sequence's contiguous buffer;
     returns head-major views of its whole context."""
-    assert span.buffer is not None and span.context_slots is not None, "a span with a buffer reads back its context"
+    assert span.buffer is not None, "called for spans prefilled through a buffer"
     kb, vb = span.buffer[layer, 0], span.buffer[layer, 1]
     end = span.num_cached + span.end - span.start
     begin = max(span.buffer_filled, key_start)
     if begin < span.num_cached:
+        # Cached context not yet in the buffer: its slots are set whenever there is some.
+        assert span.context_slots is not None, "a span with cached context reads it back by its slots"
         slots = span.context_slots[begin : span.num_cached]
         kb[:, begin : span.num_cached] = k_flat[slots].transpose(0, 1)
         vb[:, begin : span.num_cached] = v_flat[slots].transpose(0, 1)
