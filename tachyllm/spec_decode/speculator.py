@@ -19,6 +19,7 @@ from tachyllm.spec_decode.adaptive import AdaptiveController
 from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.spec_decode.proposer import Proposer
+from tachyllm.spec_decode.suffix import SuffixProposer
 from tachyllm.step import StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
@@ -49,6 +50,8 @@ class Speculator:
         self.proposer: Proposer
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config)
         else:
             model = build_draft_model(engine_config, target, ckpt, dtype, backend, max_model_len)
             self.proposer = DraftModelProposer(
@@ -60,7 +63,7 @@ class Speculator:
         )  # fmt: skip
         logger.info(
             "speculative decoding: %s, up to %d tokens per step, adaptive %s%s",
-            config.method if config.method == "ngram" else config.model,
+            config.model if config.method == "draft_model" else config.method,
             config.num_speculative_tokens, "on" if config.adaptive else "off",
             f", off above {config.disable_by_batch_size} running" if config.disable_by_batch_size else "",
         )  # fmt: skip
