@@ -13,6 +13,7 @@ from helpers.spec_decode import SUFFIX
 from tachyllm import SamplingParams
 from tachyllm.errors import ConfigError
 from tachyllm.runner import kv_cache
+from tachyllm.server.metrics import ServerMetrics
 from tachyllm.spec_decode.suffix import SuffixProposer
 from tachyllm.spec_decode.suffix_tree import GlobalSuffixTree, SuffixNode, SuffixTree
 from tachyllm.speculative_config import SpeculativeConfig
@@ -177,7 +178,12 @@ def test_greedy_output_is_identical_with_suffix_decoding(tiny_model_factory, spe
     assert sum(o.metrics.spec_num_drafts for o in second) < 0.5 * sum(len(e) for e in expected)
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # rejections rolled back too
     # A finished sequence's output joins the global tree at the next step's proposals.
-    assert llm.engine.speculator.proposer.global_tree.num_sequences >= len(prompts)
+    global_tree = llm.engine.speculator.proposer.global_tree
+    assert global_tree.num_sequences >= len(prompts)
+    # Its size is a metric, on /metrics as a gauge.
+    assert stats.spec_suffix_tree_nodes == global_tree.num_nodes > 1
+    exported = ServerMetrics("m", 256).render(llm.engine.snapshot()).decode()
+    assert f'tachy:spec_decode_suffix_tree_nodes{{model_name="m"}} {float(global_tree.num_nodes)}' in exported
     # Drafts as long as the configuration allows were verified and accepted to their end: a match
     # of m tokens drafts at most factor * m tokens, and m + draft fit in the tree's depth.
     depth, factor = spec["suffix_decoding_max_tree_depth"], spec.get("suffix_decoding_max_spec_factor", 1.0)

@@ -114,6 +114,11 @@ class Speculator:
             seq.spec_token_ids, seq.spec_draft_probs = draft.token_ids, draft.probs
         self._proposal_costs = proposer.forward_costs
 
+    @property
+    def suffix_tree_nodes(self) -> int:
+        """The size of suffix decoding's tree of finished outputs (0 for other methods)."""
+        return self.proposer.global_tree.num_nodes if isinstance(self.proposer, SuffixProposer) else 0
+
     def observe(self, batch: StepBatch, result: StepResult, seconds: float) -> None:
         """Feeds the step's draft forwards and verifications to the controller (the step's own time
         reaches it through the shared step-cost model, which the scheduler feeds)."""
