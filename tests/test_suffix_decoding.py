@@ -194,9 +194,10 @@ def test_greedy_output_is_identical_with_suffix_decoding(tiny_model_factory, spe
 
 def test_mixed_batch_chunked_prefill_and_sampling_rows(tiny_model_factory):
     """Greedy rows next to penalised, logprob and sampled rows, long prompts prefilled in chunks
-    beside speculating decodes: the greedy rows' tokens are those of a run without speculation."""
+    beside speculating decodes, a request of n = 2 (a tree per sample): the greedy rows' tokens are
+    those of a run without speculation."""
     path = tiny_model_factory("llama")
-    prompts = repetitive_prompts(3, 5)
+    prompts = repetitive_prompts(3, 6)
     prompts[4] = prompts[4] * 6  # a long prompt, chunked under the small token budget
     params = [
         SamplingParams(max_tokens=24, **GREEDY),
@@ -204,6 +205,7 @@ def test_mixed_batch_chunked_prefill_and_sampling_rows(tiny_model_factory):
         SamplingParams(max_tokens=24, temperature=0, min_tokens=5),
         SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
         SamplingParams(max_tokens=24, **GREEDY),
+        SamplingParams(n=2, max_tokens=24, **GREEDY),
     ]
     options = {"max_num_batched_tokens": 16, "enable_chunked_prefill": True}
     base = run(tiny_llm(path, **options), prompts, params)
@@ -212,6 +214,8 @@ def test_mixed_batch_chunked_prefill_and_sampling_rows(tiny_model_factory):
     spec = run(llm, prompts, params, prefix="b")
     greedy = [0, 1, 2, 4]
     assert [token_ids(spec)[i] for i in greedy] == [token_ids(base)[i] for i in greedy]
+    assert [c.token_ids for c in spec[5].outputs] == [c.token_ids for c in base[5].outputs]
+    assert spec[5].metrics.spec_num_accepted_tokens > 0
     assert len(spec[3].outputs[0].token_ids) == 24
     for b, s in zip(base[1].outputs[0].logprobs, spec[1].outputs[0].logprobs):
         assert b.keys() == s.keys()
