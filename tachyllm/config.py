@@ -168,8 +168,9 @@ class EngineConfig:
     # vLLM-style dict or JSON string; see speculative_config.py for the keys
     speculative_config: SpeculativeConfig | dict | str | None = option(
         None,
-        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4} or'
-        ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}',
+        'speculative decoding, JSON: {"method": "ngram", "num_speculative_tokens": 4},'
+        ' {"method": "draft_model", "model": "PATH|self:int4|self:layers=N", "num_speculative_tokens": 4}'
+        ' or {"method": "suffix"}',
         parse=str,
     )
     # Batch invariance (docs/determinism.md): bf16 linears run the C++ kernel at every row count; off,

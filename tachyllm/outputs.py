@@ -179,6 +179,7 @@ class StepStats:
     # that reached position i, and accepted / draft tokens overall.
     spec_accepted_per_pos: list[int] = field(default_factory=list)
     spec_draft_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_suffix_tree_nodes: int = 0  # suffix decoding: the global tree's size now (a gauge)
     # Steps by the tokens their forward computed: [i] counts steps of at most ITERATION_TOKEN_BUCKETS[i]
     # tokens (and more than the bound before); the last entry, steps above every bound.
     iteration_token_steps: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))

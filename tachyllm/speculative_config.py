@@ -2,6 +2,9 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": PATH | "self:int4" | "self:layers=N", "num_speculative_tokens": 4}
+    {"method": "suffix", "num_speculative_tokens": 24, "suffix_decoding_max_tree_depth": 24,
+     "suffix_decoding_max_cached_requests": 1000, "suffix_decoding_max_spec_factor": 1.0,
+     "suffix_decoding_min_token_prob": 0.1}
 
 A draft model file also takes "quantization" (int8, int4, awq, gguf or none; unset: the target's
 --quantization where it applies to the draft's file), and a draft model (a file or "self:int4")
@@ -22,7 +25,10 @@ from typing import Any
 from tachyllm.errors import ConfigError
 from tachyllm.option_values import QUANTIZATION_METHODS
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "suffix")
+# Suffix drafts grow with the match behind them, so they may be longer than the other methods'.
+MAX_SPECULATIVE_TOKENS = {"suffix": 32}
+DEFAULT_MAX_SPECULATIVE_TOKENS = 16
 _SELF_LAYERS = re.compile(r"self:layers=(\d+)")
 
 
@@ -37,6 +43,12 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     adaptive: bool = True
     draft_vocab_size: int | None = None  # draft_model only; None: the whole vocabulary
+    # suffix only (vLLM's keys): match + draft length bound, finished sequences whose outputs the
+    # global tree keeps, draft length per matched token, least probability of a whole draft.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | str) -> SpeculativeConfig:
@@ -55,6 +67,12 @@ class SpeculativeConfig:
             )
         if "method" not in options and options.get("model"):
             options = {**options, "method": "draft_model"}  # vLLM infers the method from a model
+        if options.get("method") == "suffix" and "num_speculative_tokens" not in options:
+            # vLLM's default: the tree's depth, which bounds a draft anyway (the length is adaptive).
+            depth = options.get("suffix_decoding_max_tree_depth")
+            if not isinstance(depth, int):  # the default, or a bad value that validation reports
+                depth = cls.suffix_decoding_max_tree_depth
+            options = {**options, "num_speculative_tokens": min(depth, MAX_SPECULATIVE_TOKENS["suffix"])}
         if "method" not in options or "num_speculative_tokens" not in options:
             raise ConfigError("speculative_config needs 'method' and 'num_speculative_tokens'")
         config = cls(**options)
@@ -67,9 +85,10 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             raise ConfigError(f"speculative_config method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= 16:
+        most = MAX_SPECULATIVE_TOKENS.get(self.method, DEFAULT_MAX_SPECULATIVE_TOKENS)
+        if not is_int(self.num_speculative_tokens) or not 1 <= self.num_speculative_tokens <= most:
             raise ConfigError(
-                f"num_speculative_tokens must be an integer in [1, 16], got {self.num_speculative_tokens!r}"
+                f"num_speculative_tokens must be an integer in [1, {most}], got {self.num_speculative_tokens!r}"
             )
         if self.disable_by_batch_size is not None and (
             not is_int(self.disable_by_batch_size) or self.disable_by_batch_size < 1
@@ -77,7 +96,9 @@ class SpeculativeConfig:
             raise ConfigError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"adaptive must be true or false, got {self.adaptive!r}")
-        if self.method == "ngram":
+        if self.method == "suffix":
+            self._validate_suffix()
+        elif self.method == "ngram":
             if self.model is not None:
                 raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -109,6 +130,21 @@ class SpeculativeConfig:
                 raise ConfigError(
                     f"speculative_config quantization must be one of {', '.join(accepted)}, got {self.quantization!r}"
                 )
+
+    def _validate_suffix(self) -> None:
+        if self.model is not None:
+            raise ConfigError("speculative_config: method 'suffix' takes no 'model'")
+        depth, cached = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
+        factor, prob = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not (isinstance(depth, int) and not isinstance(depth, bool) and depth >= 2):
+            # A match needs one token and a draft another: a depth-1 tree never proposes.
+            raise ConfigError(f"suffix_decoding_max_tree_depth must be an integer >= 2, got {depth!r}")
+        if not (isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0):
+            raise ConfigError(f"suffix_decoding_max_cached_requests must be an integer >= 0, got {cached!r}")
+        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < float("inf")):
+            raise ConfigError(f"suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        if not (isinstance(prob, (int, float)) and not isinstance(prob, bool) and 0 <= prob <= 1):
+            raise ConfigError(f"suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}")
 
     @property
     def self_layers(self) -> int | None:

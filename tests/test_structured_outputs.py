@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
 from helpers.server import error_of, running_server
-from helpers.spec_decode import NGRAM, draft, with_oracle
+from helpers.spec_decode import NGRAM, SUFFIX, draft, with_oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,6 +151,25 @@ def test_greedy_output_is_identical_with_speculation(path, spec):
         assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     # A random one-layer draft model's proposals are nearly all refused by the grammars and cut before
     # verification: identity is what this run shows.
+
+
+def test_suffix_drafts_are_verified_under_the_grammar(path):
+    """Constrained rows beside a free one; the second wave is drafted from the first's outputs (the
+    global tree), the free row's text offered to the constrained ones too: drafts the grammar
+    refuses are cut, and the tokens are those of a run without speculation."""
+    prompts = random_prompts(6, 4, shared=6, tail=(2, 8))
+    kinds = ["json", "regex", "lark", "choice"]
+    params = [constrained(**CONSTRAINTS[k]) for k in kinds] + [SamplingParams(max_tokens=40, **GREEDY)]
+    prompts.append(prompts[0])
+    expected = token_ids(run(tiny_llm(path), prompts, params))
+    llm = tiny_llm(path, speculative_config=SUFFIX)
+    outputs = run(llm, prompts, params) + run(llm, prompts, params, prefix="b")
+    assert token_ids(outputs) == expected + expected
+    for kind, out in zip(kinds * 2, outputs[:4] + outputs[5:9]):
+        check(kind, out.outputs[0].text)
+    stats = llm.engine.stats
+    assert stats.spec_num_accepted_tokens > 0
+    assert sum(o.metrics.spec_num_accepted_tokens for o in outputs[5:9]) > 0
 
 
 def test_preempted_constrained_requests_match_unpreempted(path):

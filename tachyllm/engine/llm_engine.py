@@ -534,6 +534,7 @@ class LLMEngine:
         self.stats.record_iteration(batch.num_tokens)
         if self.speculator is not None:
             self.speculator.observe(batch, result, seconds)
+            self.stats.spec_suffix_tree_nodes = self.speculator.suffix_tree_nodes
         outputs = self._process(updates)
         try:
             self.stats_logger.maybe_log(self.stats, self.scheduler, self.block_manager, batch, self._step_seqs)

@@ -143,6 +143,9 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to run.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).")
+        self.suffix_tree_nodes = gauge(
+            "spec_decode_suffix_tree_nodes", "Nodes of the suffix-decoding tree of finished outputs."
+        )
         # The name vLLM used before kv_cache_usage_perc, which its older dashboards still query.
         self.kv_usage_old = gauge("gpu_cache_usage_perc", "Same as kv_cache_usage_perc.") if prefix == "vllm" else None
         waiting_by_reason = Gauge(
@@ -262,6 +265,7 @@ class ServerMetrics:
             info.labels(**labels).set(1)
             self._cache_info_exported = True
         self.kv_usage.set(snapshot.kv_cache_usage)
+        self.suffix_tree_nodes.set(now.spec_suffix_tree_nodes)
         if self.kv_usage_old is not None:
             self.kv_usage_old.set(snapshot.kv_cache_usage)
 

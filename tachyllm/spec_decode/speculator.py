@@ -19,6 +19,7 @@ from tachyllm.spec_decode.adaptive import AdaptiveController
 from tachyllm.spec_decode.draft_model import DraftModelProposer, build_draft_model, draft_blocks
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.spec_decode.proposer import Proposer
+from tachyllm.spec_decode.suffix import SuffixProposer
 from tachyllm.speculative_config import SpeculativeConfig
 from tachyllm.step import StepBatch, StepResult
 
@@ -52,6 +53,8 @@ class Speculator:
         self.proposer: Proposer
         if config.method == "ngram":
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        elif config.method == "suffix":
+            self.proposer = SuffixProposer(config)
         else:
             model = build_draft_model(engine_config, target, ckpt, dtype, backend, max_model_len)
             self.proposer = DraftModelProposer(
@@ -63,7 +66,7 @@ class Speculator:
         )  # fmt: skip
         logger.info(
             "speculative decoding: %s, up to %d tokens per step, adaptive %s%s",
-            config.method if config.method == "ngram" else config.model,
+            config.model if config.method == "draft_model" else config.method,
             config.num_speculative_tokens, "on" if config.adaptive else "off",
             f", off above {config.disable_by_batch_size} running" if config.disable_by_batch_size else "",
         )  # fmt: skip
@@ -113,6 +116,11 @@ class Speculator:
         for seq, draft in zip(seqs, proposer.propose(seqs, [min(k, cap) for _, cap in candidates])):
             seq.spec_token_ids, seq.spec_draft_probs = draft.token_ids, draft.probs
         self._proposal_costs = proposer.forward_costs
+
+    @property
+    def suffix_tree_nodes(self) -> int:
+        """The size of suffix decoding's tree of finished outputs (0 for other methods)."""
+        return self.proposer.global_tree.num_nodes if isinstance(self.proposer, SuffixProposer) else 0
 
     def observe(self, batch: StepBatch, result: StepResult, seconds: float) -> None:
         """Feeds the step's draft forwards and verifications to the controller (the step's own time

@@ -37,3 +37,7 @@ def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], error_
 def with_oracle(llm: LLM, prompts: list[list[int]], expected: list[list[int]]) -> LLM:
     oracle_drafts(llm, {tuple(p): e for p, e in zip(prompts, expected)})
     return llm
+
+
+# Suffix decoding forced on (adaptive off), with a shallow tree so tiny models' short outputs match.
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 12, "adaptive": False}
