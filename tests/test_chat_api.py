@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers.models import CHATML
-from helpers.server import error_of, running_server
+from helpers.server import error_of
+from helpers.server import tool_room_url as url  # noqa: F401  (a fixture)
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.config import EngineConfig
@@ -169,15 +169,6 @@ WEATHER = {
         },
     },
 }
-
-
-@pytest.fixture(scope="module")
-def url(tiny_model_factory) -> Iterator[str]:
-    # The tiny tokenizer spells a tool list in many tokens: room for it.
-    with running_server(
-        str(tiny_model_factory("llama", max_position_embeddings=2048)), "--served-model-name", "m"
-    ) as base:
-        yield base
 
 
 def chat(client, messages: list[dict], **options):

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import jsonschema
 import openai
 import pytest
-from helpers.server import running_server
+from helpers.server import tool_room_url as url  # noqa: F401  (a fixture)
 
 from tachyllm import faults
 from tachyllm.engine.input_processor import Prompt
@@ -60,15 +60,6 @@ EVENTS = [
     "response.content_part.done",
     "response.output_item.done",
 ]
-
-
-@pytest.fixture(scope="module")
-def url(tiny_model_factory) -> Iterator[str]:
-    # The tiny tokenizer spells a tool list in many tokens: room for it.
-    with running_server(
-        str(tiny_model_factory("llama", max_position_embeddings=2048)), "--served-model-name", "m"
-    ) as base:
-        yield base
 
 
 def as_chat(client, messages: list[dict], max_tokens: int) -> tuple[str, str, int]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm.engine.llm_engine import LLMEngine
@@ -128,3 +129,14 @@ def server_process(model: str, *flags: str) -> Iterator[tuple[subprocess.Popen, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tool_room_url(tiny_model_factory) -> Iterator[str]:
+    """A module's `tachy serve` of the tiny llama as model "m", with 2048 positions: the tiny tokenizer
+    spells a tool list in many tokens. Test modules take it as their `url` fixture
+    (`from helpers.server import tool_room_url as url`)."""
+    with running_server(
+        str(tiny_model_factory("llama", max_position_embeddings=2048)), "--served-model-name", "m"
+    ) as base:
+        yield base
