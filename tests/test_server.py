@@ -337,6 +337,29 @@ def test_stop_reasons_and_vllm_extensions(client, offline, model_path):
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 10
 
 
+def test_token_restrictions_and_prompt_truncation_as_request_fields(client, offline, model_path):
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens, as the offline SamplingParams."""
+    for fields in ({"allowed_token_ids": [5, 6, 7]}, {"bad_words": ["hello", "x"]}, {"truncate_prompt_tokens": 2}):
+        served = client.completions.create(
+            model=model_path, prompt="abc def ghi", max_tokens=6, extra_body={**GREEDY, **fields}
+        )
+        alone = offline.generate("abc def ghi", SamplingParams(max_tokens=6, **GREEDY, **fields), use_tqdm=False)[0]
+        assert served.choices[0].text == alone.outputs[0].text
+        assert served.usage.prompt_tokens == len(alone.prompt_token_ids)
+        if "allowed_token_ids" in fields:
+            assert set(alone.outputs[0].token_ids) <= {5, 6, 7}
+    assert served.usage.prompt_tokens == 2
+    # A conversation longer than the context runs when truncated.
+    long_text = "abc " * offline.engine.max_model_len
+    chat = client.chat.completions.create(
+        model=model_path,
+        messages=[{"role": "user", "content": long_text}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 100},
+    )
+    assert chat.usage.prompt_tokens == 100 and chat.usage.completion_tokens == 2
+
+
 # -- auxiliary endpoints -----------------------------------------------------------------------
 
 
@@ -426,7 +449,9 @@ def test_non_streaming_disconnect_aborts(http, url):
     [
         ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5), ("n", 0), ("max_tokens", 0), ("presence_penalty", 2.5),
         ("frequency_penalty", -3), ("logprobs", 21), ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0),
-        ("min_tokens", -1), ("seed", -1), ("stop_token_ids", [-1]), ("min_tokens", 20),
+        ("min_tokens", -1), ("seed", -1), ("stop_token_ids", [-1]), ("min_tokens", 20), ("allowed_token_ids", []),
+        ("allowed_token_ids", [10**6]), ("bad_words", [""]), ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
     ],
 )  # fmt: skip
 def test_out_of_range_completion_fields(http, field, value):

@@ -44,6 +44,16 @@ class Prompt:
     token_ids: list[int]
 
 
+def truncated(prompt: Prompt, truncate_prompt_tokens: int | None, max_model_len: int) -> Prompt:
+    """The prompt's last `truncate_prompt_tokens` tokens (-1: max_model_len; None: all of them)."""
+    if truncate_prompt_tokens is None:
+        return prompt
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return Prompt(None, prompt.token_ids[-keep:])  # the text no longer matches the ids: not kept
+
+
 @dataclass(frozen=True)
 class ProcessedRequest:
     """A request the engine can run as it is: made by InputProcessor.process/process_request."""
@@ -179,10 +189,7 @@ class InputProcessor:
                     f"({limits.max_logprobs})",
                     param=name,
                 )
-        if params.truncate_prompt_tokens is not None:
-            keep = limits.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            if len(prompt.token_ids) > keep:  # the text no longer matches the ids: not kept
-                prompt = Prompt(None, prompt.token_ids[-keep:])
+        prompt = truncated(prompt, params.truncate_prompt_tokens, limits.max_model_len)
         if bad_words := params.bad_words:
             params = replace(params)
             params.bad_words_token_ids = self.bad_words_token_ids(bad_words)

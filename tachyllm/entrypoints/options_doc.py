@@ -35,7 +35,7 @@ Per request, `SamplingParams` (offline) or the request body (server, [server.md]
 `stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `logprobs`, `prompt_logprobs` (vLLM's: each
 prompt token's logprob and top-N), `logit_bias` (token id to a bias in [-100, 100]), `skip_special_tokens`,
 `spaces_between_special_tokens`, `structured_outputs` ([structured_outputs.md](structured_outputs.md)), and
-offline vLLM's `allowed_token_ids` (the only tokens sampled), `bad_words` (never generated: a word's last
+vLLM's `allowed_token_ids` (the only tokens sampled), `bad_words` (never generated: a word's last
 token is banned where the output ends with the tokens before it, the word counted as written and after a
 space) and `truncate_prompt_tokens` (keep the prompt's last N tokens; `-1`: `max_model_len`).
 Invalid values raise `ValueError` naming the field; a token id outside the vocabulary fails that request

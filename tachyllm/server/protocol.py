@@ -215,6 +215,11 @@ class SamplingFields(Request):
     prompt_logprobs: NumLogprobs | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LISTED_TOKENS)] | None = None
     include_stop_str_in_output: bool = False
+    # Only these tokens may be generated; never these words (as written and after a space).
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_LISTED_TOKENS)] | None = None
+    bad_words: Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    # Keep the prompt's last k tokens (-1: as many as the model's context holds).
+    truncate_prompt_tokens: Literal[-1] | PositiveInt | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.

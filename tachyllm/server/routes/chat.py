@@ -11,7 +11,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from tachyllm.engine.input_processor import Prompt
+from tachyllm.engine.input_processor import Prompt, truncated
 from tachyllm.server import protocol as p
 from tachyllm.server.admission import start_requests
 from tachyllm.server.async_engine import OutputStream
@@ -58,6 +58,7 @@ async def chat_completions(request: Request, state: ServerState = Depends(server
         continue_final_message=body.continue_final_message,
         template_vars=body.chat_template_kwargs,
     )
+    prompt = truncated(prompt, body.truncate_prompt_tokens, model.engine.max_model_len)
     requested, max_param = body.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, max_param = body.max_tokens, "max_tokens"

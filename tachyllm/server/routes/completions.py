@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from tachyllm.engine.input_processor import Prompt
+from tachyllm.engine.input_processor import Prompt, truncated
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
 from tachyllm.server import protocol as p
@@ -50,7 +50,10 @@ router = APIRouter()
 async def completions(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body, model = await parse_generation_request(request, p.CompletionRequest, state)
     bias = logit_bias(body.logit_bias)
-    prompts = await completion_prompts(state, model, body.prompt)
+    prompts = [
+        truncated(pr, body.truncate_prompt_tokens, model.engine.max_model_len)
+        for pr in await completion_prompts(state, model, body.prompt)
+    ]
     params = [
         sampling_params(
             body,
