@@ -203,7 +203,11 @@ class InputProcessor:
         else:
             if text_pair is not None:
                 raise RequestError("a text pair is given as text, not token ids", param="input")
-            text, token_ids = None, self.process_prompt(prompt).token_ids
+            vocab_size = self.limits.vocab_size
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"input token ids must be in [0, {vocab_size}), got {bad[:3]}", param="input")
         if not token_ids:
             raise RequestError("input is empty (no tokens)", param="input")
         limit = pooling.max_input_tokens
