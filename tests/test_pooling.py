@@ -74,7 +74,9 @@ def reference_bert(directory: Path, input_ids: torch.Tensor, token_types: torch.
     x = norm(x + w["embeddings.token_type_embeddings.weight"][token_types], "embeddings.LayerNorm")
     for i in range(cfg["num_hidden_layers"]):
         p = f"encoder.layer.{i}"
-        q, k, v = (linear(x, f"{p}.attention.self.{m}").view(n, heads, -1).transpose(0, 1) for m in ("query", "key", "value"))
+        q, k, v = (
+            linear(x, f"{p}.attention.self.{m}").view(n, heads, -1).transpose(0, 1) for m in ("query", "key", "value")
+        )
         scores = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
         attended = (scores @ v).transpose(0, 1).reshape(n, -1)
         x = norm(linear(attended, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm")
@@ -292,3 +294,55 @@ def test_a_failed_pooling_step_fails_its_requests_and_the_engine_serves_on(bert,
     assert len(outputs) == 1 and isinstance(outputs[0], PoolingRequestOutput)
     assert outputs[0].error is not None and "injected" in outputs[0].error and outputs[0].finished
     assert embedding(bert.embed(TEXTS[0])[0]).shape == (64,)
+
+
+def test_default_bf16_embeddings_are_close_and_still_packing_invariant(bert_dir, bert):
+    llm = LLM(str(bert_dir))  # bfloat16, the default backend's kernels
+    assert llm.engine.dtype == torch.bfloat16
+    packed = [embedding(out) for out in llm.embed(TEXTS)]
+    for text, vector, exact in zip(TEXTS, packed, bert.embed(TEXTS)):
+        assert F.cosine_similarity(vector, embedding(exact), dim=0) > 0.999
+        assert torch.equal(embedding(llm.embed(text)[0]), vector)
+
+
+def test_inputs_pack_into_steps_under_the_token_budget(bert_dir, bert):
+    lengths = [len(bert.get_tokenizer().encode_pair(text)[0]) for text in TEXTS]
+    budget = max(lengths) - 1  # the longest input cannot run: an encoder's input is never split
+    llm = LLM(str(bert_dir), dtype="float32", max_num_batched_tokens=budget)
+    outs = llm.embed(TEXTS)
+    longest = lengths.index(max(lengths))
+    assert outs[longest].error is not None and f"limit ({budget})" in outs[longest].error
+    assert all(out.error is None for i, out in enumerate(outs) if i != longest)
+    # Inputs join a step in arrival order while they fit its budget.
+    steps, room = 0, 0
+    for n in (n for i, n in enumerate(lengths) if i != longest):
+        if n > room:
+            steps, room = steps + 1, budget
+        room -= n
+    assert llm.engine.stats.num_steps == steps
+    assert llm.engine.stats.iteration_tokens == sum(lengths) - max(lengths)
+    one_step = LLM(str(bert_dir), dtype="float32")
+    one_step.embed(TEXTS)
+    assert one_step.engine.stats.num_steps == 1
+
+
+def test_the_async_engine_streams_one_final_pooling_output(bert_dir):
+    import asyncio
+
+    from tachyllm.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(bert_dir), dtype="float32")))
+    try:
+        assert (engine.runner_type, engine.pooling_tasks, engine.embedding_dim) == ("pooling", {"embed"}, 64)
+
+        async def embed() -> list:
+            processed = [engine.input_processor.process_pooling(text, PoolingParams()) for text in TEXTS[:2]]
+            streams = await engine.add_requests([(f"r{i}", req, req.params) for i, req in enumerate(processed)])
+            return [[out async for out in stream] for stream in streams]
+
+        results = asyncio.run(embed())
+        assert [len(outs) for outs in results] == [1, 1]
+        assert all(isinstance(outs[0], PoolingRequestOutput) and outs[0].finished for outs in results)
+        assert results[0][0].outputs.data.shape == (64,)
+    finally:
+        engine.shutdown()
