@@ -346,3 +346,59 @@ def test_the_async_engine_streams_one_final_pooling_output(bert_dir):
         assert results[0][0].outputs.data.shape == (64,)
     finally:
         engine.shutdown()
+
+
+def causal_embedder(llama_dir: Path, **options) -> LLM:
+    defaults = dict(dtype="float32", convert="embed", block_size=4, kv_cache_memory=4 << 20, max_model_len=256)
+    return LLM(str(llama_dir), **{**defaults, **options})
+
+
+@pytest.mark.parametrize("pooling_type", ["MEAN", "CLS", "LAST"])
+def test_pooling_across_chunks_starts_over_when_a_sequence_is_recomputed(pooling_type):
+    """A preempted sequence is recomputed from its first token: what its lost chunks added is dropped."""
+    from tachyllm.runner.model_runner import PoolingRows
+    from tachyllm.step import PoolingInput, ScheduledSeq, StepBatch
+
+    hidden = torch.randn(12, 8)
+    pooling = PoolingInput(pooling_type, "embed", normalize=False)
+
+    def chunk(start: int, n: int, finished: list[int] | None = None) -> StepBatch:
+        seq = ScheduledSeq(
+            seq_id=7, request_id="r", start=start, token_ids=[1] * n, num_draft_tokens=0, block_table=[],
+            seq_len=12, completes=start + n == 12, pooling=pooling,
+        )  # fmt: skip
+        return StepBatch([seq], finished or [])
+
+    rows = PoolingRows()
+    assert rows.pool(hidden[:5], chunk(0, 5), model=None) == {}  # type: ignore[arg-type]
+    # Preempted (the batch says it ended), then recomputed from the start in two other chunks.
+    assert rows.pool(torch.randn(4, 8), chunk(0, 4, finished=[7]), model=None) == {}  # type: ignore[arg-type]
+    assert rows.pool(hidden[:4], chunk(0, 4), model=None) == {}  # type: ignore[arg-type]
+    result = rows.pool(hidden[4:], chunk(4, 8), model=None)[7]  # type: ignore[arg-type]
+    expected = {"MEAN": hidden.mean(0), "CLS": hidden[0], "LAST": hidden[-1]}[pooling_type]
+    torch.testing.assert_close(result, expected)
+    assert rows.states == {}
+
+
+def test_a_fault_in_a_causal_embedders_chunk_returns_its_blocks(llama_dir):
+    llm = causal_embedder(llama_dir, max_num_batched_tokens=8)
+    engine, steps = llm.engine, []
+
+    def hook(where: str, request_ids: list[str]) -> None:
+        if where == "forward" and "doomed" in request_ids:
+            steps.append(1)
+            if len(steps) == 2:  # its second chunk: the first one's blocks are held
+                raise RuntimeError("injected forward fault")
+
+    with faults.injected(hook):
+        engine.add_request("doomed", list(range(5, 35)), PoolingParams())
+        engine.add_request("fine", list(range(40, 45)), PoolingParams())
+        outputs: dict = {}
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out) for out in engine.step())
+    assert "injected" in outputs["doomed"].error
+    assert outputs["fine"].error is None or "injected" in outputs["fine"].error  # in the failed step, or after
+    manager = engine.block_manager
+    manager.check_invariants([])
+    assert manager.num_free_blocks == manager.num_blocks
+    assert embedding(llm.embed({"prompt_token_ids": list(range(5, 35))})[0]).shape == (64,)
