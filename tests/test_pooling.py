@@ -171,6 +171,20 @@ def test_a_bi_encoder_scores_by_cosine_similarity(bert):
         bert.score(TEXTS[:2], TEXTS[:3])
 
 
+def test_a_qwen3_embedder_pools_its_last_token(tmp_path):
+    import transformers
+
+    directory = make_tiny_model(tmp_path, arch="qwen3")
+    llm = causal_embedder(directory)
+    assert llm.engine.pooling_setup.pooling_type == "LAST"
+    model = transformers.AutoModel.from_pretrained(directory).eval()
+    prompt = list(range(5, 25))
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    out = llm.embed({"prompt_token_ids": prompt})[0]
+    torch.testing.assert_close(embedding(out), F.normalize(hidden[-1], dim=0), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 def test_a_causal_model_embeds_as_transformers_llama_pools(llama_dir, pooling_type):
     """Prefilled in chunks of 8 tokens (with prefix caching on): the running sum / the last row carry
@@ -234,6 +248,8 @@ def test_bad_pooling_inputs_are_refused_naming_the_field(bert):
         ("text", PoolingParams(task="score"), "task"),
         ("text", PoolingParams(task="nonsense"), "task"),  # type: ignore[arg-type]
         ("text", PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        ("text", PoolingParams(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        ("text", PoolingParams(normalize="yes"), "normalize"),  # type: ignore[arg-type]
         ("text", SamplingParams(max_tokens=4), "model"),  # a generation request to a pooling engine
     ]
     for prompt, params, field in cases:
