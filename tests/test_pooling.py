@@ -183,6 +183,9 @@ def test_a_qwen3_embedder_pools_its_last_token(tmp_path):
         hidden = model(torch.tensor([prompt])).last_hidden_state[0]
     out = llm.embed({"prompt_token_ids": prompt})[0]
     torch.testing.assert_close(embedding(out), F.normalize(hidden[-1], dim=0), atol=1e-5, rtol=0)
+    text = llm.embed(TEXTS[0])[0]  # a text is tokenized as transformers' tokenizer does it
+    assert text.prompt_token_ids == transformers.AutoTokenizer.from_pretrained(directory)(TEXTS[0]).input_ids
+    assert llm.score(TEXTS[0], TEXTS[1])[0].error is None  # by cosine similarity: no text pair
 
 
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
