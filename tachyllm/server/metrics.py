@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from tachyllm.engine.llm_engine import EngineSnapshot, LoRARequestsInfo
-from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, RequestOutput, StepStats
+from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, EngineOutput, RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -165,9 +165,11 @@ class ServerMetrics:
         self._progress: dict[str, _Progress] = {}  # engine thread only
 
     # -- engine thread ------------------------------------------------------------------------
-    def observe(self, outputs: list[RequestOutput]) -> None:
-        """Per-output latencies; an AsyncEngine output listener."""
+    def observe(self, outputs: list[EngineOutput]) -> None:
+        """Per-output latencies of generation requests; an AsyncEngine output listener."""
         for out in outputs:
+            if not isinstance(out, RequestOutput):
+                continue
             m = out.metrics
             progress = self._progress.setdefault(out.request_id, _Progress())
             new_tokens = m.num_generated_tokens - progress.num_tokens
