@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from helpers.lora_files import write_adapter
+from helpers.lora_files import write_adapter, write_gguf_adapter
 from helpers.server import serving
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,9 +37,11 @@ def model_path(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def adapter_paths(model_path, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("server-adapters")
+    qv = write_adapter(root / "qv", model_path, ["q_proj", "v_proj"], seed=11)
     return {
-        "qv": str(write_adapter(root / "qv", model_path, ["q_proj", "v_proj"], seed=11)),
+        "qv": str(qv),
         "mlp": str(write_adapter(root / "mlp", model_path, ["gate_proj", "up_proj", "down_proj"], rank=8, seed=12)),
+        "qv-gguf": str(write_gguf_adapter(root / "qv.gguf", model_path, qv)),  # the same adapter, llama.cpp's file
     }
 
 
@@ -52,7 +54,7 @@ def url(model_path, adapter_paths) -> Iterator[str]:
     mlp = json.dumps({"name": "mlp", "path": adapter_paths["mlp"], "base_model_name": "the-base"})
     args = server_args(
         model_path, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-        "--lora-modules", f"qv={adapter_paths['qv']}", mlp,
+        "--lora-modules", f"qv={adapter_paths['qv']}", mlp, f"qv-gguf={adapter_paths['qv-gguf']}",
     )  # fmt: skip
     server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
     with serving(server) as base:
@@ -79,14 +81,15 @@ def offline(model_path, adapter_paths) -> dict[str | None, str]:
 
 def test_models_lists_adapters_with_parent(client, adapter_paths):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {"tiny", "qv", "mlp"}
+    assert set(cards) == {"tiny", "qv", "mlp", "qv-gguf"}
     assert getattr(cards["tiny"], "parent", None) is None
     assert cards["qv"].parent == "tiny" and cards["qv"].root == adapter_paths["qv"]
     assert cards["mlp"].parent == "the-base" and cards["mlp"].root == adapter_paths["mlp"]
+    assert cards["qv-gguf"].parent == "tiny" and cards["qv-gguf"].root == adapter_paths["qv-gguf"]
     assert client.models.retrieve("qv").parent == "tiny"
 
 
-@pytest.mark.parametrize("name", ["qv", "mlp", "tiny"])
+@pytest.mark.parametrize("name", ["qv", "mlp", "tiny", "qv-gguf"])
 def test_completion_runs_the_adapter(name, client, offline):
     out = client.completions.create(
         model=name,
@@ -96,7 +99,7 @@ def test_completion_runs_the_adapter(name, client, offline):
         extra_body={"ignore_eos": True},
     )
     assert out.model == name
-    assert out.choices[0].text == offline[None if name == "tiny" else name]
+    assert out.choices[0].text == offline[{"tiny": None, "qv-gguf": "qv"}.get(name, name)]
     assert offline["qv"] != offline[None] and offline["mlp"] != offline[None]
 
 

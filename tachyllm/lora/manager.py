@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from tachyllm.errors import AdapterError
+from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.lora.layers import StepSegments, attach_lora
-from tachyllm.lora.peft import LoRAAdapter, load_peft_adapter, projection_shapes
+from tachyllm.lora.peft import LoRAAdapter, projection_shapes
 from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.models.llama import LlamaForCausalLM
@@ -53,7 +54,7 @@ class LoRAManager:
             self.loaded.move_to_end(request)
             return loaded
         t0 = time.perf_counter()
-        adapter = load_peft_adapter(request.lora_path, self.model_config, self.max_lora_rank)
+        adapter = load_adapter(request.lora_path, self.model_config, self.max_lora_rank)
         slot = self._free_slot(in_use)
         self._install(slot, adapter)
         loaded = self.loaded[request] = LoadedAdapter(request, adapter, slot)
