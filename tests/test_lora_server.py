@@ -4,8 +4,11 @@ unknown name answered 404 in OpenAI's shape, and bad flags or adapters refused a
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import openai
@@ -20,7 +23,9 @@ from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.serve import make_server
 from tachyllm.errors import AdapterError, ConfigError
+from tachyllm.lora import manager as lora_manager
 from tachyllm.lora.request import LoRARequest
+from tachyllm.sampling_params import RequestOutputKind
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
@@ -209,6 +214,79 @@ def test_lora_requests_info_metric(model_path, adapter_paths):
     assert labels["running_lora_adapters"] == "" and labels["waiting_lora_adapters"] == ""
     plain = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20)
     assert not lora_info_samples(ServerMetrics("tiny", 256).render(plain.engine.snapshot()), "tachy:lora_requests_info")
+
+
+def test_per_adapter_request_counters_and_load_times(model_path, adapter_paths):
+    """lora_requests_total per adapter name and the load-time histogram, under either prefix."""
+    llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, block_size=4, enable_lora=True, max_lora_rank=8)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    qv, gguf = LoRARequest("qv", 1, adapter_paths["qv"]), LoRARequest("qv-gguf", 2, adapter_paths["qv-gguf"])
+    for i, lora in enumerate([qv, qv, gguf, None]):
+        eng.add_request(f"r{i}", PROMPT, params, lora_request=lora)
+    with pytest.raises(AdapterError):  # refused: not counted
+        eng.add_request("bad", PROMPT, params, lora_request=LoRARequest("bad", 3, model_path))
+    while eng.has_unfinished_requests():
+        eng.step()
+    for prefix, labels in (("vllm", {"model_name": "tiny", "engine": "0"}), ("tachy", {"model_name": "tiny"})):
+        text = ServerMetrics("tiny", 256, MetricsOptions(prefix)).render(eng.snapshot())
+        requests = {s["lora_name"]: v for s, v in lora_info_samples(text, f"{prefix}:lora_requests_total")}
+        assert requests == {"qv": 2, "qv-gguf": 1}
+        ((count_labels, loads),) = lora_info_samples(text, f"{prefix}:lora_adapter_load_seconds_count")
+        assert loads == 2 and count_labels == labels  # each adapter loaded once
+        ((_, total),) = lora_info_samples(text, f"{prefix}:lora_adapter_load_seconds_sum")
+        assert 0 < total < 60
+    plain = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20)
+    text = ServerMetrics("tiny", 256).render(plain.engine.snapshot())
+    assert not lora_info_samples(text, "tachy:lora_requests_total")
+    assert not lora_info_samples(text, "tachy:lora_adapter_load_seconds_count")
+
+
+def test_adapter_files_read_off_the_engine_thread(model_path, adapter_paths, monkeypatch):
+    """A slow adapter read (a delay injected into it: it waits until a running stream has made 5 more
+    tokens) stalls no running stream: the engine thread keeps stepping while another thread reads, and
+    then only installs what was read. Were the engine thread the reader, the stream could not move and
+    the read would give up."""
+    args = server_args(model_path, "--enable-lora", "--max-lora-rank", "8")
+    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
+    read_started, progressed = threading.Event(), threading.Event()
+    readers, waited = [], []
+    read = lora_manager.load_adapter
+
+    def slow_read(*a):
+        readers.append(threading.current_thread().name)
+        read_started.set()
+        waited.append(progressed.wait(10))
+        return read(*a)
+
+    monkeypatch.setattr(lora_manager, "load_adapter", slow_read)
+    delta = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run() -> list[int]:
+        base = await engine.add_request("base", engine.input_processor.process(PROMPT, delta), delta)
+        tokens, mark = 0, None
+        adapter_task = None
+        async for out in base:
+            tokens += len(out.outputs[0].token_ids)
+            if adapter_task is None:
+                qv = replace(
+                    engine.input_processor.process(PROMPT, delta),
+                    lora_request=LoRARequest("qv", 1, adapter_paths["qv"]),
+                )
+                adapter_task = asyncio.ensure_future(engine.add_request("qv", qv, delta))
+            if read_started.is_set():
+                mark = tokens if mark is None else mark
+                if tokens >= mark + 5:
+                    progressed.set()
+        stream = await adapter_task
+        return [t async for out in stream for t in out.outputs[0].token_ids]
+
+    try:
+        adapter_tokens = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert waited == [True] and readers and readers[0] != "tachy-engine"
+    assert len(adapter_tokens) == 400
 
 
 def test_metrics_endpoint_has_lora_requests_info(http):

@@ -240,6 +240,8 @@ class AsyncEngine:
         self.model_config = engine.model_config  # the server checks LoRA adapters against it at start
         self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
         self.default_sampling_params = engine.default_sampling_params
+        # Reads a LoRA adapter's files on the calling thread, for the engine to install (thread-safe).
+        self._prepare_adapter = engine.lora.prepare if engine.lora is not None else None
 
     # -- any thread ---------------------------------------------------------------------------
     def add_output_listener(self, listener: OutputListener) -> None:
@@ -268,6 +270,12 @@ class AsyncEngine:
         # a cache hit (a refused constraint raises RequestError here, before anything is queued).
         for params in {id(p): p for _, _, p in requests if p.structured_outputs is not None}.values():
             await asyncio.to_thread(self.input_processor.compile_grammar, params)
+        # So are a LoRA adapter's files read (and checked: a bad one raises AdapterError here): the engine
+        # thread only installs the weights, and running streams never wait for a file.
+        if self._prepare_adapter is not None:
+            loras = {p.lora_request for _, p, _ in requests if isinstance(p, ProcessedRequest) and p.lora_request}
+            for lora in loras:
+                await asyncio.to_thread(self._prepare_adapter, lora)
         loop = asyncio.get_running_loop()
         now = time.time()
         adds = []
