@@ -34,7 +34,12 @@ GGUF_PROJECTIONS = {
 }
 LORA_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight\.lora_([ab])")
 # The base families an adapter file's general.architecture fits (Mistral GGUFs say "llama").
-COMPATIBLE_ARCHITECTURES = {"llama": ("llama", "mistral"), "qwen2": ("qwen2",), "qwen3": ("qwen3",)}
+COMPATIBLE_ARCHITECTURES = {
+    "llama": ("llama", "mistral"),
+    "qwen2": ("qwen2",),
+    "qwen3": ("qwen3",),
+    "gemma3": ("gemma3",),
+}
 
 
 def load_gguf_adapter(path: str, cfg: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
@@ -69,9 +74,10 @@ def load_gguf_adapter(path: str, cfg: ModelConfig, max_lora_rank: int) -> LoRAAd
     for tensor in reader.tensors:
         match = LORA_TENSOR.fullmatch(tensor.name)
         if match is None or match[2] not in GGUF_PROJECTIONS:
-            what = "the embedding or LM head" if tensor.name.startswith(("token_embd.", "output.")) else "no projection"
-            raise AdapterError(f"{where}: tensor {tensor.name!r} adapts {what} this engine serves LoRA on (supported: "
-                               f"blk.N.{{{','.join(GGUF_PROJECTIONS)}}}.weight.lora_{{a,b}})")  # fmt: skip
+            embedding = tensor.name.startswith(("token_embd.", "output."))
+            what = "the embedding or LM head, which is not served" if embedding else "no projection LoRA is served on"
+            supported = f"blk.N.{{{','.join(GGUF_PROJECTIONS)}}}.weight.lora_{{a,b}}"
+            raise AdapterError(f"{where}: tensor {tensor.name!r} adapts {what} (supported: {supported})")
         if len(tensor.shape) != 2:
             raise AdapterError(
                 f"{where}: tensor {tensor.name!r} has {len(tensor.shape)} dimensions; a LoRA A or B has 2"
