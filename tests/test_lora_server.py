@@ -342,6 +342,15 @@ def test_load_during_a_stream_and_unload(admin, admin_url, adapter_paths, offlin
     assert again.status_code == 404 and again.json()["error"]["param"] == "lora_name"
 
 
+def test_load_a_gguf_adapter_file(admin, adapter_paths, offline):
+    """llama.cpp's GGUF LoRA file through /v1/load_lora_adapter: the same answers as its PEFT folder."""
+    body = {"lora_name": "hot-gguf", "lora_path": adapter_paths["qv-gguf"]}
+    assert admin.post("/v1/load_lora_adapter", json=body).status_code == 200
+    answer = complete(admin, "hot-gguf")
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == offline["qv"]
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "hot-gguf"}).status_code == 200
+
+
 def test_adapter_loaded_again_is_read_anew(admin, model_path, tmp_path):
     """Unloaded, changed on disk and loaded again under its name: the new weights, no old KV block."""
     path = write_adapter(tmp_path / "v", model_path, ["q_proj", "k_proj"], seed=21)
