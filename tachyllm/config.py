@@ -272,7 +272,7 @@ class EngineConfig:
     # LoRA adapters (docs/lora.md), with vLLM's names.
     enable_lora: bool = option(
         False,
-        "serve LoRA adapters (PEFT format) on top of the base model, unmerged, many in one batch (default: off)",
+        "serve LoRA adapters (PEFT or GGUF files) over the base model, unmerged, many in one batch (default: off)",
     )
     max_loras: int = option(1, "distinct LoRA adapters in one step; requests for others wait (default: 1)")
     max_lora_rank: int = option(16, "the highest LoRA rank an adapter may have (default: 16)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,19 +25,22 @@ from tachyllm.server.async_engine import AsyncEngine
 FIRST_CHUNK_S, CHUNK_GAP_S, CHUNKS = 0.2, 0.1, 4
 
 
-def fake_app(seen_auth: list[str | None]) -> FastAPI:
+def fake_app(seen_auth: list[str | None], served=("fake-model",), seen_models: list[str] | None = None) -> FastAPI:
     """Streams CHUNKS one-token chunks: the first after FIRST_CHUNK_S, the others CHUNK_GAP_S apart.
-    A prompt containing 'refuse' gets a 400; 'midway' fails after one chunk; 'silent' streams no text."""
+    A prompt containing 'refuse' gets a 400; 'midway' fails after one chunk; 'silent' streams no text.
+    `served`: the models /v1/models lists; `seen_models` gets each request's model."""
     app = FastAPI()
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model"} for name in served]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         seen_auth.append(request.headers.get("authorization"))
         body = await request.json()
+        if seen_models is not None:
+            seen_models.append(body["model"])
         if "refuse" in body["prompt"]:
             return JSONResponse({"error": {"message": "prompt refused", "type": "invalid_request_error"}}, 400)
 
@@ -135,6 +139,33 @@ def test_fake_server_known_timing(tmp_path, model_path, capsys):
         == 0
     )
     assert (tmp_path / "two.png").stat().st_size > 0
+
+
+def test_lora_modules_mix(tmp_path, model_path, capsys):
+    """--lora-modules: each request names one of the adapters, drawn from --seed: the same mix again
+    with the same seed, another with another seed; a name the server does not list stops the run."""
+    seen: list[str] = []
+    app = fake_app([], served=("base", "sql", "chat", "json"), seen_models=seen)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+
+    def mix(seed: str, *names: str) -> Counter:
+        seen.clear()
+        flags = ["--dataset", "random", "--input-len", "4", "--output-len", "4", "--num-prompts", "24"]
+        run_bench(
+            tmp_path, "--base-url", url, "--tokenizer", model_path, *flags, "--seed", seed, "--lora-modules", *names
+        )
+        return Counter(seen)
+
+    with serving(server) as url:
+        first = mix("1", "sql", "chat", "json")
+        assert sum(first.values()) == 24 and set(first) == {"sql", "chat", "json"}
+        assert mix("1", "sql", "chat", "json") == first
+        assert mix("2", "sql", "chat", "json") != first
+        assert set(mix("1", "sql")) == {"sql"}
+        seen.clear()
+        assert main(["bench", "serve", "--no-progress", "--base-url", url, "--tokenizer", model_path,
+                     "--num-prompts", "2", "--lora-modules", "sql", "sqll"]) == 2  # fmt: skip
+    assert "--lora-modules: 'sqll' not served at" in capsys.readouterr().err and not seen
 
 
 RESULT_FIELDS = {

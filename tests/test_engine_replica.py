@@ -75,6 +75,25 @@ def test_a_report_that_could_not_be_sent_goes_again_under_later_events():
     assert buffer.take() == ([], [b"c"], False)
 
 
+def test_loaded_adapters_reported_among_the_blocks():
+    """A LoRA adapter's marker is stored while the engine has it loaded, evicted once it is not, and part
+    of a full snapshot."""
+    blocks, buffer = FakeBlockManager(), CacheEventBuffer()
+    buffer.drain(blocks)
+    buffer.take()
+    blocks.store(b"a")
+    buffer.drain(blocks, frozenset({b"sql"}))
+    buffer.drain(blocks, frozenset({b"sql"}))  # still loaded: nothing new
+    assert buffer.take() == ([b"a", b"sql"], [], False)
+    buffer.drain(blocks, frozenset({b"chat"}))  # sql evicted for chat
+    assert buffer.take() == ([b"chat"], [b"sql"], False)
+    buffer.want_full()
+    buffer.drain(blocks, frozenset({b"chat"}))
+    assert sorted(buffer.take()[0]) == [b"a", b"chat"]
+    buffer.drain(blocks)
+    assert buffer.take() == ([], [b"chat"], False)
+
+
 def test_a_full_snapshot_on_request():
     blocks, buffer = FakeBlockManager(), CacheEventBuffer()
     buffer.drain(blocks)

@@ -4,13 +4,16 @@ unknown name answered 404 in OpenAI's shape, and bad flags or adapters refused a
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
-from helpers.lora_files import write_adapter
+from helpers.lora_files import write_adapter, write_gguf_adapter
 from helpers.server import serving
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +23,9 @@ from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.cli import build_parser
 from tachyllm.entrypoints.serve import make_server
 from tachyllm.errors import AdapterError, ConfigError
+from tachyllm.lora import manager as lora_manager
 from tachyllm.lora.request import LoRARequest
+from tachyllm.sampling_params import RequestOutputKind
 from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
@@ -37,9 +42,11 @@ def model_path(tiny_model_factory) -> str:
 @pytest.fixture(scope="module")
 def adapter_paths(model_path, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("server-adapters")
+    qv = write_adapter(root / "qv", model_path, ["q_proj", "v_proj"], seed=11)
     return {
-        "qv": str(write_adapter(root / "qv", model_path, ["q_proj", "v_proj"], seed=11)),
+        "qv": str(qv),
         "mlp": str(write_adapter(root / "mlp", model_path, ["gate_proj", "up_proj", "down_proj"], rank=8, seed=12)),
+        "qv-gguf": str(write_gguf_adapter(root / "qv.gguf", model_path, qv)),  # the same adapter, llama.cpp's file
     }
 
 
@@ -52,7 +59,7 @@ def url(model_path, adapter_paths) -> Iterator[str]:
     mlp = json.dumps({"name": "mlp", "path": adapter_paths["mlp"], "base_model_name": "the-base"})
     args = server_args(
         model_path, "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-        "--lora-modules", f"qv={adapter_paths['qv']}", mlp,
+        "--lora-modules", f"qv={adapter_paths['qv']}", mlp, f"qv-gguf={adapter_paths['qv-gguf']}",
     )  # fmt: skip
     server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
     with serving(server) as base:
@@ -79,14 +86,15 @@ def offline(model_path, adapter_paths) -> dict[str | None, str]:
 
 def test_models_lists_adapters_with_parent(client, adapter_paths):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {"tiny", "qv", "mlp"}
+    assert set(cards) == {"tiny", "qv", "mlp", "qv-gguf"}
     assert getattr(cards["tiny"], "parent", None) is None
     assert cards["qv"].parent == "tiny" and cards["qv"].root == adapter_paths["qv"]
     assert cards["mlp"].parent == "the-base" and cards["mlp"].root == adapter_paths["mlp"]
+    assert cards["qv-gguf"].parent == "tiny" and cards["qv-gguf"].root == adapter_paths["qv-gguf"]
     assert client.models.retrieve("qv").parent == "tiny"
 
 
-@pytest.mark.parametrize("name", ["qv", "mlp", "tiny"])
+@pytest.mark.parametrize("name", ["qv", "mlp", "tiny", "qv-gguf"])
 def test_completion_runs_the_adapter(name, client, offline):
     out = client.completions.create(
         model=name,
@@ -96,7 +104,7 @@ def test_completion_runs_the_adapter(name, client, offline):
         extra_body={"ignore_eos": True},
     )
     assert out.model == name
-    assert out.choices[0].text == offline[None if name == "tiny" else name]
+    assert out.choices[0].text == offline[{"tiny": None, "qv-gguf": "qv"}.get(name, name)]
     assert offline["qv"] != offline[None] and offline["mlp"] != offline[None]
 
 
@@ -208,6 +216,79 @@ def test_lora_requests_info_metric(model_path, adapter_paths):
     assert not lora_info_samples(ServerMetrics("tiny", 256).render(plain.engine.snapshot()), "tachy:lora_requests_info")
 
 
+def test_per_adapter_request_counters_and_load_times(model_path, adapter_paths):
+    """lora_requests_total per adapter name and the load-time histogram, under either prefix."""
+    llm = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20, block_size=4, enable_lora=True, max_lora_rank=8)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    qv, gguf = LoRARequest("qv", 1, adapter_paths["qv"]), LoRARequest("qv-gguf", 2, adapter_paths["qv-gguf"])
+    for i, lora in enumerate([qv, qv, gguf, None]):
+        eng.add_request(f"r{i}", PROMPT, params, lora_request=lora)
+    with pytest.raises(AdapterError):  # refused: not counted
+        eng.add_request("bad", PROMPT, params, lora_request=LoRARequest("bad", 3, model_path))
+    while eng.has_unfinished_requests():
+        eng.step()
+    for prefix, labels in (("vllm", {"model_name": "tiny", "engine": "0"}), ("tachy", {"model_name": "tiny"})):
+        text = ServerMetrics("tiny", 256, MetricsOptions(prefix)).render(eng.snapshot())
+        requests = {s["lora_name"]: v for s, v in lora_info_samples(text, f"{prefix}:lora_requests_total")}
+        assert requests == {"qv": 2, "qv-gguf": 1}
+        ((count_labels, loads),) = lora_info_samples(text, f"{prefix}:lora_adapter_load_seconds_count")
+        assert loads == 2 and count_labels == labels  # each adapter loaded once
+        ((_, total),) = lora_info_samples(text, f"{prefix}:lora_adapter_load_seconds_sum")
+        assert 0 < total < 60
+    plain = LLM(model_path, dtype="float32", kv_cache_memory=4 << 20)
+    text = ServerMetrics("tiny", 256).render(plain.engine.snapshot())
+    assert not lora_info_samples(text, "tachy:lora_requests_total")
+    assert not lora_info_samples(text, "tachy:lora_adapter_load_seconds_count")
+
+
+def test_adapter_files_read_off_the_engine_thread(model_path, adapter_paths, monkeypatch):
+    """A slow adapter read (a delay injected into it: it waits until a running stream has made 5 more
+    tokens) stalls no running stream: the engine thread keeps stepping while another thread reads, and
+    then only installs what was read. Were the engine thread the reader, the stream could not move and
+    the read would give up."""
+    args = server_args(model_path, "--enable-lora", "--max-lora-rank", "8")
+    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
+    read_started, progressed = threading.Event(), threading.Event()
+    readers, waited = [], []
+    read = lora_manager.load_adapter
+
+    def slow_read(*a):
+        readers.append(threading.current_thread().name)
+        read_started.set()
+        waited.append(progressed.wait(10))
+        return read(*a)
+
+    monkeypatch.setattr(lora_manager, "load_adapter", slow_read)
+    delta = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run() -> list[int]:
+        base = await engine.add_request("base", engine.input_processor.process(PROMPT, delta), delta)
+        tokens, mark = 0, None
+        adapter_task = None
+        async for out in base:
+            tokens += len(out.outputs[0].token_ids)
+            if adapter_task is None:
+                qv = replace(
+                    engine.input_processor.process(PROMPT, delta),
+                    lora_request=LoRARequest("qv", 1, adapter_paths["qv"]),
+                )
+                adapter_task = asyncio.ensure_future(engine.add_request("qv", qv, delta))
+            if read_started.is_set():
+                mark = tokens if mark is None else mark
+                if tokens >= mark + 5:
+                    progressed.set()
+        stream = await adapter_task
+        return [t async for out in stream for t in out.outputs[0].token_ids]
+
+    try:
+        adapter_tokens = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert waited == [True] and readers and readers[0] != "tachy-engine"
+    assert len(adapter_tokens) == 400
+
+
 def test_metrics_endpoint_has_lora_requests_info(http):
     ((labels, _),) = lora_info_samples(http.get("/metrics").content, "tachy:lora_requests_info")
     assert labels["max_lora"] == "2" and labels["model_name"] == "tiny"
@@ -259,6 +340,15 @@ def test_load_during_a_stream_and_unload(admin, admin_url, adapter_paths, offlin
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     again = admin.post("/v1/unload_lora_adapter", json={"lora_name": "hot"})
     assert again.status_code == 404 and again.json()["error"]["param"] == "lora_name"
+
+
+def test_load_a_gguf_adapter_file(admin, adapter_paths, offline):
+    """llama.cpp's GGUF LoRA file through /v1/load_lora_adapter: the same answers as its PEFT folder."""
+    body = {"lora_name": "hot-gguf", "lora_path": adapter_paths["qv-gguf"]}
+    assert admin.post("/v1/load_lora_adapter", json=body).status_code == 200
+    answer = complete(admin, "hot-gguf")
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == offline["qv"]
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "hot-gguf"}).status_code == 200
 
 
 def test_adapter_loaded_again_is_read_anew(admin, model_path, tmp_path):

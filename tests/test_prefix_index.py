@@ -12,6 +12,7 @@ from tachyllm.ray_serve.prefix_index import (
     NO_MATCH,
     PREFIX_HIT,
     PrefixIndex,
+    adapter_marker,
     choose_replica,
 )
 
@@ -136,3 +137,23 @@ def test_no_match_takes_the_least_work_ahead_under_the_load_guard() -> None:
     assert (decision.replica, decision.reason) == ("r1", NO_MATCH)
     with pytest.raises(ValueError):
         choose_replica({}, {}, 1, 0, {})
+
+
+def test_adapter_requests_prefer_a_replica_with_the_adapter_loaded() -> None:
+    """Equal prefix work: the replica that published the adapter's marker, whichever the random draw;
+    a held prefix longer than the load's charge still wins."""
+    index = PrefixIndex()
+    marker = adapter_marker(b"digest of sql")
+    index.apply("r2", stored=[marker])
+    assert index.holders(marker) == {"r2"} and index.holders(adapter_marker(b"other")) == set()
+    without = {"r1", "r3"}
+    for seed in range(8):
+        rng = random.Random(seed)
+        decision = choose_replica(idle("r1", "r2", "r3"), idle("r1", "r2", "r3"), 8, 4, idle("r1", "r2", "r3"), rng,
+                                  without_adapter=without)  # fmt: skip
+        assert decision.replica == "r2" and decision.reason == NO_MATCH
+    decision = choose_replica({"r1": 3, "r2": 0, "r3": 0}, idle("r1", "r2", "r3"), 8, 4, idle("r1", "r2", "r3"),
+                              without_adapter=without)  # fmt: skip
+    assert decision.replica == "r1" and decision.reason == PREFIX_HIT
+    index.apply("r2", evicted=[marker])
+    assert index.holders(marker) == set()

@@ -17,6 +17,7 @@ import time
 import httpx
 import openai
 import pytest
+from helpers.lora_files import write_adapter
 from helpers.server import free_port
 
 ray = pytest.importorskip("ray")
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.ray]
 API_KEY = "ray-key"
 APP = "tachyllm"
 ENGINE = {"dtype": "float32", "kv_cache_memory": "4M", "max_model_len": 512, "max_num_seqs": 4}
+LORA_ENGINE = {**ENGINE, "enable_lora": True, "max_lora_rank": 8}
 # Long enough for several 16-token blocks; distinct per conversation, so no two share a first block.
 SYSTEM = "{i}{i}{i} {i}{i} {i}: you are an assistant. " + "Answer briefly and precisely, in plain words. " * 8
 
@@ -86,12 +88,18 @@ def models(tiny_model_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def base(ray_instance, models) -> str:
+def adapter_path(models, tmp_path_factory) -> str:
+    """A LoRA adapter of the tiny model, served as "tiny-qv" on its replicas."""
+    return str(write_adapter(tmp_path_factory.mktemp("ray-lora") / "qv", models["tiny"], ["q_proj", "v_proj"], seed=5))
+
+
+@pytest.fixture(scope="module")
+def base(ray_instance, models, adapter_path) -> str:
     config = parse_config(
         {
             "models": [
                 {"name": "tiny", "model": models["tiny"], "replicas": 2, "threads_per_replica": 1, "num_cpus": 0.5,
-                 "engine": ENGINE},
+                 "engine": LORA_ENGINE, "lora_modules": {"tiny-qv": adapter_path}},
                 {"name": "tiny-qwen", "model": models["tiny-qwen"], "replicas": 1, "threads_per_replica": 1,
                  "num_cpus": 0.5, "engine": ENGINE},
             ],
@@ -150,7 +158,7 @@ def test_responses_api_through_the_ingress(base):
 
 def test_multi_model_routing_and_unknown_model(http):
     listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
-    assert listed == ["tiny", "tiny-qwen"]
+    assert listed == ["tiny", "tiny-qwen", "tiny-qv"]
     for name in listed:
         body = http.post("/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 3}).json()
         assert body["model"] == name and body["usage"]["completion_tokens"] == 3
@@ -166,6 +174,52 @@ def test_multi_model_routing_and_unknown_model(http):
     # A bad request fails alone, with the engine's own message, as on a single server.
     response = http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 100_000})
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_adapter_is_served_by_its_base_models_replicas(http, models, adapter_path):
+    """models.yaml's lora_modules: the adapter is a model with its parent, answering as the engine does
+    offline; its requests go to the replica that has it loaded, and its prefix blocks are its own (the
+    router's matched blocks, keyed by the adapter's digest, are the replica's real hits)."""
+    from tachyllm import LLM, SamplingParams
+    from tachyllm.lora.request import LoRARequest
+
+    card = http.get("/v1/models/tiny-qv").json()
+    assert (card["parent"], card["root"]) == ("tiny", adapter_path)
+    llm = LLM(models["tiny"], dtype="float32", kv_cache_memory=4 << 20, max_model_len=512, enable_lora=True,
+              max_lora_rank=8)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    lora = LoRARequest("tiny-qv", 1, adapter_path)
+    expected = [o.outputs[0].text for o in llm.generate(["Hello there", "Hello there"], params, use_tqdm=False,
+                                                          lora_request=[lora, None])]  # fmt: skip
+    assert expected[0] != expected[1]
+    for name, text in zip(["tiny-qv", "tiny"], expected):
+        body = {"model": name, "prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+        answer = http.post("/v1/completions", json=body).json()
+        assert (answer["model"], answer["choices"][0]["text"]) == (name, text)
+    time.sleep(0.6)  # the replica's loaded adapter reaches the router (0.1 s intervals)
+    before = scrape(http)
+    for i in range(6):  # short prompts, no full block: only the loaded adapter tells the replicas apart
+        response = http.post("/v1/completions", json={"model": "tiny-qv", "prompt": f"{i} {i}", "max_tokens": 2})
+        assert response.status_code == 200
+    after = scrape(http)
+    by_replica = per_replica(after, "tachy:lora_requests_total", "tiny")
+    grown = {r: n - per_replica(before, "tachy:lora_requests_total", "tiny").get(r, 0) for r, n in by_replica.items()}
+    assert sorted(grown.values())[-1] == 6, grown
+    # A long prompt: the base model's blocks are no hit for the adapter, its own blocks are.
+    prompt = SYSTEM.format(i=7)
+    assert http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}).status_code == 200
+    for turn in range(2):
+        time.sleep(0.6)
+        earlier = scrape(http)
+        response = http.post("/v1/completions", json={"model": "tiny-qv", "prompt": prompt, "max_tokens": 1})
+        assert response.status_code == 200
+        now = scrape(http)
+        matched = 16 * (metric(now, "tachy:router_matched_blocks_total", model_name="tiny")
+                        - metric(earlier, "tachy:router_matched_blocks_total", model_name="tiny"))  # fmt: skip
+        hits = metric(now, "tachy:prefix_cache_hits_total", model_name="tiny") - metric(
+            earlier, "tachy:prefix_cache_hits_total", model_name="tiny"
+        )
+        assert hits == matched and (hits > 0) == (turn == 1), (turn, hits, matched)
 
 
 def test_the_other_endpoints(http):

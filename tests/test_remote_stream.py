@@ -5,6 +5,7 @@ replica_failed; refusals arrive as the server's own exceptions; closing cancels 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -59,13 +60,33 @@ class FakeEngine:
         self.calls: list[list[bytes]] = []
         self.request_ids: list[str] = []
         self.owe_blocks: int | None = None  # as the router would: each call owes this many blocks
+        self.adapter_digests: dict = {}
+        self.markers: list[bytes | None] = []
 
-    def call(self, request_id, request, max_queued, hashes):
+    def call(self, request_id, request, max_queued, hashes, marker):
         self.calls.append(hashes)
+        self.markers.append(marker)
         self.request_ids.append(request_id)
         if self.owe_blocks is not None:
             pending_prefill().add(request_id, "fake", f"replica{len(self.calls)}", self.owe_blocks)
         return self.generators[len(self.calls) - 1]
+
+
+def test_an_adapter_request_hashes_its_blocks_with_the_adapter_digest():
+    """The replicas key an adapter's blocks by its digest: so does the router's hash chain, and the call
+    carries the adapter's marker (what a replica publishes while it has the adapter loaded)."""
+    from tachyllm.lora.request import LoRARequest
+    from tachyllm.ray_serve.prefix_index import adapter_marker
+
+    lora = LoRARequest("sql", 1, "/a/sql")
+    engine = FakeEngine([ACCEPTED, output([5], True)], [ACCEPTED, output([5], True)])
+    engine.adapter_digests[lora] = b"digest"
+    asyncio.run(drain(engine, replace(request(), lora_request=lora)))
+    asyncio.run(drain(engine))
+    tokens = list(range(10))
+    assert engine.calls[0] == prompt_block_hashes(tokens, engine.info, b"digest") != engine.calls[1]
+    assert engine.calls[1] == prompt_block_hashes(tokens, engine.info)
+    assert engine.markers == [adapter_marker(b"digest"), None]
 
 
 def died() -> ActorDiedError:
@@ -76,8 +97,8 @@ def request() -> ProcessedRequest:
     return ProcessedRequest(None, list(range(10)), SamplingParams(max_tokens=4))
 
 
-async def drain(engine: FakeEngine) -> list[RequestOutput]:
-    stream = RemoteStream(engine, "r", request(), None)
+async def drain(engine: FakeEngine, processed: ProcessedRequest | None = None) -> list[RequestOutput]:
+    stream = RemoteStream(engine, "r", processed or request(), None)
     await stream.start()
     return [out async for out in stream]
 

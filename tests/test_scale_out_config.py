@@ -4,6 +4,8 @@ mistake as one error line naming the entry and the key. No Ray needed."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tachyllm.entrypoints.cli import build_parser, main
@@ -150,3 +152,63 @@ def test_tensor_parallel_size_reaches_every_replica():
     (model,) = config.models
     assert model.replicas == 2 and model.engine.tensor_parallel_size == 2
     assert model.engine.threads == 2 and model.ray_num_cpus == 2
+
+
+LORA_ENGINE = {"enable_lora": True}
+
+
+@pytest.mark.parametrize(
+    "document, message",
+    [
+        (one_model(lora_modules={"sql": "/a/sql"}), "models[0] (a): lora_modules needs engine.enable_lora: true"),
+        (one_model(engine=LORA_ENGINE, lora_modules=["sql=/a"]), "lora_modules: expected a mapping of keys to values"),
+        (one_model(engine=LORA_ENGINE, lora_modules={"sql": ""}), "expected adapter names mapped to paths"),
+        (one_model(engine=LORA_ENGINE, lora_modules={"a": "/a/sql"}), "the model name 'a' is given twice"),
+        ({"models": [{"name": "a", "engine": LORA_ENGINE, "lora_modules": {"x": "/x"}},
+                     {"name": "b", "engine": LORA_ENGINE, "lora_modules": {"x": "/y"}}]},
+         "the model name 'x' is given twice"),
+    ],
+)  # fmt: skip
+def test_bad_lora_modules_in_models_yaml(document, message):
+    with pytest.raises(ConfigError) as e:
+        parse_config(document)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_lora_modules_per_model(tmp_path, capsys):
+    """models.yaml's lora_modules and --lora-modules give each model its adapters (checked to exist before
+    Ray starts); with several models, --lora-modules names its model in vLLM's JSON form."""
+    config = parse_config(
+        {
+            "models": [
+                {"name": "a", "engine": LORA_ENGINE, "lora_modules": {"sql": "/a/sql", "chat": "/a/chat.gguf"}},
+                {"name": "b"},
+            ]
+        }  # fmt: skip
+    )
+    assert [(m.name, m.path) for m in config.models[0].lora_modules] == [("sql", "/a/sql"), ("chat", "/a/chat.gguf")]
+    assert config.models[1].lora_modules == []
+    one = from_args(parse("--replicas", "2", "--enable-lora", "--lora-modules", "sql=/a/sql"))
+    assert [m.name for m in one.models[0].lora_modules] == ["sql"]
+    json_form = '{"name": "sql", "path": "/b/sql", "base_model_name": "b"}'
+    two = from_args(parse("--model", "a=/m/a", "--model", "b=/m/b", "--enable-lora", "--lora-modules", json_form))
+    assert [len(m.lora_modules) for m in two.models] == [0, 1]
+    for flags, message in [
+        (["--replicas", "2", "--lora-modules", "sql=/a"], "--lora-modules 'sql': needs --enable-lora"),
+        (["--model", "a=/m/a", "--model", "b=/m/b", "--enable-lora", "--lora-modules", "sql=/a"],
+         "several models are served; name its model"),
+        (["--model", "a=/m/a", "--model", "b=/m/b", "--enable-lora", "--lora-modules", json_form.replace('"b"', '"c"')],
+         "base_model_name 'c' is not a served model (a, b)"),
+        (["--replicas", "2", "--enable-lora", "--lora-modules", "sql=/a", "x=/b", "sql=/c"],
+         "the model name 'sql' is given twice"),
+        (["--config", "m.yaml", "--lora-modules", "sql=/a"], "--lora-modules would be ignored"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            from_args(parse(*flags))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    missing = tmp_path / "missing-adapter"
+    assert main(["serve", "--model", f"a={model}", "--replicas", "2", "--enable-lora",
+                 "--lora-modules", f"sql={missing}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err == f"tachy: error: model 'a': LoRA adapter 'sql': '{missing}' does not exist"

@@ -113,6 +113,11 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="the model name to request when it is not --model (then only the tokenizer's path)",
     )  # fmt: skip
     g.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME",
+        help="a mix of models: each request (each conversation of a multi-turn dataset) names one of these "
+        "LoRA adapters (or models) the server serves, drawn at random from --seed (vLLM's flag)",
+    )  # fmt: skip
+    g.add_argument(
         "--tokenizer",
         default=None,
         help="GGUF file or HF directory to count tokens with (default: --model if a path, else the embedded model)",

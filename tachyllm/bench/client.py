@@ -79,13 +79,17 @@ class BenchClient:
     async def model_name(self) -> str:
         if self.endpoint.model:
             return self.endpoint.model
+        return (await self.served_models())[0]
+
+    async def served_models(self) -> list[str]:
+        """The model ids of GET /v1/models."""
         response = await self.http.get("/v1/models")
         if response.status_code != 200:
             raise TachyError(
                 f"GET /v1/models answered {response.status_code} ({error_message(response.text)}); "
                 "give --model (and --api-key if the server needs one)"
             )
-        return response.json()["data"][0]["id"]
+        return [card["id"] for card in response.json()["data"]]
 
     def payload(self, model: str, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {

@@ -157,20 +157,21 @@ def prompt_length(tokenizer: Tokenizer, prompt: Prompt) -> int:
 
 async def run_load(
     client: BenchClient,
-    model: str,
+    models: list[str],
     sessions: list[Session],
     offsets: list[float],
     max_concurrency: int | None,
     progress: bool,
 ) -> tuple[list[SentRequest], float, float]:
-    """Sends every session's turns; returns the requests in completion order and the run's start/end."""
+    """Sends every session's turns, each session's to its model of `models` (one per session); returns the
+    requests in completion order and the run's start/end."""
     slots = asyncio.Semaphore(max_concurrency or sys.maxsize)
     chat = client.endpoint.kind == "chat"
     sent: list[SentRequest] = []
     bar = tqdm(total=sum(len(s.turns) for s in sessions), desc="requests", disable=not progress, dynamic_ncols=True)
     start = time.perf_counter()
 
-    async def run_session(session: Session, offset: float) -> None:
+    async def run_session(session: Session, model: str, offset: float) -> None:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         messages: list[dict[str, str]] = []
         text = ""
@@ -194,7 +195,7 @@ async def run_load(
             text += result.text
 
     try:
-        await asyncio.gather(*(run_session(s, at) for s, at in zip(sessions, offsets)))
+        await asyncio.gather(*(run_session(s, m, at) for s, m, at in zip(sessions, models, offsets)))
     finally:
         bar.close()
     return sent, start, time.perf_counter()
@@ -220,6 +221,24 @@ async def check_server(args: argparse.Namespace) -> None:
         await client.check_reachable()
 
 
+def session_models(args: argparse.Namespace, model: str, count: int, rng: np.random.Generator) -> list[str]:
+    """The model each session requests: `model`, or with --lora-modules one of those names drawn at
+    random (from the run's seed) per session, as vLLM's benchmark picks a LoRA module per request."""
+    if not args.lora_modules:
+        return [model] * count
+    return [args.lora_modules[i] for i in rng.integers(len(args.lora_modules), size=count)]
+
+
+async def check_lora_modules(client: BenchClient, names: list[str]) -> None:
+    """Every --lora-modules name must be a model the server lists: a typo would fail every request it drew."""
+    served = await client.served_models()
+    if missing := [n for n in names if n not in served]:
+        raise TachyError(
+            f"--lora-modules: {', '.join(map(repr, missing))} not served at {root_url(client.endpoint.base_url)} "
+            f"(it serves {', '.join(served)})"
+        )
+
+
 async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str, list[PointResult]]:
     endpoint = make_endpoint(args)
     concurrencies: list[int | None] = list(args.max_concurrency or [None])
@@ -240,17 +259,21 @@ async def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[str
     max_connections = max(c or args.num_prompts for c in concurrencies)
     async with contextlib.aclosing(BenchClient(endpoint, max_connections)) as client:
         model = await client.model_name()
+        if args.lora_modules:
+            await check_lora_modules(client, args.lora_modules)
         if args.warmup:
             # Random prompts from a seed no measured point uses, so they warm nothing in a prefix cache.
             warm = DatasetSpec("random", args.warmup, args.input_len, args.output_len)
             sessions = build_sessions(warm, tokenizer, np.random.default_rng((args.seed, 1)))
-            await run_load(client, model, sessions, [0.0] * len(sessions), concurrencies[0], progress=False)
+            models = session_models(args, model, len(sessions), np.random.default_rng((args.seed, 1, 1)))
+            await run_load(client, models, sessions, [0.0] * len(sessions), concurrencies[0], progress=False)
         for index, (rate, concurrency) in enumerate((r, c) for r in args.request_rate for c in concurrencies):
             rng = np.random.default_rng((args.seed, 0, index))
             sessions = build_sessions(spec, tokenizer, rng)
             offsets = arrival_offsets(len(sessions), rate, args.burstiness, rng)
+            models = session_models(args, model, len(sessions), np.random.default_rng((args.seed, 2, index)))
             before = await client.scrape()
-            sent, start, end = await run_load(client, model, sessions, offsets, concurrency, not args.no_progress)
+            sent, start, end = await run_load(client, models, sessions, offsets, concurrency, not args.no_progress)
             after = await client.scrape() if before is not None else None
             results = count_tokens(sent, tokenizer)
             metrics = compute_metrics(results, start, end, args.percentiles, slos or None, args.cost_per_hour)

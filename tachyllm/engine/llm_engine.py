@@ -26,7 +26,7 @@ from tachyllm.kernels.kv_quant import KV_STORAGE
 from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
-from tachyllm.lora.manager import LoadedAdapter, LoRAManager
+from tachyllm.lora.manager import LoadedAdapter, LoadTimes, LoRAManager
 from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.outputs import (
@@ -66,6 +66,8 @@ class LoRARequestsInfo:
     max_loras: int
     running: tuple[str, ...] = ()
     waiting: tuple[str, ...] = ()
+    requests: dict[str, int] = field(default_factory=dict)  # requests admitted per adapter name (a copy)
+    load_times: LoadTimes = field(default_factory=LoadTimes)  # a copy
 
 
 @dataclass(frozen=True)
@@ -448,6 +450,9 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.requests[request_id] = req
         self.stats.num_prompt_tokens += len(token_ids)
+        if adapter is not None and self.lora is not None:
+            name = adapter.request.lora_name
+            self.lora.requests_by_name[name] = self.lora.requests_by_name.get(name, 0) + 1
         return req
 
     def _add_pooling_request(
@@ -574,7 +579,14 @@ class LLMEngine:
             return tuple(sorted({names[s.request.lora_slot] for s in seqs if s.request.lora_slot}))
 
         scheduler = self.scheduler
-        return LoRARequestsInfo(self.config.max_loras, adapters(scheduler.running), adapters(scheduler.waiting))
+        lora = self.lora
+        return LoRARequestsInfo(
+            self.config.max_loras,
+            adapters(scheduler.running),
+            adapters(scheduler.waiting),
+            dict(lora.requests_by_name),
+            LoadTimes(list(lora.load_times.buckets), lora.load_times.total_seconds),
+        )
 
     # -- the step ----------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:

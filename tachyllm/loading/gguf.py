@@ -170,7 +170,7 @@ def gguf_weights(reader: GGUFReader, config: ModelConfig) -> WeightSource:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
         plan.append((name, tensor))
     for first_of_type in {t.tensor_type: t for _, t in reversed(plan)}.values():
-        _check_dequantizable(first_of_type)
+        check_dequantizable(first_of_type)
 
     def weights(
         select: Select | None = None, leave_out: frozenset[str] = frozenset()
@@ -194,7 +194,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
 
 
-def _check_dequantizable(tensor: ReaderTensor) -> None:
+def check_dequantizable(tensor: ReaderTensor) -> None:
     if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return
     try:
@@ -229,14 +229,19 @@ def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return out.reshape(*data.shape[:-1], out.shape[1])
 
 
-def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:
+def dequantized(tensor: ReaderTensor) -> torch.Tensor:
+    """A tensor of the file in fp32, in torch's dimension order ([out, in] for a matrix)."""
     values = _dequantize(tensor.data, tensor.tensor_type)
     if not values.flags.writeable:
         # F32 tensors come back as views of the read-only memory map, which torch cannot wrap.
         values = values.copy()
     # GGUF lists dimensions fastest-varying first; torch wants them slowest first ([out, in]).
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    weight = torch.from_numpy(values).reshape(shape)
+    return torch.from_numpy(values).reshape(shape)
+
+
+def _to_torch(tensor: ReaderTensor, name: str, config: ModelConfig) -> torch.Tensor:
+    weight = dequantized(tensor)
     if config.architecture == "gemma3" and name.endswith("norm.weight"):
         # llama.cpp's converter stores Gemma's norm weights as 1 + w; the checkpoint form is w.
         weight = weight - 1

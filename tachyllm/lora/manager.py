@@ -3,22 +3,42 @@ max_cpu_loras of them, the least recently used one not in use by a request evict
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
+import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tachyllm.errors import AdapterError
+from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.lora.layers import StepSegments, attach_lora
-from tachyllm.lora.peft import LoRAAdapter, load_peft_adapter, projection_shapes
+from tachyllm.lora.peft import LoRAAdapter, projection_shapes
 from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tachyllm")
+
+# Upper bounds (seconds) of the adapter load-time histogram: from a small adapter read from the page
+# cache to a large one read from a slow disk.
+LOAD_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class LoadTimes:
+    """The adapters' load times (reading and checking the files, installing the weights) as a histogram:
+    loads per bucket of LOAD_TIME_BUCKETS (the last one: above them all), and their total."""
+
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(LOAD_TIME_BUCKETS) + 1))
+    total_seconds: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.buckets[bisect.bisect_left(LOAD_TIME_BUCKETS, seconds)] += 1
+        self.total_seconds += seconds
 
 
 @dataclass
@@ -42,6 +62,28 @@ class LoRAManager:
         # adapter, read anew (the server gives an adapter loaded again over HTTP a new id). Least
         # recently used first.
         self.loaded: OrderedDict[LoRARequest, LoadedAdapter] = OrderedDict()
+        # Adapters read by prepare() on another thread, waiting for their first request's acquire();
+        # guarded by _lock (the only state shared with other threads), oldest first.
+        self._prepared: OrderedDict[LoRARequest, tuple[LoRAAdapter, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.load_times = LoadTimes()
+        self.requests_by_name: dict[str, int] = {}  # requests admitted per adapter name
+
+    def prepare(self, request: LoRARequest) -> None:
+        """Reads and checks `request`'s adapter files (raising AdapterError), so that its acquire()
+        installs it without reading them: any thread, the engine's keeps stepping meanwhile. Reading
+        a file is what takes time; installing it into the wrapped linears is a copy per projection."""
+        if not isinstance(request, LoRARequest):
+            raise AdapterError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        with self._lock:
+            if request in self._prepared or request in self.loaded:  # a dict lookup: safe beside the engine
+                return
+        t0 = time.perf_counter()
+        adapter = load_adapter(request.lora_path, self.model_config, self.max_lora_rank)
+        with self._lock:
+            self._prepared[request] = (adapter, time.perf_counter() - t0)
+            while len(self._prepared) > self.capacity:  # prepared for requests that never came
+                self._prepared.popitem(last=False)
 
     def acquire(self, request: LoRARequest, in_use: set[int]) -> LoadedAdapter:
         """The loaded adapter of `request`, loading it first if need be (evicting the least recently
@@ -53,13 +95,21 @@ class LoRAManager:
             self.loaded.move_to_end(request)
             return loaded
         t0 = time.perf_counter()
-        adapter = load_peft_adapter(request.lora_path, self.model_config, self.max_lora_rank)
+        with self._lock:
+            prepared = self._prepared.pop(request, None)
+        if prepared is None:  # not prepared (the offline engine): read here, on the engine's thread
+            adapter, read_s = load_adapter(request.lora_path, self.model_config, self.max_lora_rank), 0.0
+        else:
+            adapter, read_s = prepared
         slot = self._free_slot(in_use)
         self._install(slot, adapter)
         loaded = self.loaded[request] = LoadedAdapter(request, adapter, slot)
+        load_s = read_s + time.perf_counter() - t0
+        self.load_times.add(load_s)
         logger.info(
-            "LoRA adapter %r loaded in %.3f s: rank %d, scale %g, %d projections, slot %d",
-            request.lora_name, time.perf_counter() - t0, adapter.rank, adapter.scale, len(adapter.weights), slot,
+            "LoRA adapter %r loaded in %.3f s (%s): rank %d, scale %g, %d projections, slot %d",
+            request.lora_name, load_s, "read beforehand" if prepared else "read on the engine thread",
+            adapter.rank, adapter.scale, len(adapter.weights), slot,
         )  # fmt: skip
         return loaded
 

@@ -151,20 +151,41 @@ def _read_weights(
         layer, proj, half = int(match[1]), match[2], match[3]
         if proj not in targets:
             raise AdapterError(f"{where}: tensor {key!r} adapts {proj}, which target_modules does not list")
-        if layer >= num_layers:
-            raise AdapterError(f"{where}: tensor {key!r} is for layer {layer}; the base model has {num_layers}")
-        in_features, out_features = shapes[proj]
-        expected = (adapter.rank, in_features) if half == "A" else (out_features, adapter.rank)
-        if tuple(tensor.shape) != expected:
-            raise AdapterError(
-                f"{where}: tensor {key!r} has shape {tuple(tensor.shape)}; the base model's {proj} with "
-                f"r={adapter.rank} needs {expected}"
-            )
+        check_lora_tensor(adapter, key, layer, proj, half, tensor, shapes, num_layers)
         halves.setdefault((layer, proj), {})[half] = tensor.float()
+    store_pairs(adapter, halves, WEIGHTS_FILE)
+
+
+def check_lora_tensor(
+    adapter: LoRAAdapter,
+    key: str,
+    layer: int,
+    proj: str,
+    half: str,
+    tensor: torch.Tensor,
+    shapes: dict[str, tuple[int, int]],
+    num_layers: int,
+) -> None:
+    """Checks one A (`half` "A": [r, in]) or B ([out, r]) of a projection against the base model."""
+    where = f"LoRA adapter {adapter.path!r}"
+    if layer >= num_layers:
+        raise AdapterError(f"{where}: tensor {key!r} is for layer {layer}; the base model has {num_layers}")
+    in_features, out_features = shapes[proj]
+    expected = (adapter.rank, in_features) if half == "A" else (out_features, adapter.rank)
+    if tuple(tensor.shape) != expected:
+        raise AdapterError(
+            f"{where}: tensor {key!r} has shape {tuple(tensor.shape)}; the base model's {proj} with "
+            f"r={adapter.rank} needs {expected}"
+        )
+
+
+def store_pairs(adapter: LoRAAdapter, halves: dict[tuple[int, str], dict[str, torch.Tensor]], source: str) -> None:
+    """Fills adapter.weights from each projection's checked halves; refuses a half without the other."""
+    where = f"LoRA adapter {adapter.path!r}"
     for (layer, proj), pair in sorted(halves.items()):
         if len(pair) != 2:
             missing = "lora_B" if "A" in pair else "lora_A"
             raise AdapterError(f"{where}: layer {layer}'s {proj} has no {missing} weight")
         adapter.weights[(layer, proj)] = (pair["A"].contiguous(), pair["B"].contiguous())
     if not adapter.weights:
-        raise AdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
+        raise AdapterError(f"{where}: {source} holds no LoRA weights")

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from tachyllm.errors import ConfigError
+from tachyllm.lora.request import LoRARequest
 from tachyllm.ray_serve.config import (
     MAX_EVENT_INTERVAL_S,
     ModelDeployment,
@@ -27,11 +28,11 @@ from tachyllm.ray_serve.config import (
 from tachyllm.ray_serve.hub import routing_hub
 from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
 from tachyllm.ray_serve.remote_engine import RemoteEngine
-from tachyllm.ray_serve.replica import EngineReplica
+from tachyllm.ray_serve.replica import EngineReplica, RemoteError
 from tachyllm.ray_serve.router import PrefixCacheRouter, RoundRobinRouter
 from tachyllm.ray_serve.router_metrics import router_metrics
 from tachyllm.server.app import assemble_app, metrics_options, server_state
-from tachyllm.server.options import server_args
+from tachyllm.server.options import LoRAModule, server_args
 from tachyllm.server.state import ServedModel
 
 
@@ -87,7 +88,11 @@ class Ingress:
 
     # Ray Serve awaits an async constructor.
     async def __init__(  # type: ignore[misc]
-        self, engines: dict[str, Any], deployments: dict[str, str], options: argparse.Namespace
+        self,
+        engines: dict[str, Any],
+        deployments: dict[str, str],
+        options: argparse.Namespace,
+        adapters: dict[str, list[LoRAModule]],
     ):
         serve_grpc_on_node_ip()
         names = list(engines)
@@ -96,6 +101,8 @@ class Ingress:
             ServedModel([name], RemoteEngine(name, engines[name], info), options.tool_call_parser)
             for name, info in zip(names, infos)
         ]
+        for base in list(models):
+            models += await adapter_models(base, engines[base.name], adapters.get(base.name, []))
         app_name = serve.get_replica_context().app_name
         hub = routing_hub(app_name)
 
@@ -119,17 +126,39 @@ class Ingress:
         return assemble_app(self._state, self._options, self._tracing)
 
 
+async def adapter_models(base: ServedModel, handle: Any, modules: list[LoRAModule]) -> list[ServedModel]:
+    """A model per LoRA adapter of `base` (its models.yaml lora_modules, or --lora-modules), served by
+    base's replicas: each adapter read and checked by a replica at start (a bad one fails the
+    application with its error), its content digest kept for the router's block hashes."""
+    engine = base.engine
+    assert isinstance(engine, RemoteEngine)
+    served = []
+    for int_id, module in enumerate(modules, start=1):
+        digest = await handle.check_adapter.remote(module.path)
+        if isinstance(digest, RemoteError):
+            raise ConfigError(f"model {base.name!r}: LoRA adapter {module.name!r}: {digest.message}")
+        lora = LoRARequest(module.name, int_id, module.path)
+        engine.adapter_digests[lora] = digest
+        served.append(ServedModel([module.name], engine, base.tool_call_parser, lora=lora, parent=base.name))
+    return served
+
+
 def application(config: ScaleOutConfig, options: argparse.Namespace):
-    """`options`: the server options (a `tachy serve` namespace, or server_args())."""
-    if options.lora_modules:
-        raise ConfigError("--lora-modules is served by a single engine, not on Ray Serve (docs/lora.md)")
+    """`options`: the server options (a `tachy serve` namespace, or server_args()); LoRA adapters come
+    with the models (`config`), which --lora-modules were assigned to."""
+    if options.allow_runtime_lora_updating:
+        raise ConfigError(
+            "--allow-runtime-lora-updating is served by a single engine, not on Ray Serve: give each model's "
+            "adapters in lora_modules (docs/scale_out.md)"
+        )
     engines = {model.name: engine_deployment(model, config, options) for model in config.models}
     # Ray Serve's default of 5 ongoing requests per replica would cap the whole endpoint at 5 streams.
     ingress = serve.deployment(Ingress).options(  # type: ignore[attr-defined]  # as EngineReplica's above
         name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS
     )
     deployments = {model.name: model.deployment_name for model in config.models}
-    return ingress.bind(engines, deployments, options)
+    adapters = {model.name: model.lora_modules for model in config.models}
+    return ingress.bind(engines, deployments, options, adapters)
 
 
 def build_app(args: dict[str, Any]):
@@ -143,6 +172,8 @@ def build_app(args: dict[str, Any]):
         config = parse_config({"models": args.pop("models"), "router": args.pop("router", {})}, "args")
     else:
         raise ConfigError("build_app needs config=<models.yaml> (or a models list in args)")
+    if "lora_modules" in args:
+        raise ConfigError("build_app: give LoRA adapters per model (lora_modules in the models list), not as an arg")
     check_model_paths(config)
     options = server_args(args)
     if "allowed_hosts" not in args:

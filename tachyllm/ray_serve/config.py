@@ -11,6 +11,9 @@ models.yaml:
         threads_per_replica: 1  # compute threads of each replica (default: cores / replicas)
         engine:                 # engine options: the `tachy serve` engine flags, without the dashes
           max_num_seqs: 64
+          enable_lora: true
+        lora_modules:           # LoRA adapters served as models of their own (needs engine.enable_lora)
+          sql: /path/to/sql-adapter        # name: PEFT directory or GGUF LoRA file
     router:
       policy: prefix            # prefix (default), power_of_two (Ray's default router), round_robin
       load_margin: 8
@@ -31,6 +34,7 @@ from tachyllm.config import EngineConfig
 from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.errors import ConfigError
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
+from tachyllm.server.options import LoRAModule
 
 MAX_EVENT_INTERVAL_S = 2.0
 ROUTER_POLICIES = ("prefix", "power_of_two", "round_robin")
@@ -47,6 +51,7 @@ AUTOSCALING_DEFAULTS: dict[str, float] = {
 AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "initial_replicas", *AUTOSCALING_DEFAULTS)
 MODEL_KEYS = (
     "name", "model", "replicas", "autoscale", "threads_per_replica", "num_cpus", "max_ongoing_requests", "engine",
+    "lora_modules",
 )  # fmt: skip
 ROUTER_KEYS = ("policy", "load_margin", "event_interval_s")
 
@@ -70,6 +75,8 @@ class ModelDeployment:
     threads_per_replica: int = 1
     max_ongoing_requests: int | None = None  # Ray Serve's cap per replica (default: 2 x max_num_seqs)
     num_cpus: float | None = None  # Ray's logical CPUs per replica (default: threads_per_replica)
+    # LoRA adapters served as models of their own on this model's replicas (needs engine.enable_lora).
+    lora_modules: list[LoRAModule] = field(default_factory=list)
 
     @property
     def deployment_name(self) -> str:
@@ -124,6 +131,7 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig:
             "--served-model-name": args.served_model_name,
             "--router": args.router != RouterConfig.policy,
             "--router-load-margin": args.router_load_margin != RouterConfig.load_margin,
+            "--lora-modules": args.lora_modules,
         }
         given = [flag for flag, value in flags.items() if value]
         given += ["--" + f.replace("_", "-") for f in changed_engine_options(engine_config(args))]
@@ -152,7 +160,28 @@ def from_args(args: argparse.Namespace) -> ScaleOutConfig:
                 threads_per_replica=threads,
             )
         )
+    assign_lora_modules(models, args.lora_modules)
+    check_unique([name for m in models for name in (m.name, *(a.name for a in m.lora_modules))], "--lora-modules")
     return ScaleOutConfig(models, RouterConfig(policy=args.router, load_margin=args.router_load_margin))
+
+
+def assign_lora_modules(models: list[ModelDeployment], modules: list[LoRAModule]) -> None:
+    """Each --lora-modules adapter to its model: the one model, or the one its base_model_name names (its
+    parent in /v1/models is that model's name)."""
+    for module in modules:
+        if module.base_model_name is None and len(models) > 1:
+            raise ConfigError(
+                f"--lora-modules {module.name!r}: several models are served; name its model with vLLM's JSON "
+                '{"name": ..., "path": ..., "base_model_name": MODEL}'
+            )
+        model = models[0] if len(models) == 1 else next((m for m in models if m.name == module.base_model_name), None)
+        if model is None:
+            served = ", ".join(m.name for m in models)
+            raise ConfigError(f"--lora-modules {module.name!r}: base_model_name {module.base_model_name!r} is not "
+                              f"a served model ({served})")  # fmt: skip
+        if not model.engine.enable_lora:
+            raise ConfigError(f"--lora-modules {module.name!r}: needs --enable-lora")
+        model.lora_modules.append(module)
 
 
 def changed_engine_options(engine: EngineConfig) -> list[str]:
@@ -167,6 +196,11 @@ def check_model_paths(config: ScaleOutConfig) -> None:
     for model in config.models:
         if model.engine.model and not os.path.exists(model.engine.model):
             raise ConfigError(f"model {model.name!r}: {model.engine.model!r} does not exist")
+        for adapter in model.lora_modules:
+            if not os.path.exists(adapter.path):
+                raise ConfigError(
+                    f"model {model.name!r}: LoRA adapter {adapter.name!r}: {adapter.path!r} does not exist"
+                )
 
 
 def engine_model_name(engine: EngineConfig) -> str:
@@ -195,7 +229,7 @@ def parse_config(document: Any, where: str = "config") -> ScaleOutConfig:
     if not isinstance(entries, list) or not entries:
         raise ConfigError(f"{where}: 'models' must be a non-empty list of models")
     models = [parse_model(entry, f"{where}: models[{i}]", len(entries)) for i, entry in enumerate(entries)]
-    check_unique([m.name for m in models], f"{where}: models")
+    check_unique([name for m in models for name in (m.name, *(a.name for a in m.lora_modules))], f"{where}: models")
     router = mapping(document.get("router", {}), f"{where}: router", ROUTER_KEYS)
     config = RouterConfig(**router)
     if config.policy not in ROUTER_POLICIES:
@@ -248,7 +282,21 @@ def parse_model(entry: Any, where: str, num_models: int) -> ModelDeployment:
     num_cpus = entry.get("num_cpus")
     if num_cpus is not None and (not is_number(num_cpus) or num_cpus < 0):
         raise ConfigError(f"{where}: num_cpus must be a number >= 0, got {num_cpus!r}")
-    return ModelDeployment(name, engine_options(options, where), replicas, autoscaling, threads, ongoing, num_cpus)
+    engine = engine_options(options, where)
+    adapters = parse_lora_modules(entry.get("lora_modules", {}), f"{where}: lora_modules")
+    if adapters and not engine.enable_lora:
+        raise ConfigError(f"{where}: lora_modules needs engine.enable_lora: true")
+    return ModelDeployment(name, engine, replicas, autoscaling, threads, ongoing, num_cpus, adapters)
+
+
+def parse_lora_modules(value: Any, where: str) -> list[LoRAModule]:
+    """A model's lora_modules: a mapping of adapter names to paths (a PEFT directory or a GGUF LoRA file)."""
+    adapters = []
+    for name, path in mapping(value, where, None).items():
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ConfigError(f"{where}: expected adapter names mapped to paths, got {name!r}: {path!r}")
+        adapters.append(LoRAModule(name, path))
+    return adapters
 
 
 def engine_options(options: dict[str, Any], where: str) -> EngineConfig:

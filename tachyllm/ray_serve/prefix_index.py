@@ -10,14 +10,28 @@ at the first block a replica lacks.
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 PREFIX_HIT = "prefix_hit"  # a replica holding part of the prompt: the least work ahead of its first token
 LOAD_FALLBACK = "load_fallback"  # the holders were too busy: a replica without the prefix, or the load guard
 NO_MATCH = "no_match"  # no replica holds the first block: the least work ahead, under the load guard
 DECISIONS = (PREFIX_HIT, LOAD_FALLBACK, NO_MATCH)
+# What a replica that has to load a request's LoRA adapter first is charged, in prompt blocks of work:
+# a tie-breaker that sends an adapter's requests to a replica that has it loaded when their prefix
+# work is otherwise equal (no prefix held, say), and lets a longer held prefix still win. An
+# adapter's blocks are its own (their hashes include its content digest), so holding its prefix
+# implies having run it.
+ADAPTER_LOAD_BLOCKS = 1
+
+
+def adapter_marker(digest: bytes) -> bytes:
+    """The entry a replica publishes among its cached blocks while it has the LoRA adapter of content
+    `digest` loaded (never a block hash: those chain a block's tokens)."""
+    return hashlib.sha256(b"tachyllm lora adapter loaded\0" + digest).digest()
 
 
 class PrefixIndex:
@@ -61,6 +75,9 @@ class PrefixIndex:
     def replicas(self) -> list[str]:
         return list(self._blocks)
 
+    def holders(self, h: bytes) -> set[str]:
+        return set(self._holders.get(h, ()))
+
     def matched_blocks(self, hashes: list[bytes], replicas: Iterable[str]) -> dict[str, int]:
         """For each of `replicas`, how many of `hashes` (a prompt's blocks, in order) it holds from the start."""
         matched = dict.fromkeys(replicas, 0)
@@ -89,6 +106,7 @@ def choose_replica(
     prompt_blocks: int,
     pending_blocks: dict[str, int],
     rng: random.Random | None = None,
+    without_adapter: AbstractSet[str] = frozenset(),
 ) -> RoutingDecision:
     """The replica with the least work ahead of the request's first token, counted in blocks: the
     prompt blocks it lacks, plus the prompt blocks that requests already sent to it have still to
@@ -101,6 +119,9 @@ def choose_replica(
     `load_margin` requests is passed over for the less loaded of two other replicas drawn at random
     (power of two choices), so that a hot prefix spreads out.
 
+    A request for a LoRA adapter costs the replicas that do not have it loaded (`without_adapter`)
+    ADAPTER_LOAD_BLOCKS more.
+
     `matched`, `queue_lengths` and `pending_blocks` have the same keys: the replicas that can take the
     request."""
     if not matched:
@@ -108,7 +129,10 @@ def choose_replica(
     sample = (rng or random).sample
     shortest = min(queue_lengths.values())
     any_match = max(matched.values()) > 0
-    work = {r: prompt_blocks - matched[r] + pending_blocks[r] for r in matched}
+    work = {
+        r: prompt_blocks - matched[r] + pending_blocks[r] + (ADAPTER_LOAD_BLOCKS if r in without_adapter else 0)
+        for r in matched
+    }
     least = min(work.values())
     # A fixed order would pile ties on one replica.
     tied = [r for r in sorted(matched) if work[r] == least]

@@ -22,8 +22,10 @@ from ray.serve._private.utils import generate_request_id
 from tachyllm.core.block_manager import extend_block_hashes, servable_blocks
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
+from tachyllm.lora.request import LoRARequest
 from tachyllm.outputs import EngineOutput
 from tachyllm.ray_serve.pending_prefill import pending_prefill
+from tachyllm.ray_serve.prefix_index import adapter_marker
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError
 from tachyllm.ray_serve.router_metrics import router_metrics
 from tachyllm.server.async_engine import QueueFullError, RequestParams
@@ -36,13 +38,14 @@ logger = logging.getLogger("tachyllm.ray_serve")
 REPLICA_GONE = (RayActorError, ActorUnavailableError)
 
 
-def prompt_block_hashes(token_ids: list[int], info: EngineInfo) -> list[bytes]:
+def prompt_block_hashes(token_ids: list[int], info: EngineInfo, adapter_digest: bytes = b"") -> list[bytes]:
     """The chained hashes of the prompt blocks a replica's prefix cache can serve (full blocks, leaving
-    the last token to compute: BlockManager.match_prefix), as its block manager computes them."""
+    the last token to compute: BlockManager.match_prefix), as its block manager computes them (for a
+    LoRA adapter's request, keyed by the adapter's content digest too)."""
     if not info.prefix_caching:
         return []
     num_blocks = servable_blocks(len(token_ids), info.block_size)
-    return extend_block_hashes([], token_ids, info.block_size, num_blocks, info.prefix_cache_key)
+    return extend_block_hashes([], token_ids, info.block_size, num_blocks, info.prefix_cache_key + adapter_digest)
 
 
 def remote_error(error: RemoteError) -> Exception:
@@ -71,7 +74,9 @@ class RemoteStream:
         self._engine = engine
         self._request = request
         self._max_queued = max_queued
-        self._hashes = prompt_block_hashes(request.prompt_token_ids, engine.info)
+        digest = engine.adapter_digests.get(request.lora_request) if request.lora_request is not None else None
+        self._hashes = prompt_block_hashes(request.prompt_token_ids, engine.info, digest or b"")
+        self._adapter_marker = adapter_marker(digest) if digest is not None else None
         self._generator: Any = None  # the current attempt's DeploymentResponseGenerator
         self._attempt = 0
         self._attempt_id = request_id  # the engine request id of the current attempt
@@ -83,7 +88,9 @@ class RemoteStream:
         """Sends the request and waits until a replica's engine took it (raising what refused it)."""
         while True:
             self._attempt_id = self.request_id if self._attempt == 0 else f"{self.request_id}-retry{self._attempt}"
-            self._generator = self._engine.call(self._attempt_id, self._request, self._max_queued, self._hashes)
+            self._generator = self._engine.call(
+                self._attempt_id, self._request, self._max_queued, self._hashes, self._adapter_marker
+            )
             if self._trace is not None:
                 self._trace.record("routed", engine_request_id=self._attempt_id, attempt=self._attempt)
             try:
@@ -177,14 +184,23 @@ class RemoteEngine:
         self.error: BaseException | None = None  # Ray restarts failed replicas: the engine as a whole never fails
         self.retries = retries
         self.open_streams: set[RemoteStream] = set()
+        # The content digest of each LoRA adapter served on these replicas (the ingress reads them at start).
+        self.adapter_digests: dict[LoRARequest, bytes] = {}
         self._generate = handle.options(stream=True, method_name="generate")
 
-    def call(self, request_id: str, request: ProcessedRequest, max_queued: int | None, hashes: list[bytes]):
+    def call(
+        self,
+        request_id: str,
+        request: ProcessedRequest,
+        max_queued: int | None,
+        hashes: list[bytes],
+        marker: bytes | None,
+    ):
         # Every call made while serving one HTTP request carries that request's internal id, and Ray
         # Serve's router hands a chosen replica to the pending call with the chosen call's id: the
         # calls of a request with several prompts, routed at once, would take each other's replicas
         # (or wait forever). So each call is made under an id of its own.
-        return contextvars.copy_context().run(self._call_with_own_id, request_id, request, max_queued, hashes)
+        return contextvars.copy_context().run(self._call_with_own_id, request_id, request, max_queued, hashes, marker)
 
     def _call_with_own_id(self, *args):
         context = serve_context._get_serve_request_context()

@@ -21,12 +21,14 @@ from typing import Any, Literal
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest
 from tachyllm.engine.llm_engine import LLMEngine
-from tachyllm.errors import RequestError
+from tachyllm.errors import AdapterError, RequestError
 from tachyllm.loading import Tokenizer
+from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.otel import TraceOptions
 from tachyllm.ray_serve.config import ModelDeployment, RouterConfig
 from tachyllm.ray_serve.hub import routing_hub
 from tachyllm.ray_serve.listeners import serve_grpc_on_node_ip
+from tachyllm.ray_serve.prefix_index import adapter_marker
 from tachyllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.state import engine_problem
@@ -84,20 +86,24 @@ class CacheEventBuffer:
         # recording starts with the engine (EngineReplica), when the cache is empty.
         self._reset = True
         self._want_full = False
+        # The LoRA adapters' markers (prefix_index.adapter_marker) last reported, reported among the blocks.
+        self._adapters: frozenset[bytes] = frozenset()
 
     def want_full(self) -> None:
         with self._lock:
             self._want_full = True
 
-    def drain(self, block_manager: BlockManager) -> None:
-        """Engine thread only: the block manager is not thread-safe."""
+    def drain(self, block_manager: BlockManager, adapters: frozenset[bytes] = frozenset()) -> None:
+        """Engine thread only: the block manager is not thread-safe. `adapters`: the markers of the LoRA
+        adapters loaded now, stored while loaded and evicted when no longer."""
         with self._lock:
             if self._want_full:
-                self._changes = dict.fromkeys(block_manager.track_cache_events(), True)
-                self._reset, self._want_full = True, False
+                self._changes = dict.fromkeys([*block_manager.track_cache_events(), *adapters], True)
+                self._reset, self._want_full, self._adapters = True, False, adapters
                 return
             stored, evicted = block_manager.drain_cache_events()
-            self._merge(stored, evicted)
+            self._merge([*stored, *(adapters - self._adapters)], [*evicted, *(self._adapters - adapters)])
+            self._adapters = adapters
 
     def _merge(self, stored: list[bytes], evicted: list[bytes]) -> None:
         for h in stored:
@@ -158,7 +164,17 @@ class EngineReplica:
         self._events = CacheEventBuffer()
         self.metrics = ServerMetrics(model.name, self.engine.max_model_len, metrics)
         self.engine.add_output_listener(self.metrics.observe)
-        self.engine.add_output_listener(lambda _: self._events.drain(block_manager))
+        lora = holder["engine"].lora
+        markers: dict[bytes, bytes] = {}  # an adapter's digest -> its marker
+
+        def loaded_adapters() -> frozenset[bytes]:
+            if lora is None:
+                return frozenset()
+            digests = [loaded.adapter.digest for loaded in lora.loaded.values()]
+            return frozenset(markers.get(d) or markers.setdefault(d, adapter_marker(d)) for d in digests)
+
+        self.engine.add_output_listener(lambda _: self._events.drain(block_manager, loaded_adapters()))
+        self._max_lora_rank = engine_config.max_lora_rank
         self.info = EngineInfo(
             model_name=self.engine.model_name,
             max_model_len=self.engine.max_model_len,
@@ -180,11 +196,26 @@ class EngineReplica:
     async def describe(self) -> EngineInfo:
         return self.info
 
+    async def check_adapter(self, path: str) -> bytes | RemoteError:
+        """Reads and checks the LoRA adapter at `path` against this replica's model, off its engine thread:
+        its content digest (which keys its KV blocks), or why it cannot be served."""
+        try:
+            adapter = await asyncio.to_thread(load_adapter, path, self.engine.model_config, self._max_lora_rank)
+        except AdapterError as e:
+            return RemoteError("refused", str(e), e.param)
+        return adapter.digest
+
     async def generate(
-        self, request_id: str, request: ProcessedRequest, max_queued: int | None, block_hashes: list[bytes]
+        self,
+        request_id: str,
+        request: ProcessedRequest,
+        max_queued: int | None,
+        block_hashes: list[bytes],
+        adapter_marker: bytes | None = None,
     ):
         """ACCEPTED or a RemoteError, then the request's outputs. `block_hashes` (the prompt's full blocks)
-        are for the router, which reads them from the call's arguments."""
+        and `adapter_marker` (its LoRA adapter's, if any) are for the router, which reads them from the
+        call's arguments."""
         try:
             stream = (
                 await self.engine.add_request(request_id, request, request.params)

@@ -27,9 +27,10 @@ logger = logging.getLogger("tachyllm.ray_serve")
 
 GENERATE = "generate"
 MAX_UNSETTLED = 65536
-# EngineReplica.generate(request_id, request, max_queued, block_hashes)
+# EngineReplica.generate(request_id, request, max_queued, block_hashes, adapter_marker)
 REQUEST_ID_ARG = 0
 BLOCK_HASHES_ARG = 3
+ADAPTER_MARKER_ARG = 4
 
 
 def ranked(first: RunningReplica, candidates: list[RunningReplica], queue_len) -> list[list[RunningReplica]]:
@@ -77,13 +78,18 @@ class PrefixCacheRouter(RequestRouter):
             if pending_request is not None and pending_request.metadata.call_method == GENERATE
             else None
         )
+        marker = None
         if counted_call is not None and len(counted_call.args) > BLOCK_HASHES_ARG:
             hashes = counted_call.args[BLOCK_HASHES_ARG]
+        if counted_call is not None and len(counted_call.args) > ADAPTER_MARKER_ARG:
+            marker = counted_call.args[ADAPTER_MARKER_ARG]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         matched = self._index.matched_blocks(hashes, by_id)
         queues = {rid: self._queue_len(r) for rid, r in by_id.items()}
         pending = {rid: pending_prefill().blocks(rid) for rid in by_id}
-        decision = choose_replica(matched, queues, self._load_margin, len(hashes), pending)
+        # A LoRA adapter's request: the replicas that have not published the adapter as loaded.
+        without = set(by_id) - self._index.holders(marker) if marker is not None else frozenset()
+        decision = choose_replica(matched, queues, self._load_margin, len(hashes), pending, without_adapter=without)
         if counted_call is not None:
             bounded_insert(self._decisions, counted_call.metadata.internal_request_id, decision)
         return ranked(by_id[decision.replica], candidate_replicas, self._queue_len)

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from tachyllm.errors import ConfigError
-from tachyllm.lora.peft import load_peft_adapter
+from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.otel import RequestTracer, TraceOptions
@@ -66,7 +66,7 @@ def lora_models(base: ServedModel, model_config: ModelConfig, args: argparse.Nam
         if module.name in names:
             raise ConfigError(f"--lora-modules: the name {module.name!r} is already served")
         names.add(module.name)
-        load_peft_adapter(module.path, model_config, args.max_lora_rank)
+        load_adapter(module.path, model_config, args.max_lora_rank)
         lora = LoRARequest(module.name, int_id, module.path)
         parent = module.base_model_name or base.name
         served.append(ServedModel([module.name], base.engine, base.tool_call_parser, lora=lora, parent=parent))

@@ -250,6 +250,8 @@ class AsyncEngine:
         self.pooling_tasks = engine.pooling_tasks
         self.embedding_dim = engine.embedding_dim
         self.is_matryoshka = engine.is_matryoshka
+        # Reads a LoRA adapter's files on the calling thread, for the engine to install (thread-safe).
+        self._prepare_adapter = engine.lora.prepare if engine.lora is not None else None
 
     # -- any thread ---------------------------------------------------------------------------
     def add_output_listener(self, listener: OutputListener) -> None:
@@ -281,6 +283,12 @@ class AsyncEngine:
         }
         for constrained_params in constrained.values():
             await asyncio.to_thread(self.input_processor.compile_grammar, constrained_params)
+        # So are a LoRA adapter's files read (and checked: a bad one raises AdapterError here): the engine
+        # thread only installs the weights, and running streams never wait for a file.
+        if self._prepare_adapter is not None:
+            loras = {p.lora_request for _, p, _ in requests if isinstance(p, ProcessedRequest) and p.lora_request}
+            for lora in loras:
+                await asyncio.to_thread(self._prepare_adapter, lora)
         loop = asyncio.get_running_loop()
         now = time.time()
         adds = []

@@ -14,11 +14,12 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from tachyllm.engine.llm_engine import EngineSnapshot, LoRARequestsInfo
+from tachyllm.lora.manager import LOAD_TIME_BUCKETS
 from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, EngineOutput, RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
@@ -160,6 +161,8 @@ class ServerMetrics:
         self.registry.register(self._iteration_tokens)
         self._lora_info = _LoRAInfo(f"{prefix}:lora_requests_info", self._labels)
         self.registry.register(self._lora_info)
+        self._lora_stats = _LoRAStats(prefix, self._labels)
+        self.registry.register(self._lora_stats)
 
         self._exported = StepStats()  # counter values already added to the registry
         self._progress: dict[str, _Progress] = {}  # engine thread only
@@ -255,7 +258,7 @@ class ServerMetrics:
         self.waiting.set(snapshot.num_waiting)
         self._waiting_by_reason["capacity"].set(snapshot.num_waiting)
         self._iteration_tokens.stats = now
-        self._lora_info.info = snapshot.lora
+        self._lora_info.info = self._lora_stats.info = snapshot.lora
         if snapshot.cache_config and not self._cache_info_exported:  # constant: labelled once
             labels = {**snapshot.cache_config, **self._labels}  # vLLM's has no model_name; every series here has
             info = Gauge(
@@ -331,6 +334,39 @@ class _LoRAInfo:
         values = [*self._labels.values(), str(info.max_loras), ",".join(info.running), ",".join(info.waiting)]
         family.add_metric(values, time.time())
         return [family]
+
+
+class _LoRAStats:
+    """tachyllm's own LoRA counters (vLLM has none by these names; the same names under either prefix),
+    read from the engine's counts at each scrape: requests admitted per adapter (lora_requests_total,
+    labelled lora_name) and the adapters' load times (lora_adapter_load_seconds). Absent without
+    enable_lora."""
+
+    def __init__(self, prefix: str, labels: dict[str, str]) -> None:
+        self._prefix, self._labels = prefix, labels
+        self.info: LoRARequestsInfo | None = None
+
+    def collect(self) -> list[Metric]:
+        info = self.info
+        if info is None:
+            return []
+        values = list(self._labels.values())
+        requests = CounterMetricFamily(
+            f"{self._prefix}:lora_requests", "Requests admitted per LoRA adapter.", labels=[*self._labels, "lora_name"]
+        )
+        for name, count in sorted(info.requests.items()):
+            requests.add_metric([*values, name], count)
+        loads = HistogramMetricFamily(
+            f"{self._prefix}:lora_adapter_load_seconds",
+            "Time to load a LoRA adapter: its files read and checked, its weights installed.",
+            labels=list(self._labels),
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(floatToGoString, LOAD_TIME_BUCKETS), "+Inf"], info.load_times.buckets):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        loads.add_metric(values, buckets, info.load_times.total_seconds)
+        return [requests, loads]
 
 
 class _Fixed:

@@ -105,9 +105,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
-        help="LoRA adapters (PEFT directories) served as models of their own, each selected by its name in a "
-        "request's model: name=path, or vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...} "
-        "(needs --enable-lora; docs/lora.md)",
+        help="LoRA adapters (PEFT directories or GGUF LoRA files) served as models of their own, each selected by "
+        "its name in a request's model: name=path, or vLLM's JSON "
+        "{\"name\": ..., \"path\": ..., \"base_model_name\": ...} (needs --enable-lora; docs/lora.md)",
     )  # fmt: skip
     g.add_argument(
         "--allow-runtime-lora-updating", action="store_true",

@@ -86,3 +86,67 @@ def merge_adapter(model_dir: Path, adapter_dir: Path, into: Path) -> Path:
             weights[name] = (weights[name].double() + scale * (b.double() @ a.double())).to(weights[name].dtype)
     save_file(weights, into / "model.safetensors", metadata={"format": "pt"})
     return into
+
+
+# llama.cpp's tensor names of the seven projections (blk.N.<name>.weight.lora_a / .lora_b).
+GGUF_NAMES = {
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+    "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def _rotary_interleave(b: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order for a llama model: each head's rows from HF's half-split
+    rotary layout to interleaved pairs (applied to B, whose rows are the projection's outputs)."""
+    return b.reshape(heads, 2, b.shape[0] // heads // 2, *b.shape[1:]).transpose(1, 2).reshape(b.shape)
+
+
+def write_gguf_adapter(
+    path: Path,
+    model_dir: Path,
+    peft_dir: Path,
+    quantize_a: bool = False,
+    metadata: dict[str, object] | None = None,
+    extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """The PEFT adapter in `peft_dir` as llama.cpp's convert_lora_to_gguf.py writes it for a llama base:
+    general.type adapter, adapter.type lora, adapter.lora.alpha, A [r, in] and B [out, r] per projection
+    (the file's dimensions reversed), B of attn_q / attn_k in llama.cpp's rotary row order.
+    `quantize_a`: A stored as Q8_0 blocks. `metadata`: string / float keys to set (None: left out)."""
+    import gguf
+    from gguf.quants import quantize
+
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    model_cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = {"q_proj": model_cfg["num_attention_heads"], "k_proj": model_cfg["num_key_value_heads"]}
+    lora = load_file(peft_dir / "adapter_model.safetensors")
+    fields: dict[str, object] = {
+        "general.type": "adapter", "adapter.type": "lora", "adapter.lora.alpha": float(config["lora_alpha"]),
+    }  # fmt: skip
+    fields.update(metadata or {})
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in fields.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif value is not None:
+            writer.add_float32(key, float(value))
+    _, num_layers = _shapes(model_dir)
+    for layer in range(num_layers):
+        for proj in config["target_modules"]:
+            a, b = lora[adapter_key(layer, proj, "A")], lora[adapter_key(layer, proj, "B")]
+            if proj in heads:
+                b = _rotary_interleave(b, heads[proj])
+            name = f"blk.{layer}.{GGUF_NAMES[proj]}.weight"
+            if quantize_a:
+                kind = gguf.GGMLQuantizationType.Q8_0
+                writer.add_tensor(f"{name}.lora_a", quantize(a.numpy(), kind), raw_dtype=kind)
+            else:
+                writer.add_tensor(f"{name}.lora_a", a.numpy())
+            writer.add_tensor(f"{name}.lora_b", b.contiguous().numpy())
+    for name, tensor in (extra_tensors or {}).items():
+        writer.add_tensor(name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

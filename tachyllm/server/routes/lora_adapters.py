@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from tachyllm.errors import AdapterError
-from tachyllm.lora.peft import load_peft_adapter
+from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.lora.request import LoRARequest
 from tachyllm.server import protocol as p
 from tachyllm.server.errors import APIError, bad_request
@@ -34,7 +34,7 @@ async def load_lora_adapter(request: Request, state: ServerState = Depends(serve
     check_name_free(state, name)
     base = runtime.base
     try:
-        await asyncio.to_thread(load_peft_adapter, body.lora_path, runtime.model_config, runtime.max_lora_rank)
+        await asyncio.to_thread(load_adapter, body.lora_path, runtime.model_config, runtime.max_lora_rank)
     except AdapterError as e:
         raise bad_request(str(e), param="lora_path") from None
     check_name_free(state, name)  # another load may have taken it meanwhile
