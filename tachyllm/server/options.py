@@ -156,6 +156,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="most tokens one HTTP request may claim: its prompts plus n x max_tokens for each (default: 1048576)",
     )  # fmt: skip
     g.add_argument(
+        "--max-pooling-inputs", type=positive_int, default=2048,
+        help="most inputs one pooling request may carry: /v1/embeddings inputs, /v1/rerank documents, /v1/score "
+        "pairs (default: 2048)",
+    )  # fmt: skip
+    g.add_argument(
         "--allowed-hosts", nargs="+", default=None,
         help="Host header values the server answers to ('*' = any); others get 421 (default: the loopback names "
         "when bound to loopback, else any)",
