@@ -66,3 +66,13 @@ def byte_size(text: str) -> int:
         return int(t)
     except OverflowError:  # "infG"
         raise ValueError(f"not a finite size: {text!r}") from None
+
+
+def boolean(text: str) -> bool:
+    """true / false (also 1 / 0, yes / no, any case): a flag's explicit truth value."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")

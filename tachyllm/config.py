@@ -10,18 +10,22 @@ from typing import Any
 
 import torch
 
-from tachyllm.argtypes import byte_size
+from tachyllm.argtypes import boolean, byte_size
 from tachyllm.chat_template import chat_template_flag, read_chat_template
 from tachyllm.errors import ConfigError
 from tachyllm.option_values import (
     BACKENDS,
+    CONVERTS,
     DETAILED_TRACE_MODULES,
     DTYPE_ALIASES,
     DTYPES,
     KV_CACHE_DTYPES,
+    POOLING_TYPES,
     QUANT_ACTIVATION_BITS,
     QUANT_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    RUNNERS,
+    TASKS,
     TP_ALL_REDUCES,
 )
 from tachyllm.sampling_params import MAX_LOGPROBS
@@ -276,6 +280,39 @@ class EngineConfig:
         None, "LoRA adapters kept loaded, the least recently used unused one evicted first (default: max_loras)"
     )
 
+    # Pooling (docs/pooling.md), vLLM's names: embeddings, scores, classification instead of generation.
+    runner: str = option(
+        "auto",
+        "what the engine runs the model for: generate (text), pooling (embeddings, scores); auto = pooling for an"
+        " encoder-only checkpoint (BERT) or with --convert embed/classify, else generate",
+        choices=RUNNERS,
+    )
+    convert: str = option(
+        "auto",
+        "how a generative (causal) model is used by the pooling runner: embed (its pooled final hidden states);"
+        " none / auto = as the checkpoint is (an encoder's own head)",
+        choices=CONVERTS,
+    )
+    task: str = option(
+        "auto",
+        "deprecated spelling of --runner / --convert (vLLM's): generate, embed, score, classify (default: auto)",
+        choices=TASKS,
+    )
+    pooling_type: str | None = option(
+        None,
+        "how a pooling model turns an input's hidden states into one vector: MEAN, CLS (the first token) or LAST"
+        " (default: a sentence-transformers folder's 1_Pooling/config.json, else CLS for a BERT classifier, MEAN"
+        " for a BERT encoder, LAST for a causal model)",
+        choices=POOLING_TYPES,
+    )
+    normalize: bool | None = option(
+        None,
+        "pooling: L2-normalise embeddings, true or false (default: the model's own, a sentence-transformers"
+        " Normalize module; true for a causal embedder)",
+        choices=(True, False),
+        parse=boolean,
+    )
+
     def __post_init__(self) -> None:
         self._parse_byte_sizes()
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -330,6 +367,7 @@ class EngineConfig:
         if self.tp_all_reduce is not None and self.device.startswith("cuda"):
             raise ConfigError(f"tp_all_reduce={self.tp_all_reduce!r} is for CPU ranks; CUDA ranks all-reduce with NCCL")
         self._check_lora()
+        self._check_pooling()
         if self.max_logprobs < -1:
             raise ConfigError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.collect_detailed_traces is not None and self.collect_detailed_traces not in DETAILED_TRACE_MODULES:
@@ -400,6 +438,37 @@ class EngineConfig:
             enforce_eager=self.enforce_eager,
             threads=self.threads,
         )
+
+    def _check_pooling(self) -> None:
+        for name, allowed in (("runner", RUNNERS), ("convert", CONVERTS), ("task", TASKS)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.pooling_type is not None:
+            self.pooling_type = self.pooling_type.upper()
+            if self.pooling_type not in POOLING_TYPES:
+                raise ConfigError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ConfigError(f"normalize must be true or false (or unset), got {self.normalize!r}")
+        # --task is vLLM's older spelling: embed / score / classify mean the pooling runner.
+        if self.task in ("embed", "score", "classify"):
+            if self.runner == "generate":
+                raise ConfigError(f"task={self.task!r} needs the pooling runner, but runner is 'generate'")
+            self.runner = "pooling"
+            if self.convert == "auto" and self.task == "embed":
+                self.convert = "embed"
+        elif self.task == "generate":
+            if self.runner == "pooling":
+                raise ConfigError("task='generate' contradicts runner='pooling'")
+            self.runner = "generate"
+        if self.convert in ("embed", "classify"):
+            if self.runner == "generate":
+                raise ConfigError(f"convert={self.convert!r} needs the pooling runner, but runner is 'generate'")
+            self.runner = "pooling"
+
+    @property
+    def pooling_requested(self) -> bool | None:
+        """True: the pooling runner was asked for; False: generation was; None: the checkpoint decides."""
+        return {"pooling": True, "generate": False}.get(self.runner)
 
     def _check_lora(self) -> None:
         if self.max_loras < 1:

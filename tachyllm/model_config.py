@@ -8,7 +8,10 @@ import torch
 
 from tachyllm.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "bert")
+# Encoder-only architectures: bidirectional attention over each whole input, no KV cache, served by the
+# pooling runner only (docs/pooling.md).
+ENCODER_ARCHITECTURES = ("bert",)
 
 
 @dataclass
@@ -43,6 +46,22 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # dtype the checkpoint was stored in; used by dtype="auto".
     checkpoint_dtype: torch.dtype = torch.float32
+    # Encoders (BERT): token-type embeddings, LayerNorm's epsilon, and a classification head's labels
+    # (BertForSequenceClassification; None: no head).
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-12
+    num_labels: int | None = None
+    # Pooling (docs/pooling.md), from a sentence-transformers folder or the config: how hidden states are
+    # pooled (MEAN / CLS / LAST; None: the runner's default), whether embeddings are L2-normalised (None:
+    # the runner's default), and whether they may be truncated to fewer dimensions (Matryoshka).
+    pooling_type: str | None = None
+    pooling_normalize: bool | None = None
+    is_matryoshka: bool = False
+    max_seq_length: int | None = None  # a sentence-transformers folder's limit on one input (tokens)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.architecture in ENCODER_ARCHITECTURES
 
     def __post_init__(self) -> None:
         self.sliding_layers = tuple(self.sliding_layers)  # a JSON list when read back from the checkpoint cache

@@ -19,3 +19,9 @@ TP_ALL_REDUCES = ("shm", "gloo")
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 # vLLM's --collect-detailed-traces values; tachyllm records the same per-step model timings for each.
 DETAILED_TRACE_MODULES = ("model", "worker", "all")
+# Pooling (docs/pooling.md), vLLM's names: what an engine runs a model for, how a causal model is turned
+# into an embedder or classifier, the older --task spelling of both, how hidden states are pooled.
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify")
+TASKS = ("auto", "generate", "embed", "score", "classify")
+POOLING_TYPES = ("MEAN", "CLS", "LAST")

@@ -6,6 +6,8 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -124,6 +126,109 @@ class RequestOutput:
         return (
             f"RequestOutput(id={self.request_id!r}, finished={self.finished}, outputs={texts!r}, error={self.error!r})"
         )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: an embedding, or a classifier's outputs (fp32, on the CPU)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The one, final output of a pooling request (vLLM's). `error`: why it failed (`outputs.data` is then
+    empty)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    def __repr__(self) -> str:
+        shape = tuple(self.outputs.data.shape)
+        return f"PoolingRequestOutput(id={self.request_id!r}, shape={shape}, error={self.error!r})"
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A PoolingRequestOutput seen as an embedding (vLLM's typed view)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool
+    error: str | None = None
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = base.outputs.data
+        return cls(base.request_id, base.prompt_token_ids, EmbeddingOutput(data.tolist()), base.finished, base.error)
+
+
+@dataclass
+class ScoringRequestOutput:
+    """A PoolingRequestOutput seen as one score (vLLM's typed view): a cross-encoder's sigmoid score, or
+    the cosine similarity of two embeddings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool
+    error: str | None = None
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> ScoringRequestOutput:
+        data = base.outputs.data
+        score = float(data.reshape(-1)[0]) if data.numel() else float("nan")
+        return cls(base.request_id, base.prompt_token_ids, ScoringOutput(score), base.finished, base.error)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """A PoolingRequestOutput seen as class probabilities (vLLM's typed view)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool
+    error: str | None = None
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> ClassificationRequestOutput:
+        data = base.outputs.data
+        return cls(
+            base.request_id, base.prompt_token_ids, ClassificationOutput(data.tolist()), base.finished, base.error
+        )
+
+
+# What an engine emits: a generation request's output, or a pooling request's (final) one.
+EngineOutput = RequestOutput | PoolingRequestOutput
 
 
 class DeltaAccumulator:

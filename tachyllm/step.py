@@ -58,6 +58,19 @@ class PromptLogprobsInput:
     target_ids: list[int]
 
 
+@dataclass(eq=False)
+class PoolingInput:
+    """How a pooling sequence's hidden states become its result (docs/pooling.md): pooled over its
+    tokens (MEAN, CLS: the first, LAST), then for "embed" cut to `dimensions` and L2-normalised, for
+    "classify" / "score" passed through the model's classification head."""
+
+    pooling_type: str  # "MEAN", "CLS" or "LAST"
+    task: str  # "embed", "classify" or "score"
+    normalize: bool
+    dimensions: int | None = None
+    token_type_ids: list[int] | None = None  # an encoder input's token types (None: all 0)
+
+
 @dataclass(eq=False, kw_only=True)
 class ScheduledSeq:
     """One sequence's share of a step: the tokens it computes and where their K/V goes."""
@@ -77,6 +90,9 @@ class ScheduledSeq:
     # before the window of the step's first query are placeholders that attention never reads.
     window_block_table: list[int] | None = None
     lora_slot: int = 0  # the loaded LoRA adapter the sequence runs with (tachyllm/lora); 0: the base model
+    # A pooling sequence (prefill only): its rows are pooled, none sampled; when `completes`, the result
+    # carries its pooled vector.
+    pooling: PoolingInput | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -125,3 +141,5 @@ class StepResult:
     seqs: list[SeqResult]
     # seq id -> the logprob entry of each row its PromptLogprobsInput asked for, in row order.
     prompt_logprobs: dict[int, list[LogprobInfo]] = field(default_factory=dict)
+    # seq id -> the result of each pooling sequence the step completed (fp32, on the CPU).
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -58,6 +58,16 @@ class AttentionMetadata:
     sliding: AttentionMetadata | None = None
 
 
+@dataclass(kw_only=True, eq=False)
+class EncoderMetadata(AttentionMetadata):
+    """An encoder step's attention inputs (MetadataBuilder.prepare_encoder): the step's inputs packed one
+    after another, each attending to itself only, bidirectionally; nothing is written to a KV cache."""
+
+    seq_lens: list[int]  # tokens of each input, in row order
+    # Inputs grouped by length ([first row of each] per length), for attention over equal-length groups.
+    groups: dict[int, list[int]]
+
+
 class LayerOps:
     """The elementwise ops of the model layers, in portable PyTorch. A backend with kernels for
     them subclasses this; the layers call whichever object they were built with."""
@@ -265,3 +275,55 @@ class Backend(ABC):
         sequence's context, [tokens, heads, head_dim]. With a `window`, a query sees only the
         `window` positions up to its own, and cache blocks wholly before every query's window of
         the step are not read."""
+
+    def prepare_encoder(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EncoderMetadata]:
+        """(input ids, positions, token type ids, metadata) of an encoder step: every sequence is a whole
+        input, computed from its first token (ScheduledSeq.pooling carries its token types)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        token_types: list[int] = []
+        seq_lens: list[int] = []
+        groups: dict[int, list[int]] = {}
+        for s in batch.seqs:
+            n = len(s.token_ids)
+            assert s.start == 0 and s.completes, "an encoder computes each input whole, in one step"
+            groups.setdefault(n, []).append(len(input_ids))
+            input_ids += s.token_ids
+            positions += range(n)
+            types = s.pooling.token_type_ids if s.pooling is not None else None
+            token_types += types if types is not None else [0] * n
+            seq_lens.append(n)
+        device = self.device
+        meta = EncoderMetadata(
+            backend=self,
+            slot_mapping=torch.empty(0, dtype=torch.long, device=device),
+            seq_lens=seq_lens,
+            groups=groups,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(token_types, dtype=torch.long, device=device),
+            meta,
+        )
+
+    def encoder_attention(
+        self,
+        q: torch.Tensor,  # [tokens, heads, head_dim]
+        k: torch.Tensor,  # [tokens, heads, head_dim]
+        v: torch.Tensor,
+        meta: EncoderMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Bidirectional attention of each packed input over itself (no mask within it, no KV cache),
+        [tokens, heads, head_dim]. Portable form: the inputs of one length attend together in one SDPA
+        call over [inputs, heads, length, head_dim], so no input is padded and none sees another; an
+        input's result then does not depend on the lengths of the others in the step."""
+        out = torch.empty_like(q)
+        for length, firsts in meta.groups.items():
+            rows = (torch.tensor(firsts, device=q.device).unsqueeze(1) + torch.arange(length, device=q.device)).view(-1)
+            shape = (len(firsts), length, q.shape[1], q.shape[2])
+            qg, kg, vg = (t.index_select(0, rows).view(shape).transpose(1, 2) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qg, kg, vg, scale=scale)
+            out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
+        return out

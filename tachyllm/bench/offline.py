@@ -26,6 +26,7 @@ from tachyllm.bench.datasets import random_token_ids, read_prompt_file, sample_l
 from tachyllm.bench.profile import format_profile, profile_decode
 from tachyllm.engine_args import engine_config
 from tachyllm.entrypoints.llm import Prompt
+from tachyllm.outputs import RequestOutput
 from tachyllm.sampling_params import RequestOutputKind
 
 
@@ -168,7 +169,9 @@ def time_one_batch(llm: LLM, prompts: list[list[int]], output_len: int, tag: str
         elapsed = time.perf_counter() - t0
         if len(started) < len(prompts):
             prefill += elapsed
-            started.update(o.request_id for o in outputs if o.outputs and o.outputs[0].token_ids)
+            started.update(
+                o.request_id for o in outputs if isinstance(o, RequestOutput) and o.outputs and o.outputs[0].token_ids
+            )
         else:
             decode.append(elapsed)
     return prefill, decode

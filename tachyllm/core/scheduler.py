@@ -146,7 +146,7 @@ class Scheduler:
                     budget -= 1 + len(spec)
                     continue
                 seq.clear_spec()  # no room for the drafts: decode one token, preempting if need be
-            while not self.block_manager.allocate(seq, num_new):
+            while not self._allocate(seq, num_new):
                 # The victim is the lowest-priority, latest-arrived running sequence, even one already
                 # scheduled this step: decodes go first, so they may be junior to this prefill chunk.
                 victim = max(self.running, key=lambda s: s.arrival_order)
@@ -177,20 +177,18 @@ class Scheduler:
             if slot and slot not in adapters and len(adapters) >= (self.max_loras or 0):
                 index += 1  # its adapter waits for a running one's to finish (vLLM's rule)
                 continue
-            # A cached position would go unscored: with prompt logprobs the prefix serves only positions
-            # whose prompt logprobs are known (none, at first: vLLM's rule), so they are computed, not kept.
-            limit = len(seq.request.prompt_logprobs) // self.block_manager.block_size
-            prefix = self.block_manager.match_prefix(seq, limit if seq.needs_prompt_logprobs else None)
+            prefix = self._cached_prefix(seq)
             num_new = seq.num_tokens - len(prefix) * self.block_manager.block_size
             # Without chunked prefill a prompt goes in one step; only a preempted sequence whose prompt
-            # plus output outgrew the whole budget is recomputed in chunks, or it could never resume.
-            can_chunk = self.enable_chunked_prefill or num_new > self.max_num_batched_tokens
+            # plus output outgrew the whole budget is recomputed in chunks, or it could never resume. An
+            # encoder's input always goes whole (the input processor keeps it within the budget).
+            can_chunk = (self.enable_chunked_prefill or num_new > self.max_num_batched_tokens) and not seq.kv_free
             if num_new > budget and not can_chunk:
                 break
             num_new = min(num_new, budget)
             if can_chunk:
                 num_new = self._prefill_cap(seq, num_new, out, len(prefix) * self.block_manager.block_size)
-            if not self.block_manager.allocate(seq, num_new, prefix):
+            if not self._allocate(seq, num_new, prefix):
                 break
             self.waiting.pop(index)
             if slot:
@@ -210,6 +208,23 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The blocks of the sequence's prompt found in the prefix cache. A cached position would go
+        unscored: with prompt logprobs the prefix serves only positions whose prompt logprobs are known
+        (none, at first: vLLM's rule), so they are computed, not kept; a pooling sequence that pools more
+        than its last row (MEAN, CLS) needs every row's hidden state, so it computes them all."""
+        if seq.kv_free:
+            return []
+        pooling = seq.request.pooling
+        if pooling is not None and pooling.pooling_type != "LAST":
+            return self.block_manager.match_prefix(seq, 0)
+        limit = len(seq.request.prompt_logprobs) // self.block_manager.block_size
+        return self.block_manager.match_prefix(seq, limit if seq.needs_prompt_logprobs else None)
+
+    def _allocate(self, seq: Sequence, num_new: int, prefix: list[int] | None = None) -> bool:
+        """BlockManager.allocate, for a sequence that keeps K/V (an encoder's input holds no blocks)."""
+        return seq.kv_free or self.block_manager.allocate(seq, num_new, prefix)
+
     def _batch(self, plan: _Plan) -> StepBatch:
         """The plan as the runner's StepBatch: decodes first, then prefill chunks."""
         plan.scheduled.sort(key=lambda s: s.num_real_tokens > 1)
@@ -223,7 +238,8 @@ class Scheduler:
                 now = now or time.time()
                 metrics.record("prefill_chunk", now, sample=seq.index, start=start, tokens=num_real)
             sampling = None
-            if completes:
+            pooling = seq.request.pooling
+            if completes and pooling is None:
                 sampling = SamplingInput(
                     seq.params, seq.token_ids, seq.num_prompt_tokens, seq.generator, seq.spec_draft_probs
                 )
@@ -235,7 +251,7 @@ class Scheduler:
                     completes=completes, sampling=sampling,
                     prompt_logprobs=_prompt_logprobs_input(seq, start, num_real),
                     window_block_table=seq.window_block_table if windowed else None,
-                    lora_slot=seq.request.lora_slot,
+                    lora_slot=seq.request.lora_slot, pooling=pooling,
                 )
             )  # fmt: skip
         self._fill_bitmasks(plan.scheduled, seqs)
@@ -279,14 +295,20 @@ class Scheduler:
         seqs = self._in_flight
         for seq_id, entries in result.prompt_logprobs.items():
             seqs[seq_id].request.prompt_logprobs += entries
+        updates = []
         for s in batch.seqs:
             seq = seqs[s.seq_id]
             if not s.num_draft_tokens:
                 seq.num_computed_tokens += s.num_new_tokens
-                self.block_manager.commit(seq)
+                if not seq.kv_free:
+                    self.block_manager.commit(seq)
             seq.clear_spec()
+            if s.pooling is not None and s.completes and not seq.is_finished:
+                # A pooling sequence ends with its prefill: its result replaces any generated token.
+                seq.request.pooled = result.pooled[s.seq_id]
+                self.finish(seq, "stop")
+                updates.append(SeqUpdate(seq, [], []))
         now = time.time()
-        updates = []
         for r in result.seqs:
             seq = seqs[r.seq_id]
             if seq.is_finished:  # aborted while the step ran

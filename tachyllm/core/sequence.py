@@ -11,7 +11,7 @@ import torch
 
 from tachyllm.outputs import RequestMetrics
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.step import LogprobInfo
+from tachyllm.step import LogprobInfo, PoolingInput
 from tachyllm.structured_output.grammar import Grammar
 
 
@@ -53,6 +53,8 @@ class Sequence:
     # Structured outputs: where the sequence is in its grammar (advanced by every accepted token).
     grammar: Grammar | None = None
     num_preemptions: int = 0  # times its KV was freed to make room; each is recomputed on resuming
+    # An encoder's input (no KV cache): computed whole in one step, holding no blocks.
+    kv_free: bool = False
 
     @property
     def params(self) -> SamplingParams:
@@ -118,6 +120,10 @@ class Request:
     # the request's prefix-cache blocks apart from the base model's and other adapters'.
     lora_slot: int = 0
     lora_digest: bytes = b""
+    # A pooling request (docs/pooling.md; `params` are then neutral defaults, unused): how it pools (its
+    # token types included), and its result once computed.
+    pooling: PoolingInput | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:

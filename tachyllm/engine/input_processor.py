@@ -14,6 +14,7 @@ from typing import Any
 from tachyllm.errors import RequestError
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.lora.request import LoRARequest
+from tachyllm.pooling_params import PoolingParams
 from tachyllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from tachyllm.structured_output.compiler import CompiledGrammar, ConstraintLimits, GrammarCompiler, GrammarError
 
@@ -36,6 +37,22 @@ class InputLimits:
         return min(self.max_model_len, self.num_kv_blocks * self.block_size)
 
 
+@dataclass(frozen=True)
+class PoolingLimits:
+    """What a pooling engine serves (docs/pooling.md): its tasks, its embeddings' size, whether they may be
+    truncated (`dimensions`), and how an over-long input is cut when truncation is asked."""
+
+    tasks: frozenset[str]
+    embedding_dim: int | None
+    matryoshka: bool
+    # The most tokens one input may have: the model's limit, and for an encoder (whose whole input runs in
+    # one step) the step's token budget.
+    max_input_tokens: int
+    # An encoder's input is framed by special tokens ([CLS] ... [SEP]): truncation keeps the first tokens
+    # and the final one, as its tokenizer's own truncation does; a causal model keeps the last ones.
+    keep_first: bool
+
+
 @dataclass
 class Prompt:
     """A checked prompt: its token ids (never empty, each in the vocabulary) and its text when it came as text."""
@@ -50,8 +67,15 @@ class ProcessedRequest:
 
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    # A pooling request's token type of each prompt token (a cross-encoder's (query, document) pair:
+    # 0 then 1); None: all 0.
+    token_type_ids: list[int] | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return isinstance(self.params, PoolingParams)
 
 
 def chat_prompt_ids(
@@ -97,9 +121,11 @@ class InputProcessor:
         limits: InputLimits,
         eos_token_ids: list[int] | None = None,
         constraint_limits: ConstraintLimits | None = None,
+        pooling: PoolingLimits | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.pooling = pooling  # None: a generation engine, which takes no pooling request
         self.grammars = GrammarCompiler(tokenizer, limits.vocab_size, eos_token_ids or [], constraint_limits)
 
     def compile_grammar(self, params: SamplingParams) -> CompiledGrammar | None:
@@ -141,9 +167,69 @@ class InputProcessor:
         """`template_options`: chat_prompt_ids'."""
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, tools, **template_options)
 
-    def process(self, prompt: str | list[int], params: SamplingParams) -> ProcessedRequest:
+    def process(self, prompt: str | list[int], params: SamplingParams | PoolingParams) -> ProcessedRequest:
         """Tokenizes and checks a request; raises RequestError when it can never run."""
+        if isinstance(params, PoolingParams):
+            return self.process_pooling(prompt, params)
+        if self.pooling is not None:
+            raise RequestError(
+                "this model is served by the pooling runner (embeddings, scores): it does not generate text",
+                param="model",
+            )
         return self.process_request(self.process_prompt(prompt), params)
+
+    def process_pooling(
+        self, prompt: str | list[int], params: PoolingParams, text_pair: str | None = None
+    ) -> ProcessedRequest:
+        """Tokenizes (with the tokenizer's special tokens: [CLS] text [SEP] pair [SEP] for an encoder) and
+        checks a pooling request: its params for this model, token ids in the vocabulary, not empty, and
+        within the model's limit, or cut to it when truncate_prompt_tokens asks. Raises RequestError naming
+        the field at fault."""
+        pooling = self.pooling
+        if pooling is None:
+            raise RequestError(
+                "this model generates text: embeddings and scores need a model served by the pooling runner",
+                param="model",
+            )
+        params.verify(pooling.tasks, pooling.embedding_dim, pooling.matryoshka)
+        token_types = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("input is empty", param="input")
+            if text_pair is not None and not text_pair:
+                raise RequestError("the second text of the pair is empty", param="input")
+            text: str | None = prompt
+            token_ids, token_types = self.tokenizer.encode_pair(prompt, text_pair)
+        else:
+            if text_pair is not None:
+                raise RequestError("a text pair is given as text, not token ids", param="input")
+            vocab_size = self.limits.vocab_size
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"input token ids must be in [0, {vocab_size}), got {bad[:3]}", param="input")
+        if not token_ids:
+            raise RequestError("input is empty (no tokens)", param="input")
+        limit = pooling.max_input_tokens
+        if params.truncate_prompt_tokens is not None:
+            keep = min(limit, len(token_ids) if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens)
+            if len(token_ids) > keep:
+                text = None  # the text no longer matches the ids
+                if pooling.keep_first:
+                    kept = list(range(keep - 1)) + [len(token_ids) - 1] if keep > 1 else [0]
+                else:
+                    kept = list(range(len(token_ids) - keep, len(token_ids)))
+                token_ids = [token_ids[i] for i in kept]
+                token_types = [token_types[i] for i in kept] if token_types is not None else None
+        if len(token_ids) > limit:
+            raise RequestError(
+                f"input has {len(token_ids)} tokens, more than this model's limit ({limit}); set "
+                "truncate_prompt_tokens to cut it",
+                param="input",
+            )
+        if token_types is not None and not any(token_types):
+            token_types = None
+        return ProcessedRequest(text, token_ids, params, token_type_ids=token_types)
 
     def process_prompt(self, prompt: str | list[int]) -> Prompt:
         """A text prompt tokenized, or token ids checked against the vocabulary; neither may be empty."""

@@ -16,8 +16,9 @@ from tachyllm.config import EngineConfig
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.core.scheduler import Scheduler, SeqUpdate
 from tachyllm.core.sequence import Request, Sequence
-from tachyllm.engine.input_processor import InputLimits, InputProcessor, ProcessedRequest
+from tachyllm.engine.input_processor import InputLimits, InputProcessor, PoolingLimits, ProcessedRequest
 from tachyllm.engine.output_processor import OutputProcessor
+from tachyllm.engine.pooling import pooling_setup
 from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import ConfigError, EngineCorruptedError, RequestError, WorkerError
 from tachyllm.host_malloc import keep_freed_memory, use_one_arena
@@ -28,12 +29,21 @@ from tachyllm.loading.generation_config import default_sampling_values
 from tachyllm.lora.manager import LoadedAdapter, LoRAManager
 from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
-from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from tachyllm.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    StepStats,
+)
 from tachyllm.platform import default_threads
+from tachyllm.pooling_params import PoolingParams
 from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import cuda_graphs, kv_cache
-from tachyllm.runner.model_loader import build_model
-from tachyllm.runner.model_runner import ModelRunner
+from tachyllm.runner.model_loader import build_encoder, build_model
+from tachyllm.runner.model_runner import EncoderRunner, ModelRunner
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.sampling_params import SamplingParams
 from tachyllm.spec_decode.speculator import Speculator
@@ -113,7 +123,17 @@ class LLMEngine:
         self.model_name = config.model or DEFAULT_MODEL_NAME
         # The weights' quantization: the option, or a pre-quantized checkpoint's own.
         self.quantization = config.quantization or (ckpt.prequantized.format.method if ckpt.prequantized else None)
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        # What the model is served for (engine/pooling.py): generation, or embeddings / scores.
+        self.pooling_setup = pooling_setup(config, mc)
+        self.runner_type = self.pooling_setup.runner_type
+        self.pooling_tasks = self.pooling_setup.tasks
+        self.embedding_dim = self.pooling_setup.embedding_dim
+        self.is_matryoshka = self.pooling_setup.is_matryoshka
+        self.max_model_len = config.max_model_len or mc.max_seq_length or mc.max_position_embeddings
+        if mc.is_encoder and self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds the encoder's {mc.max_position_embeddings} positions"
+            )
         self.executor: TensorParallelExecutor | None = None  # the tensor-parallel group, when there is one
         # Why the engine can no longer serve (a dead tensor-parallel worker, inconsistent KV
         # bookkeeping), or None: it then refuses every request and must be restarted.
@@ -126,33 +146,54 @@ class LLMEngine:
         keep_freed_memory()
 
     def _build(self, config: EngineConfig, ckpt: Checkpoint, t0: float) -> None:
+        self.eos_token_ids = self._eos_token_ids()
+        self.speculator: Speculator | None = None
+        self.lora: LoRAManager | None = None
+        self.runner: ModelRunner | TensorParallelExecutor | EncoderRunner
+        if self.pooling_setup.encoder:
+            self._build_encoder(config, ckpt)
+        else:
+            self._build_decoder(config, ckpt)
+        self.requests: dict[str, Request] = {}
+        # The fault barrier's view of the current step: what it works on, who failed already, and
+        # how many steps in a row have failed.
+        self._step_seqs: list[Sequence] | None = None
+        self._step_failed: dict[str, EngineOutput] = {}
+        self._failed_steps = 0
+        self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
+        logger.info(
+            "engine ready in %.1f s: %s (%s, %s, %s runner)",
+            time.perf_counter() - t0, ckpt.source, self.model_config.architecture, self.dtype, self.runner_type,
+        )  # fmt: skip
+
+    def _build_encoder(self, config: EngineConfig, ckpt: Checkpoint) -> None:
+        """An encoder (BERT): no KV cache at all, each input computed whole in one step (docs/pooling.md)."""
+        if config.tensor_parallel_size > 1 or config.enable_lora:
+            raise ConfigError("encoder (BERT) models run without tensor parallelism and LoRA adapters")
+        encoder, self.weight_bytes = build_encoder(
+            ckpt, self.dtype, self.backend, config.quant_config, batch_invariant=config.deterministic
+        )
+        # One placeholder block that no sequence takes: an encoder's inputs hold no K/V.
+        self._build_scheduling(config, num_blocks=1, window_blocks=0, prefix_caching=False)
+        self.runner = EncoderRunner(encoder, self.backend)
+        logger.info("encoder: no KV cache; inputs of up to %d tokens, each whole in one step", self.max_model_len)
+
+    def _build_decoder(self, config: EngineConfig, ckpt: Checkpoint) -> None:
+        """A decoder-only model: its KV cache, scheduling and runner (with a speculator if configured)."""
         rank_config = self._build_model(config, ckpt)
         graph_queries = self._graph_query_counts()
         # A sequence's longest block table.
         max_blocks = -(-self.max_model_len // config.block_size)
         caches, layout = self._allocate_kv_cache(config, rank_config, graph_queries, max_blocks)
-        self.eos_token_ids = self._eos_token_ids()
-        self._build_scheduling(config, layout)
+        self._build_scheduling(config, layout.num_blocks, layout.window_blocks, config.enable_prefix_caching)
         sampler = Sampler(self.model_config.vocab_size, self.eos_token_ids, self.device, config.seed)
         self._build_runner(config, caches, layout.num_blocks, sampler, graph_queries, max_blocks)
-        self.speculator = None
         if config.speculative_config is not None:
             self.speculator = Speculator(
                 config, target=self.model, ckpt=ckpt, sampler=sampler, num_blocks=layout.num_blocks,
                 block_size=config.block_size, max_model_len=self.max_model_len, dtype=self.dtype,
                 backend=self.backend, step_costs=self.scheduler.step_cost,
             )  # fmt: skip
-        self.requests: dict[str, Request] = {}
-        # The fault barrier's view of the current step: what it works on, who failed already, and
-        # how many steps in a row have failed.
-        self._step_seqs: list[Sequence] | None = None
-        self._step_failed: dict[str, RequestOutput] = {}
-        self._failed_steps = 0
-        self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
-        logger.info(
-            "engine ready in %.1f s: %s (%s, %s)",
-            time.perf_counter() - t0, ckpt.source, self.model_config.architecture, self.dtype,
-        )  # fmt: skip
 
     def _build_model(self, config: EngineConfig, ckpt: Checkpoint) -> ModelConfig:
         """The model (or rank 0's shard, with the tensor-parallel workers started); returns the config
@@ -170,7 +211,6 @@ class LLMEngine:
             )  # fmt: skip
             rank_config = self.model_config
         # LoRA: the targeted linears wrapped, so the backend's fused layers (which bypass them) stay off.
-        self.lora: LoRAManager | None = None
         if config.enable_lora:
             max_cpu_loras = config.max_cpu_loras or config.max_loras
             self.lora = LoRAManager(self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras)
@@ -240,22 +280,24 @@ class LLMEngine:
         eos_token_id = self.tokenizer.eos_token_id
         return list(self.model_config.eos_token_ids) or ([eos_token_id] if eos_token_id is not None else [])
 
-    def _build_scheduling(self, config: EngineConfig, layout: kv_cache.KVCacheLayout) -> None:
+    def _build_scheduling(
+        self, config: EngineConfig, num_blocks: int, window_blocks: int, prefix_caching: bool
+    ) -> None:
         """What decides each step over the KV blocks: the block manager, the scheduler, the request checks
         and the output processor."""
-        mc, cache, num_blocks = self.model_config, config.cache_config, layout.num_blocks
+        mc, cache = self.model_config, config.cache_config
         self.stats = StepStats()
         # vLLM's CacheConfig.metrics_info() names for what applies here (num_gpu_blocks: the KV blocks, on
         # whatever device), as /metrics' cache_config_info labels them.
         self.cache_config_info = {
             "block_size": str(cache.block_size),
             "cache_dtype": cache.kv_cache_dtype,
-            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "enable_prefix_caching": str(prefix_caching),
             "num_gpu_blocks": str(num_blocks),
         }
         self.block_manager = BlockManager(
-            num_blocks, cache.block_size, cache.enable_prefix_caching, extra_key=self._prefix_cache_key(),
-            window=mc.sliding_window, window_blocks=layout.window_blocks,
+            num_blocks, cache.block_size, prefix_caching, extra_key=self._prefix_cache_key(),
+            window=mc.sliding_window, window_blocks=window_blocks,
         )  # fmt: skip
         scheduling = config.scheduler_config
         limits = InputLimits(
@@ -268,7 +310,17 @@ class LLMEngine:
             max_logprobs=mc.vocab_size if config.max_logprobs == -1 else config.max_logprobs,
         )
         constraint_limits = ConstraintLimits(config.max_constraint_bytes, config.constraint_compile_timeout)
-        self.input_processor = InputProcessor(self.tokenizer, limits, self.eos_token_ids, constraint_limits)
+        pooling = None
+        if self.runner_type == "pooling":
+            setup = self.pooling_setup
+            # An encoder computes an input whole in one step: it must fit the step's budget too.
+            max_input = (
+                min(self.max_model_len, scheduling.max_num_batched_tokens) if setup.encoder else limits.context_limit
+            )
+            pooling = PoolingLimits(setup.tasks, setup.embedding_dim, setup.is_matryoshka, max_input, setup.encoder)
+        self.input_processor = InputProcessor(
+            self.tokenizer, limits, self.eos_token_ids, constraint_limits, pooling=pooling
+        )
         self.scheduler = Scheduler(
             self.block_manager, scheduling, self.stats, eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
@@ -288,7 +340,7 @@ class LLMEngine:
         tensor-parallel executor over every rank's."""
         if self.executor is not None:
             self.executor.start(caches, num_blocks, config.block_size, sampler)
-            self.runner: ModelRunner | TensorParallelExecutor = self.executor
+            self.runner = self.executor
         else:
             runner = ModelRunner(self.model, caches, config.block_size, sampler, self.backend)
             runner.lora_segments = self.lora.segments if self.lora is not None else None
@@ -336,7 +388,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int] | ProcessedRequest,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
@@ -356,6 +408,13 @@ class LLMEngine:
             lora_request = lora_request or prompt.lora_request
         else:
             processed = self.input_processor.process(prompt, params or SamplingParams())
+        if isinstance(processed.params, PoolingParams):
+            return self._add_pooling_request(request_id, processed, processed.params, arrival_time, priority)
+        if self.runner_type == "pooling":
+            raise RequestError(
+                "this model is served by the pooling runner (embeddings, scores): it does not generate text",
+                param="model",
+            )
         text, token_ids, params = processed.prompt, processed.prompt_token_ids, processed.params
         # Compiled where the request was checked: here a cache hit, or a compile for a caller that
         # skipped the check (its cost then falls on this thread).
@@ -389,6 +448,44 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(token_ids)
         return req
 
+    def _add_pooling_request(
+        self,
+        request_id: str,
+        processed: ProcessedRequest,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+    ) -> Request:
+        """Queues a checked pooling request: one prefill-only sequence, whose result ends it."""
+        if self.runner_type != "pooling":
+            raise RequestError(
+                "this model generates text: embeddings and scores need a model served by the pooling runner",
+                param="model",
+            )
+        if processed.lora_request is not None:
+            raise RequestError("LoRA adapters do not apply to pooling requests", param="lora_request")
+        token_ids = processed.prompt_token_ids
+        metrics = RequestMetrics(
+            arrival_time or time.time(), params_max_tokens=0, events=[] if self.config.otlp_traces_endpoint else None
+        )
+        # SamplingParams() stands for what the scheduler reads of every request; nothing is sampled.
+        req = Request(request_id, processed.prompt, token_ids, SamplingParams(), metrics, priority)
+        req.pooling = self.pooling_setup.pooling_input(params, processed.token_type_ids)
+        seq = Sequence(request=req, index=0, token_ids=list(token_ids), num_prompt_tokens=len(token_ids))
+        seq.kv_free = self.pooling_setup.encoder
+        req.seqs.append(seq)
+        self.scheduler.add(seq)
+        self.requests[request_id] = req
+        self.stats.num_prompt_tokens += len(token_ids)
+        return req
+
+    def _pooling_output(self, req: Request, error: str | None = None) -> PoolingRequestOutput:
+        """A pooling request's one output: its result, or (failed, aborted) an empty one with `error`."""
+        data = req.pooled if req.pooled is not None and error is None else torch.empty(0)
+        return PoolingRequestOutput(
+            req.request_id, req.prompt_token_ids, PoolingOutput(data), True, req.metrics, error=error
+        )
+
     def _adapter(self, lora_request: LoRARequest | None) -> LoadedAdapter | None:
         """The loaded adapter a request names (None: the base model); raises RequestError when it cannot run."""
         if lora_request is None:
@@ -397,7 +494,7 @@ class LLMEngine:
             raise RequestError("lora_request needs an engine started with enable_lora", param="lora_request")
         return self.lora.acquire(lora_request, {r.lora_slot for r in self.requests.values()})
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> EngineOutput | None:
         """Ends a request at any stage; its blocks are free when this returns."""
         req = self.requests.pop(request_id, None)
         if req is None:
@@ -405,13 +502,15 @@ class LLMEngine:
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
         req.metrics.finished_time = time.time()
+        if req.pooling is not None:
+            return self._pooling_output(req, error="aborted")
         try:
             return self.output_processor.make_output(request_id)
         except Exception as e:  # the request is gone either way; say why its output is missing
             logger.exception("request %s: its output could not be made while aborting it", request_id)
             return self._error_output(req, e)
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self) -> list[EngineOutput]:
         """Aborts every request; all KV blocks are free when this returns."""
         return [out for request_id in list(self.requests) if (out := self.abort_request(request_id)) is not None]
 
@@ -476,7 +575,7 @@ class LLMEngine:
         return LoRARequestsInfo(self.config.max_loras, adapters(scheduler.running), adapters(scheduler.waiting))
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """One iteration: schedule, run, sample, emit. It is a fault barrier: an exception inside it
         (a bug, a kernel error) fails the requests the step was working on, with the error, and
         returns their blocks; the engine goes on with the others. A failure that can be pinned on one
@@ -507,7 +606,7 @@ class LLMEngine:
             self._check_consistent()
             return outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[EngineOutput]:
         faults.check("schedule", self.scheduler.running)
         if self.speculator is not None:
             self.speculator.propose(self.scheduler)
@@ -542,7 +641,7 @@ class LLMEngine:
             logger.exception("stats logging failed")
         return outputs
 
-    def _process(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
+    def _process(self, updates: list[SeqUpdate]) -> list[EngineOutput]:
         """Detokenizes what the step added and emits each touched request's output; a request whose
         tokens cannot be processed fails alone."""
         failed = self._step_failed  # kept on self: should the step fail later, these are still answered
@@ -551,6 +650,9 @@ class LLMEngine:
             req = update.seq.request
             if req.request_id in failed:
                 continue
+            if req.pooling is not None:  # its result is its output: nothing to detokenize
+                touched[req.request_id] = req
+                continue
             try:
                 self.output_processor.apply(update, self.scheduler)
             except Exception as e:  # this request's own tokens: only it fails
@@ -558,19 +660,27 @@ class LLMEngine:
                 failed[req.request_id] = self._fail_request(req, e)
                 continue
             touched[req.request_id] = req
-        outputs = list(failed.values())
+        outputs: list[EngineOutput] = list(failed.values())
         now = time.time()
         for req in touched.values():
             if req.request_id not in failed and (out := self._emit(req, now)) is not None:
                 outputs.append(out)
         return outputs
 
-    def _emit(self, req: Request, now: float) -> RequestOutput | None:
+    def _emit(self, req: Request, now: float) -> EngineOutput | None:
         """The request's output for this step (None: it asked for its final output only); a request
         whose output cannot be made fails alone."""
         finished = req.finished
         if finished:
             req.metrics.finished_time = now
+        if req.pooling is not None:
+            try:
+                faults.check("output", req.seqs)
+            except Exception as e:
+                logger.exception("request %s failed while its output was made", req.request_id)
+                return self._fail_request(req, e)
+            self.requests.pop(req.request_id, None)
+            return self._pooling_output(req)
         try:
             out = self.output_processor.make_output(req.request_id)
         except Exception as e:
@@ -580,7 +690,7 @@ class LLMEngine:
             self.requests.pop(req.request_id, None)
         return out
 
-    def _fail_request(self, req: Request, error: Exception) -> RequestOutput:
+    def _fail_request(self, req: Request, error: Exception) -> EngineOutput:
         """Ends the request with finish_reason "error" (its blocks are free when this returns) and
         returns its final output, which carries the error and whatever text it had produced."""
         for seq in req.seqs:
@@ -589,10 +699,12 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         return self._error_output(req, error)
 
-    def _error_output(self, req: Request, error: Exception) -> RequestOutput:
+    def _error_output(self, req: Request, error: Exception) -> EngineOutput:
         """The failed request's last output: what it had produced, every sample with finish_reason
         "error" (even one that had just finished with "stop" or "length")."""
         message = f"the engine failed while running this request ({type(error).__name__}: {error})"
+        if req.pooling is not None:
+            return self._pooling_output(req, error=message)
         try:
             output = self.output_processor.make_output(req.request_id, error=message)
             assert output is not None, "with an error every sample has finished: there is a final output"

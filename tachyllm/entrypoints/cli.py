@@ -18,6 +18,7 @@ from tachyllm.engine_args import add_engine_args, engine_config
 from tachyllm.entrypoints.serve import add_serve_parser
 from tachyllm.errors import ConfigError, TachyError
 from tachyllm.eval.quality import add_eval_parser
+from tachyllm.outputs import RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -61,7 +62,7 @@ def stream(engine: LLMEngine, request_id: str, prompt: str | list[int], params: 
     engine.add_request(request_id, prompt, replace(params, output_kind=RequestOutputKind.DELTA))
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == request_id and out.outputs[0].text:
+            if out.request_id == request_id and isinstance(out, RequestOutput) and out.outputs[0].text:
                 yield out.outputs[0].text
 
 

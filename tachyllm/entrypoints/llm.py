@@ -1,4 +1,5 @@
-"""The offline API: LLM(...).generate / .chat, named and shaped like vLLM's."""
+"""The offline API: LLM(...).generate / .chat, and for a pooling model .embed / .score / .classify /
+.encode (docs/pooling.md), named and shaped like vLLM's."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Sequence as SequenceABC
 from dataclasses import fields, replace
 from typing import Any, cast
 
+import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from tachyllm.chat_template import read_chat_template
@@ -20,7 +23,17 @@ from tachyllm.errors import ConfigError, RequestError
 from tachyllm.loading.tokenizer import Tokenizer
 from tachyllm.lora.request import LoRARequest
 from tachyllm.otel import RequestTracer, TracedRequest, TraceOptions
-from tachyllm.outputs import RequestMetrics, RequestOutput
+from tachyllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    EngineOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from tachyllm.pooling_params import PoolingParams, PoolingTask
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("tachyllm")
@@ -101,7 +114,7 @@ class LLM:
         else:
             lora_list = [lora_request] * len(prompt_list)
 
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, EngineOutput] = {}
         order: list[str] = []
         traced: dict[str, TracedRequest] = {}
         for prompt, params, lora in zip(prompt_list, params_list, lora_list):
@@ -134,9 +147,9 @@ class LLM:
         finally:
             if self._tracer is not None:
                 self._trace_call(call_start, traced, results)
-        return [results[i] for i in order]
+        return [_generated(results[i]) for i in order]
 
-    def _trace_call(self, start: float, traced: dict[str, TracedRequest], results: dict[str, RequestOutput]) -> None:
+    def _trace_call(self, start: float, traced: dict[str, TracedRequest], results: dict[str, EngineOutput]) -> None:
         """One trace per generate call: a root span, and an llm_request span per prompt under it."""
         tracer = self._tracer
         assert tracer is not None, "called only when this LLM traces its calls"
@@ -144,6 +157,7 @@ class LLM:
         for request_id, request in traced.items():
             span = tracer.start(None, request.start_time, parent=root)
             if (out := results.get(request_id)) is not None:
+                assert isinstance(out, RequestOutput), "only generation calls are traced"
                 if out.outputs:
                     request.observe(out)
                 else:  # refused before it ran
@@ -164,7 +178,7 @@ class LLM:
             "build the LLM in the thread that generates"
         )
 
-    def _run(self, results: dict[str, RequestOutput], num_requests: int, use_tqdm: bool) -> None:
+    def _run(self, results: dict[str, EngineOutput], num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         start, out_tokens = time.perf_counter(), 0
         try:
@@ -172,7 +186,8 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out
-                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(o.token_ids) for o in out.outputs)
                         bar.update(1)
                         bar.set_postfix_str(f"output {out_tokens / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:
@@ -219,6 +234,139 @@ class LLM:
             for conv in conversations
         ]
         return self._generate(prompts, sampling_params, use_tqdm, lora_request, "chat")
+
+    # -- pooling models (docs/pooling.md) -----------------------------------------------------------
+    def encode(
+        self,
+        prompts: Prompt | list[Prompt],
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
+        pooling_task: PoolingTask | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Runs every input through a pooling model; outputs in input order, each with its result's raw
+        tensor. An input that cannot be served (empty, too long, a task the model does not serve) gets an
+        output with `error` set; the others still run. `truncate_prompt_tokens` and `pooling_task` override
+        the params' fields."""
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(pooling_params, list):
+            if len(pooling_params) != len(prompt_list):
+                raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompt_list)} prompts")
+            params_list = pooling_params
+        else:
+            params_list = [pooling_params or PoolingParams(task=self._default_task())] * len(prompt_list)
+        overrides: dict[str, Any] = {}
+        if truncate_prompt_tokens is not None:
+            overrides["truncate_prompt_tokens"] = truncate_prompt_tokens
+        if pooling_task is not None:
+            overrides["task"] = pooling_task
+        return self._pool(
+            [(p, replace(params, **overrides), None) for p, params in zip(prompt_list, params_list)], use_tqdm
+        )
+
+    def embed(
+        self,
+        prompts: Prompt | list[Prompt],
+        pooling_params: PoolingParams | list[PoolingParams] | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each input's embedding (vLLM's LLM.embed), in input order."""
+        self._need_task("embed")
+        outs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(out) for out in outs]
+
+    def classify(
+        self, prompts: Prompt | list[Prompt], truncate_prompt_tokens: int | None = None, use_tqdm: bool = False
+    ) -> list[ClassificationRequestOutput]:
+        """Each input's class probabilities from the model's classification head (vLLM's LLM.classify)."""
+        self._need_task("classify")
+        outs = self.encode(prompts, None, use_tqdm, truncate_prompt_tokens, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(out) for out in outs]
+
+    def score(
+        self,
+        text_1: str | list[str],
+        text_2: str | list[str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """How well each text_2 matches its text_1 (vLLM's LLM.score): one text_1 against every text_2
+        (1-to-1, 1-to-N), or pairwise (N-to-N). A cross-encoder scores each (text_1, text_2) pair with its
+        classifier (the sigmoid of its one logit); an embedding model gives the cosine similarity of the
+        two texts' embeddings."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not firsts or not seconds:
+            raise RequestError("score needs at least one text on each side", param="text_1" if not firsts else "text_2")
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise RequestError(
+                f"score pairs texts 1-to-1, 1-to-N or N-to-N; got {len(firsts)} text_1 and {len(seconds)} text_2",
+                param="text_2",
+            )
+        tasks = self.engine.pooling_tasks
+        if "score" in tasks:
+            params = PoolingParams(task="score", truncate_prompt_tokens=truncate_prompt_tokens)
+            outs = self._pool([(a, params, b) for a, b in zip(firsts, seconds)], use_tqdm)
+            return [ScoringRequestOutput.from_base(out) for out in outs]
+        self._need_task("embed")
+        texts = list(dict.fromkeys(firsts + seconds))  # each distinct text embedded once
+        params = PoolingParams(task="embed", truncate_prompt_tokens=truncate_prompt_tokens)
+        embedded = dict(zip(texts, self._pool([(t, params, None) for t in texts], use_tqdm)))
+        return [
+            ScoringRequestOutput.from_base(_cosine(str(i), embedded[a], embedded[b]))
+            for i, (a, b) in enumerate(zip(firsts, seconds))
+        ]
+
+    def _default_task(self) -> PoolingTask:
+        return "embed" if "embed" in self.engine.pooling_tasks else "classify"
+
+    def _need_task(self, task: str) -> None:
+        if task not in self.engine.pooling_tasks:
+            served = (
+                ", ".join(sorted(self.engine.pooling_tasks)) or f"none: it runs the {self.engine.runner_type} runner"
+            )
+            raise RequestError(f"this model does not serve {task!r} (it serves: {served})", param="task")
+
+    def _pool(
+        self, items: list[tuple[Prompt, PoolingParams, str | None]], use_tqdm: bool
+    ) -> list[PoolingRequestOutput]:
+        """Runs pooling requests (input, params, the pair's second text or None) to completion, in order."""
+        self._check_thread()
+        results: dict[str, EngineOutput] = {}
+        order: list[str] = []
+        processor = self.engine.input_processor
+        for prompt, params, pair in items:
+            request_id = str(next(self._ids))
+            order.append(request_id)
+            try:
+                processed = processor.process_pooling(_prompt_value(prompt), params, pair)
+                self.engine.add_request(request_id, processed)
+            except RequestError as e:
+                logger.warning("request %s rejected: %s", request_id, e)
+                token_ids = list(prompt) if isinstance(prompt, list) else []
+                results[request_id] = PoolingRequestOutput(
+                    request_id, token_ids, PoolingOutput(torch.empty(0)), True, RequestMetrics(time.time()), str(e)
+                )
+        self._run(results, len(order) - len(results), use_tqdm)
+        outs = [results[i] for i in order]
+        return [out for out in outs if isinstance(out, PoolingRequestOutput)]
+
+
+def _generated(out: EngineOutput) -> RequestOutput:
+    assert isinstance(out, RequestOutput), "a generation request's output"
+    return out
+
+
+def _cosine(request_id: str, a: PoolingRequestOutput, b: PoolingRequestOutput) -> PoolingRequestOutput:
+    """The cosine similarity of two embeddings as one pooling output (the error of either, if one failed)."""
+    error = a.error or b.error
+    data = torch.empty(0) if error else F.cosine_similarity(a.outputs.data, b.outputs.data, dim=0).reshape(1)
+    return PoolingRequestOutput(
+        request_id, a.prompt_token_ids + b.prompt_token_ids, PoolingOutput(data), True, a.metrics, error
+    )
 
 
 def _prompt_value(prompt: Prompt) -> str | list[int]:

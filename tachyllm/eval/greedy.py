@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tachyllm.engine.llm_engine import LLMEngine
+from tachyllm.outputs import RequestOutput
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -15,7 +16,7 @@ def greedy_tokens(engine: LLMEngine, prompts: list[str], max_tokens: int) -> lis
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished:
+            if out.finished and isinstance(out, RequestOutput):
                 done[out.request_id] = out.outputs[0].token_ids
     return [done[f"greedy-{i}"] for i in range(len(prompts))]
 

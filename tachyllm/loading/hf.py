@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from tachyllm.errors import ModelLoadError
 from tachyllm.loading.hf_quantized import PrequantizedWeights, parse_quant_format
+from tachyllm.loading.sentence_transformers import read_pooling
 from tachyllm.loading.weights import Select, WeightSource, read_part, select_part
 from tachyllm.model_config import ModelConfig
 from tachyllm.option_values import DTYPES
@@ -22,9 +23,18 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "BertModel": "bert",
+    "BertForSequenceClassification": "bert",
 }
 # model_type of a bare config (saved without a model class) -> architecture
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "bert": "bert",
+}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -87,6 +97,8 @@ def _architecture(cfg: dict[str, Any]) -> str:
 
 
 def hf_config(directory: Path, cfg: dict[str, Any], arch: str, tensors: dict[str, Path]) -> ModelConfig:
+    if arch == "bert":
+        return _bert_config(directory, cfg, tensors)
     _check_complete(cfg["num_hidden_layers"], tensors)
     hidden = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
@@ -115,7 +127,66 @@ def hf_config(directory: Path, cfg: dict[str, Any], arch: str, tensors: dict[str
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_eos_ids(directory, cfg),
         checkpoint_dtype=_checkpoint_dtype(cfg, tensors),
+        is_matryoshka=_is_matryoshka(cfg),
         **gemma,
+    )
+
+
+def _is_matryoshka(cfg: dict[str, Any]) -> bool:
+    """Whether the model's embeddings may be cut to their first dimensions (vLLM reads the same keys)."""
+    return bool(cfg.get("is_matryoshka") or cfg.get("matryoshka_dimensions"))
+
+
+def _bert_config(directory: Path, cfg: dict[str, Any], tensors: dict[str, Path]) -> ModelConfig:
+    """A BERT encoder (BertModel), or a BertForSequenceClassification cross-encoder with its head, with a
+    sentence-transformers folder's pooling."""
+    activation = cfg.get("hidden_act", "gelu")
+    if activation != "gelu":
+        raise ModelLoadError(f"unsupported BERT config: hidden_act = {activation!r} (supported: gelu)")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError(f"unsupported BERT config: position_embedding_type = {cfg['position_embedding_type']!r}")
+    classifier = "BertForSequenceClassification" in (cfg.get("architectures") or [])
+    if classifier and cfg.get("problem_type") not in (None, "regression", "single_label_classification"):
+        raise ModelLoadError(f"unsupported BERT classifier: problem_type = {cfg['problem_type']!r}")
+    num_labels = len(cfg.get("id2label") or {}) or cfg.get("num_labels") or 2 if classifier else None
+    prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
+    embedding = f"{prefix}embeddings.word_embeddings.weight"
+    if embedding not in tensors:
+        raise ModelLoadError(f"weight missing: {embedding}")
+    if classifier and "classifier.weight" not in tensors:
+        raise ModelLoadError("weight missing: classifier.weight (a BertForSequenceClassification checkpoint)")
+    layers, hidden, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    missing = [
+        name
+        for i in range(layers)
+        for name in (
+            f"{prefix}encoder.layer.{i}.attention.self.query.weight",
+            f"{prefix}encoder.layer.{i}.output.dense.weight",
+        )
+        if name not in tensors
+    ]
+    if missing:
+        raise ModelLoadError(f"{len(missing)} weight(s) missing, e.g. {missing[0]}")
+    pooling = read_pooling(directory)
+    declared = cfg.get("dtype") or cfg.get("torch_dtype")
+    return ModelConfig(
+        architecture="bert",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 512),
+        type_vocab_size=cfg.get("type_vocab_size", 2),
+        layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        num_labels=num_labels,
+        pooling_type=pooling.pooling_type,
+        pooling_normalize=pooling.normalize,
+        is_matryoshka=_is_matryoshka(cfg),
+        max_seq_length=pooling.max_seq_length,
+        checkpoint_dtype=DTYPES[declared] if declared in DTYPES else _stored_dtype(tensors, embedding),
     )
 
 
@@ -214,8 +285,12 @@ def _checkpoint_dtype(cfg: dict[str, Any], tensors: dict[str, Path]) -> torch.dt
     if declared in DTYPES:
         return DTYPES[declared]
     # Undeclared: the embedding's storage type is what the weights really are.
-    with safe_open(tensors["model.embed_tokens.weight"], framework="pt") as handle:
-        return _SAFETENSORS_DTYPES.get(handle.get_slice("model.embed_tokens.weight").get_dtype(), torch.float32)
+    return _stored_dtype(tensors, "model.embed_tokens.weight")
+
+
+def _stored_dtype(tensors: dict[str, Path], name: str) -> torch.dtype:
+    with safe_open(tensors[name], framework="pt") as handle:
+        return _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype(), torch.float32)
 
 
 def _check_complete(num_layers: int, tensors: dict[str, Path]) -> None:

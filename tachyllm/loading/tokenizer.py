@@ -194,6 +194,13 @@ class Tokenizer:
             return [self.bos_token_id, *ids]
         return ids
 
+    def encode_pair(self, text: str, pair: str | None = None) -> tuple[list[int], list[int]]:
+        """(token ids, token type ids) of `text`, or of the pair (text, pair), as the tokenizer's own
+        post-processor frames them (an encoder's [CLS] text [SEP] pair [SEP], type 0 then 1): what
+        transformers' tokenizer(text, pair) gives, which encoders and embedding models were trained on."""
+        encoding = self._backend.encode(text, pair, add_special_tokens=True)
+        return list(encoding.ids), list(encoding.type_ids)
+
     def decode(
         self, ids: Sequence[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
     ) -> str:

@@ -22,12 +22,11 @@ from ray.serve._private.utils import generate_request_id
 from tachyllm.core.block_manager import extend_block_hashes, servable_blocks
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
-from tachyllm.outputs import RequestOutput
+from tachyllm.outputs import EngineOutput
 from tachyllm.ray_serve.pending_prefill import pending_prefill
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError
 from tachyllm.ray_serve.router_metrics import router_metrics
-from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import QueueFullError
+from tachyllm.server.async_engine import QueueFullError, RequestParams
 from tachyllm.server.errors import APIError
 from tachyllm.server.request_trace import current_request
 
@@ -122,7 +121,7 @@ class RemoteStream:
     def __aiter__(self) -> RemoteStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         while True:
             if self._done:
                 raise StopAsyncIteration
@@ -171,6 +170,10 @@ class RemoteEngine:
         self.vocab_size = info.vocab_size
         self.input_processor = info.input_processor
         self.default_sampling_params = info.default_sampling_params
+        self.runner_type = info.runner_type
+        self.pooling_tasks = info.pooling_tasks
+        self.embedding_dim = info.embedding_dim
+        self.is_matryoshka = info.is_matryoshka
         self.error: BaseException | None = None  # Ray restarts failed replicas: the engine as a whole never fails
         self.retries = retries
         self.open_streams: set[RemoteStream] = set()
@@ -191,7 +194,7 @@ class RemoteEngine:
         return self._generate.remote(*args)
 
     async def add_requests(
-        self, requests: list[tuple[str, ProcessedRequest, SamplingParams]], max_queued: int | None = None
+        self, requests: list[tuple[str, ProcessedRequest, RequestParams]], max_queued: int | None = None
     ) -> list[RemoteStream]:
         """Sends every request and waits until each is taken. Requests of one HTTP request may land on
         different replicas, so a refusal of one closes the others, which may already have started."""

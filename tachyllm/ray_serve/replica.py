@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from tachyllm.core.block_manager import BlockManager
 from tachyllm.engine.input_processor import InputProcessor, ProcessedRequest
@@ -64,6 +64,11 @@ class EngineInfo:
     # Where request traces go (the engine's --otlp-traces-endpoint): the ingress makes the spans from
     # what the replica's engine records in each output's metrics.
     trace_options: TraceOptions | None = None
+    # What the model is served for (EngineClient's fields of the same names; docs/pooling.md).
+    runner_type: Literal["generate", "pooling"] = "generate"
+    pooling_tasks: frozenset[str] = frozenset()
+    embedding_dim: int | None = None
+    is_matryoshka: bool = False
 
 
 class CacheEventBuffer:
@@ -165,6 +170,10 @@ class EngineReplica:
             prefix_cache_key=block_manager.extra_key,
             prefix_caching=engine_config.enable_prefix_caching,
             trace_options=self.engine.trace_options,
+            runner_type=self.engine.runner_type,
+            pooling_tasks=self.engine.pooling_tasks,
+            embedding_dim=self.engine.embedding_dim,
+            is_matryoshka=self.engine.is_matryoshka,
         )
         self._publisher = asyncio.get_running_loop().create_task(self._publish_loop())
 

@@ -14,6 +14,7 @@ from tachyllm.errors import ConfigError
 from tachyllm.kernels.linear import pack_linears, packing_available
 from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
+from tachyllm.models.bert import BertModel, encoder_class
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.quantization import quantize_model, quantized_weight_bytes
 from tachyllm.quantization.activation_bits import resolve_activation_bits
@@ -92,6 +93,26 @@ def build_model(
         huge_pages.move_weights(model, leave=[] if table is None else [table])  # before the fused layers take them
     if fuse_layers:
         model.fuse_layers(backend)
+    return model.eval(), weight_bytes
+
+
+def build_encoder(
+    ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, quant: QuantConfig = QuantConfig(), *, batch_invariant: bool
+) -> tuple[BertModel, int]:
+    """An encoder checkpoint (BERT) as a ready model: weights loaded, plain linears packed for the CPU's
+    bf16 kernels where they apply; returns it and its weight bytes. Weight quantization is not offered
+    for encoders (small models, whose step is dominated by attention and activations)."""
+    if quant.method is not None or ckpt.prequantized is not None:
+        raise ConfigError("weight quantization is not supported for encoder (BERT) models")
+    with torch.device("meta"):
+        model = encoder_class(ckpt.config)(ckpt.config, backend.ops).to(dtype)
+    model = model.to_empty(device=backend.device)
+    model.load_weights(ckpt.weights())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if backend.device.type == "cpu":
+        bf16_kernels = backend.bf16_linear_kernels()
+        if packing_available(dtype, bf16_kernels):
+            pack_linears(model, bf16_kernels, batch_invariant)
     return model.eval(), weight_bytes
 
 

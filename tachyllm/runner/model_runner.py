@@ -14,17 +14,76 @@ import torch
 from tachyllm import faults, tracing
 from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
 from tachyllm.lora.layers import StepSegments
+from tachyllm.models.bert import BertModel
 from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.models.pooler import PoolingState, class_probabilities, finish_embedding, pool_chunk
 from tachyllm.runner.cuda_graphs import DecodeGraphs
 from tachyllm.sampling.sampler import Sampler, logprob_rows, to_device
 from tachyllm.sampling.verify import sampling_input, verify
-from tachyllm.step import LogprobInfo, ScheduledSeq, SeqResult, StepBatch, StepResult
+from tachyllm.step import LogprobInfo, PoolingInput, ScheduledSeq, SeqResult, StepBatch, StepResult
 
 logger = logging.getLogger("tachyllm")
 
 # Prompt rows scored through the LM head at once: a whole 2048-token chunk's fp32 logits would take
 # 400 MB at a 49152-token vocabulary; 256 rows take 50 MB.
 PROMPT_LOGPROB_ROWS = 256
+
+
+class EncoderRunner:
+    """Runs an encoder's step (docs/pooling.md): every sequence is a whole input, computed at once with
+    no KV cache and pooled; the StepResult carries each one's result."""
+
+    def __init__(self, model: BertModel, backend: Backend):
+        self.model = model
+        self.backend = backend
+        self.pooling = PoolingRows()
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        faults.check("prepare", batch.seqs)
+        with tracing.span("prepare_inputs"):
+            input_ids, positions, token_types, meta = self.backend.prepare_encoder(batch)
+        faults.check("forward", batch.seqs)
+        with tracing.span("forward"):
+            hidden = self.model(input_ids, positions, token_types, meta)
+        faults.check("sample", batch.seqs)
+        return StepResult([], pooled=self.pooling.pool(hidden, batch, self.model))
+
+
+class PoolingRows:
+    """A step's pooling sequences' rows -> their results; keeps what a chunked prompt's earlier chunks
+    contributed (models/pooler.py), dropped when the sequence ends."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, PoolingState] = {}
+
+    def pool(
+        self, hidden: torch.Tensor, batch: StepBatch, model: LlamaForCausalLM | BertModel
+    ) -> dict[int, torch.Tensor]:
+        for seq_id in batch.finished_seq_ids:
+            self.states.pop(seq_id, None)
+        results: dict[int, torch.Tensor] = {}
+        row = 0
+        for s in batch.seqs:
+            n, pooling = s.num_new_tokens, s.pooling
+            if pooling is not None:
+                if s.start == 0:  # a first chunk, or a recompute after preemption: nothing carried over
+                    self.states.pop(s.seq_id, None)
+                state = self.states.setdefault(s.seq_id, PoolingState())
+                pooled = pool_chunk(hidden[row : row + n], pooling.pooling_type, state, s.completes)
+                if pooled is not None:
+                    del self.states[s.seq_id]
+                    results[s.seq_id] = _pooled_result(pooled, pooling, model).cpu()
+            row += n
+        return results
+
+
+def _pooled_result(pooled: torch.Tensor, pooling: PoolingInput, model: LlamaForCausalLM | BertModel) -> torch.Tensor:
+    """A pooled vector as its task wants it: an embedding, or the classification head's probabilities."""
+    if pooling.task == "embed":
+        return finish_embedding(pooled, pooling)
+    assert isinstance(model, BertModel), "only an encoder with a classification head serves classify / score"
+    return class_probabilities(model.classify(pooled.to(model.word_embeddings.weight.dtype).unsqueeze(0))[0])
 
 
 class ModelRunner:
@@ -43,6 +102,7 @@ class ModelRunner:
         self.backend = backend
         self.device = backend.device
         self.builder = backend.metadata_builder(kv_caches, block_size)
+        self.pooling = PoolingRows()  # a causal model served as an embedder (--convert embed)
         self.graphs: DecodeGraphs | None = None
         # The LoRA wrappers' view of the step's rows (tachyllm/lora), when adapters are served.
         self.lora_segments: StepSegments | None = None
@@ -72,12 +132,13 @@ class ModelRunner:
         hidden = self._forward(batch)
         plain_rows, plain, spec_rows, spec = _sampled_rows(seqs)
         prompt_logprobs = self._prompt_logprobs(hidden, seqs)
+        pooled = self.pooling.pool(hidden, batch, self.model) if any(s.pooling for s in seqs) else {}
         if not plain_rows and not spec_rows:
-            return StepResult([], prompt_logprobs)
+            return StepResult([], prompt_logprobs, pooled)
         logits = self.model.compute_logits(hidden[to_device(plain_rows + spec_rows, torch.long, self.device)])
         faults.check("sample", seqs)
         with tracing.span("sample"):
-            return StepResult(self._sample(logits, plain, len(plain_rows), spec), prompt_logprobs)
+            return StepResult(self._sample(logits, plain, len(plain_rows), spec), prompt_logprobs, pooled)
 
     @torch.inference_mode()
     def execute_shard(self, batch: StepBatch) -> None:
@@ -174,7 +235,7 @@ def _sampled_rows(seqs: list[ScheduledSeq]) -> tuple[list[int], list[ScheduledSe
         if s.num_draft_tokens:
             spec_rows += range(end - s.num_new_tokens, end)  # every position is checked
             spec.append(s)
-        elif s.completes:
+        elif s.completes and s.pooling is None:
             plain_rows.append(end - 1)
             plain.append(s)
     return plain_rows, plain, spec_rows, spec

@@ -31,8 +31,12 @@ from tachyllm.engine.llm_engine import EngineSnapshot, LLMEngine
 from tachyllm.errors import RequestError, TachyError
 from tachyllm.host_malloc import use_one_arena
 from tachyllm.otel import trace_options
-from tachyllm.outputs import DeltaAccumulator, RequestOutput
+from tachyllm.outputs import DeltaAccumulator, EngineOutput, RequestOutput
+from tachyllm.pooling_params import PoolingParams
 from tachyllm.sampling_params import RequestOutputKind, SamplingParams
+
+# A request's parameters: generation's, or a pooling request's (one final PoolingRequestOutput).
+RequestParams = SamplingParams | PoolingParams
 
 # The engine thread lets go of the GIL in every tensor op and must win it back after each one. While
 # another thread of this process holds it (a /tokenize answer of a million ids being written, a long
@@ -47,7 +51,7 @@ HEALTH_CHECK_INTERVAL_S = 0.5
 logger = logging.getLogger("tachyllm.server")
 
 # Called on the engine thread with every output of an iteration (step outputs and aborts).
-OutputListener = Callable[[list[RequestOutput]], None]
+OutputListener = Callable[[list[EngineOutput]], None]
 
 
 class EngineDeadError(TachyError):
@@ -68,9 +72,9 @@ class OutputStream(Protocol):
 
     request_id: str
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+    def __aiter__(self) -> AsyncIterator[EngineOutput]: ...
 
-    async def __anext__(self) -> RequestOutput: ...
+    async def __anext__(self) -> EngineOutput: ...
 
     def close(self) -> None: ...
 
@@ -88,17 +92,17 @@ class RequestStream:
         self._deltas = output_kind == RequestOutputKind.DELTA
         self.loop = asyncio.get_running_loop()
         self._engine = engine
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         self._done = False  # finished, failed or closed: nothing more to read
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: EngineOutput | BaseException) -> None:
         """Runs on the consumer's event loop (the engine thread schedules it there)."""
         self._queue.put_nowait(item)
 
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if self._done:
             raise StopAsyncIteration
         item = await self._queue.get()
@@ -110,16 +114,17 @@ class RequestStream:
         self._done = item.finished
         return item
 
-    def _add_up_waiting(self, first: RequestOutput) -> RequestOutput | BaseException:
+    def _add_up_waiting(self, first: EngineOutput) -> EngineOutput | BaseException:
         """`first` and the outputs queued behind it as one; an error among them wins (it ends the request)."""
         total = DeltaAccumulator()
-        latest: RequestOutput | BaseException = first
-        total.add(first)
+        latest: EngineOutput | BaseException = first
+        if isinstance(first, RequestOutput):
+            total.add(first)
         while not self._queue.empty():
             latest = self._queue.get_nowait()
             if isinstance(latest, BaseException):
                 return latest
-            if self._deltas:
+            if self._deltas and isinstance(latest, RequestOutput):
                 total.add(latest)
         return total.result() if self._deltas else latest
 
@@ -134,7 +139,7 @@ class RequestStream:
 class _Add:
     stream: RequestStream
     prompt: str | list[int] | ProcessedRequest
-    params: SamplingParams
+    params: RequestParams
     arrival_time: float
     priority: int
     accepted: asyncio.Future  # resolved on stream.loop once the engine took (or refused) the request
@@ -240,13 +245,18 @@ class AsyncEngine:
         self.model_config = engine.model_config  # the server checks LoRA adapters against it at start
         self.input_processor = engine.input_processor  # thread-safe: tokenizer and plain limits
         self.default_sampling_params = engine.default_sampling_params
+        # What the model is served for (docs/pooling.md): generation, or embeddings / scores.
+        self.runner_type = engine.runner_type
+        self.pooling_tasks = engine.pooling_tasks
+        self.embedding_dim = engine.embedding_dim
+        self.is_matryoshka = engine.is_matryoshka
 
     # -- any thread ---------------------------------------------------------------------------
     def add_output_listener(self, listener: OutputListener) -> None:
         self._listeners.append(listener)
 
     async def add_request(
-        self, request_id: str, prompt: str | list[int] | ProcessedRequest, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: str | list[int] | ProcessedRequest, params: RequestParams, priority: int = 0
     ) -> RequestStream:
         """Queues a request and waits until the engine took it (at most one step): raises
         RequestError when the engine refuses it, so callers can answer 400 before streaming."""
@@ -254,7 +264,7 @@ class AsyncEngine:
 
     async def add_requests(
         self,
-        requests: Sequence[tuple[str, str | list[int] | ProcessedRequest, SamplingParams]],
+        requests: Sequence[tuple[str, str | list[int] | ProcessedRequest, RequestParams]],
         max_queued: int | None = None,
         priority: int = 0,
     ) -> list[RequestStream]:
@@ -266,13 +276,18 @@ class AsyncEngine:
         many callers race for it. A refusal by the engine (RequestError) closes the others and raises."""
         # Grammars compile off the event loop and the engine thread; the engine's own compile is then
         # a cache hit (a refused constraint raises RequestError here, before anything is queued).
-        for params in {id(p): p for _, _, p in requests if p.structured_outputs is not None}.values():
-            await asyncio.to_thread(self.input_processor.compile_grammar, params)
+        constrained = {
+            id(p): p for _, _, p in requests if isinstance(p, SamplingParams) and p.structured_outputs is not None
+        }
+        for constrained_params in constrained.values():
+            await asyncio.to_thread(self.input_processor.compile_grammar, constrained_params)
         loop = asyncio.get_running_loop()
         now = time.time()
         adds = []
         for request_id, prompt, params in requests:
-            stream = RequestStream(self, request_id, params.output_kind)
+            # A pooling request has one output, its final one.
+            kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+            stream = RequestStream(self, request_id, kind)
             adds.append(_Add(stream, prompt, params, now, priority, loop.create_future()))
         with self._cond:
             if self._closed:  # the loop is gone: nobody would ever answer
@@ -280,8 +295,9 @@ class AsyncEngine:
             queued = self._snapshot.num_queued + self._pending.queued
             free_slots = max(self._snapshot.free_batch_slots - self._pending.slots, 0)
             for add in adds:
-                add.slots = min(free_slots, add.params.n)
-                add.queued = add.slots < add.params.n
+                n = add.params.n if isinstance(add.params, SamplingParams) else 1
+                add.slots = min(free_slots, n)
+                add.queued = add.slots < n
                 free_slots -= add.slots
             if max_queued is not None and queued + sum(add.queued for add in adds) > max_queued:
                 raise QueueFullError(queued, max_queued)
@@ -302,7 +318,7 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[EngineOutput]:
         """Yields the request's outputs until it finishes; leaving early aborts it."""
         stream = await self.add_request(request_id, prompt, params, priority)
         try:
@@ -445,7 +461,7 @@ class AsyncEngine:
         finally:
             self._fail_remaining(ops, outbox)
 
-    def _apply(self, ops: list[_Add | _Abort], outbox: _Outbox) -> list[RequestOutput]:
+    def _apply(self, ops: list[_Add | _Abort], outbox: _Outbox) -> list[EngineOutput]:
         aborted = []
         for op in ops:
             if isinstance(op, _Add):
@@ -467,7 +483,7 @@ class AsyncEngine:
                     aborted.append(out)
         return aborted
 
-    def _deliver(self, outputs: list[RequestOutput], outbox: _Outbox) -> None:
+    def _deliver(self, outputs: list[EngineOutput], outbox: _Outbox) -> None:
         for out in outputs:
             stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
             if stream is not None:
@@ -480,7 +496,7 @@ class AsyncEngine:
             self._snapshot = snapshot
             self._pending.count(applied_adds, sign=-1)
 
-    def _notify_listeners(self, outputs: list[RequestOutput]) -> None:
+    def _notify_listeners(self, outputs: list[EngineOutput]) -> None:
         if not outputs:
             return
         for listener in self._listeners:

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from tachyllm.engine.llm_engine import EngineSnapshot, LoRARequestsInfo
-from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, PoolingRequestOutput, RequestOutput, StepStats
+from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, EngineOutput, PoolingRequestOutput, RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -165,7 +165,7 @@ class ServerMetrics:
         self._progress: dict[str, _Progress] = {}  # engine thread only
 
     # -- engine thread ------------------------------------------------------------------------
-    def observe(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+    def observe(self, outputs: list[EngineOutput]) -> None:
         """Per-output latencies; an AsyncEngine output listener."""
         for out in outputs:
             if isinstance(out, PoolingRequestOutput):

@@ -15,23 +15,31 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from tachyllm.outputs import CompletionOutput, DeltaAccumulator, RequestOutput
+from tachyllm.outputs import CompletionOutput, DeltaAccumulator, EngineOutput, RequestOutput
 from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.responses import finish_reason
 
 T = TypeVar("T")
 
 
+def generation_output(out: EngineOutput) -> RequestOutput:
+    """A generation request's output (a pooling engine's never reach the generation routes: the input
+    processor refuses their requests)."""
+    if not isinstance(out, RequestOutput):
+        raise TypeError(f"request {out.request_id}: a pooling output where a generation output was expected")
+    return out
+
+
 async def merged(streams: Sequence[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several requests as they come, tagged with each request's position.
+    """The outputs of several generation requests as they come, tagged with each request's position.
     Leaving early (client gone, error) aborts every unfinished request."""
     tasks: list[asyncio.Task] = []
     try:
         if len(streams) == 1:  # the common case needs no helper tasks
             async for out in streams[0]:
-                yield 0, out
+                yield 0, generation_output(out)
             return
-        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, EngineOutput | Exception | None]] = asyncio.Queue()
 
         async def pump(i: int, stream: OutputStream) -> None:
             try:
@@ -51,7 +59,7 @@ async def merged(streams: Sequence[OutputStream]) -> AsyncIterator[tuple[int, Re
             elif isinstance(item, Exception):
                 raise item
             else:
-                yield i, item
+                yield i, generation_output(item)
     finally:
         for task in tasks:
             task.cancel()

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from tachyllm.otel import RequestTracer, TracedRequest
-from tachyllm.outputs import RequestOutput
+from tachyllm.outputs import EngineOutput, RequestOutput
 from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.state import MetricsSource
 
@@ -53,9 +53,10 @@ class TracedStream:
     def __aiter__(self) -> TracedStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         out = await self._stream.__anext__()
-        self._request.observe(out)
+        if isinstance(out, RequestOutput):  # a pooling request's trace is its timings alone
+            self._request.observe(out)
         return out
 
     def close(self) -> None:

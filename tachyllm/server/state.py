@@ -17,7 +17,7 @@ from tachyllm.loading import Tokenizer
 from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import EngineDeadError, OutputStream
+from tachyllm.server.async_engine import EngineDeadError, OutputStream, RequestParams
 from tachyllm.server.errors import APIError, bad_request, engine_dead
 from tachyllm.server.metrics import merge_expositions
 from tachyllm.server.tools import tool_format
@@ -59,10 +59,17 @@ class EngineClient(Protocol):
     # SamplingParams values for fields a request leaves unset (the model's generation config).
     default_sampling_params: dict[str, Any]
     error: BaseException | None
+    # What the model is served for (docs/pooling.md): "generate", or "pooling" with the tasks it serves
+    # ({"embed"}, or {"classify", "score"} for a cross-encoder), its embeddings' size and whether a request
+    # may truncate them (`dimensions`).
+    runner_type: Literal["generate", "pooling"]
+    pooling_tasks: frozenset[str]
+    embedding_dim: int | None
+    is_matryoshka: bool
 
     async def add_requests(
         self,
-        requests: list[tuple[str, ProcessedRequest, SamplingParams]],
+        requests: list[tuple[str, ProcessedRequest, RequestParams]],
         max_queued: int | None = None,
     ) -> Sequence[OutputStream]: ...
 
