@@ -77,7 +77,7 @@ async def run_pooling(
                 param=param,
             )
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
-        streams = await model.engine.add_requests(requests, max_queued=state.max_queue_len)  # type: ignore[arg-type]  # the engines take pooling requests too
+        streams = await model.engine.add_requests(requests, max_queued=state.max_queue_len)
     except RequestError as e:  # the engine's checks call an input "input" or "prompt": this route's is `param`
         raise bad_request(str(e), param=param if e.param in (None, "input", "prompt") else e.param) from None
     except QueueFullError as e:

@@ -51,5 +51,5 @@ async def embeddings(request: Request, state: ServerState = Depends(server_state
 def embedding_inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[PoolingInput]:
     """OpenAI's input shapes: a text, texts, one input's token ids, or several inputs' token ids."""
     if isinstance(value, str) or isinstance(value[0], int):
-        return [PoolingInput(value)]  # type: ignore[arg-type]  # a text, or one input's token ids
-    return [PoolingInput(item) for item in value]  # type: ignore[arg-type]  # texts, or lists of token ids
+        return [PoolingInput(value)]
+    return [PoolingInput(item) for item in value]
