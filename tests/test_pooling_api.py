@@ -107,6 +107,19 @@ def test_normalize_and_truncation(http, embedder):
     assert cut["usage"]["prompt_tokens"] == 2
 
 
+def test_dimensions_on_a_matryoshka_model(tmp_path):
+    """The first `dimensions` values, normalized again (vLLM's, OpenAI's); at most the model's width."""
+    path = make_tiny_bert(tmp_path / "matryoshka", is_matryoshka=True)
+    with running_server(str(path)) as base, httpx.Client(base_url=base, timeout=60) as http:
+        full = http.post("/v1/embeddings", json={"input": TEXTS[0]}).json()["data"][0]["embedding"]
+        cut = http.post("/v1/embeddings", json={"input": TEXTS[0], "dimensions": 16}).json()["data"][0]["embedding"]
+        assert len(full) == 64 and len(cut) == 16
+        assert cut == pytest.approx(torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0).tolist(), abs=1e-5)
+        assert http.get("/v1/models").json()["data"][0]["task"] == "embed"
+        error = error_of(http.post("/v1/embeddings", json={"input": "a", "dimensions": 65}), 400)
+        assert error["param"] == "dimensions" and "[1, 64]" in error["message"]
+
+
 def test_langchain_openai_embeddings(url, embedder_path, embedder):
     """LangChain tokenizes with tiktoken and sends token ids by default: ids of OpenAI's tokenizer, which
     this model's vocabulary does not know (and tiktoken fetches its tables from the network). Sending the
