@@ -74,7 +74,9 @@ def reference_bert(directory: Path, input_ids: torch.Tensor, token_types: torch.
     x = norm(x + w["embeddings.token_type_embeddings.weight"][token_types], "embeddings.LayerNorm")
     for i in range(cfg["num_hidden_layers"]):
         p = f"encoder.layer.{i}"
-        q, k, v = (linear(x, f"{p}.attention.self.{m}").view(n, heads, -1).transpose(0, 1) for m in ("query", "key", "value"))
+        q, k, v = (
+            linear(x, f"{p}.attention.self.{m}").view(n, heads, -1).transpose(0, 1) for m in ("query", "key", "value")
+        )
         scores = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
         attended = (scores @ v).transpose(0, 1).reshape(n, -1)
         x = norm(linear(attended, f"{p}.attention.output.dense") + x, f"{p}.attention.output.LayerNorm")
@@ -169,6 +171,23 @@ def test_a_bi_encoder_scores_by_cosine_similarity(bert):
         bert.score(TEXTS[:2], TEXTS[:3])
 
 
+def test_a_qwen3_embedder_pools_its_last_token(tmp_path):
+    import transformers
+
+    directory = make_tiny_model(tmp_path, arch="qwen3")
+    llm = causal_embedder(directory)
+    assert llm.engine.pooling_setup.pooling_type == "LAST"
+    model = transformers.AutoModel.from_pretrained(directory).eval()
+    prompt = list(range(5, 25))
+    with torch.no_grad():
+        hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+    out = llm.embed({"prompt_token_ids": prompt})[0]
+    torch.testing.assert_close(embedding(out), F.normalize(hidden[-1], dim=0), atol=1e-5, rtol=0)
+    text = llm.embed(TEXTS[0])[0]  # a text is tokenized as transformers' tokenizer does it
+    assert text.prompt_token_ids == transformers.AutoTokenizer.from_pretrained(directory)(TEXTS[0]).input_ids
+    assert llm.score(TEXTS[0], TEXTS[1])[0].error is None  # by cosine similarity: no text pair
+
+
 @pytest.mark.parametrize("pooling_type", ["LAST", "MEAN"])
 def test_a_causal_model_embeds_as_transformers_llama_pools(llama_dir, pooling_type):
     """Prefilled in chunks of 8 tokens (with prefix caching on): the running sum / the last row carry
@@ -232,6 +251,8 @@ def test_bad_pooling_inputs_are_refused_naming_the_field(bert):
         ("text", PoolingParams(task="score"), "task"),
         ("text", PoolingParams(task="nonsense"), "task"),  # type: ignore[arg-type]
         ("text", PoolingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+        ("text", PoolingParams(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+        ("text", PoolingParams(normalize="yes"), "normalize"),  # type: ignore[arg-type]
         ("text", SamplingParams(max_tokens=4), "model"),  # a generation request to a pooling engine
     ]
     for prompt, params, field in cases:
@@ -292,3 +313,111 @@ def test_a_failed_pooling_step_fails_its_requests_and_the_engine_serves_on(bert,
     assert len(outputs) == 1 and isinstance(outputs[0], PoolingRequestOutput)
     assert outputs[0].error is not None and "injected" in outputs[0].error and outputs[0].finished
     assert embedding(bert.embed(TEXTS[0])[0]).shape == (64,)
+
+
+def test_default_bf16_embeddings_are_close_and_still_packing_invariant(bert_dir, bert):
+    llm = LLM(str(bert_dir))  # bfloat16, the default backend's kernels
+    assert llm.engine.dtype == torch.bfloat16
+    packed = [embedding(out) for out in llm.embed(TEXTS)]
+    for text, vector, exact in zip(TEXTS, packed, bert.embed(TEXTS)):
+        assert F.cosine_similarity(vector, embedding(exact), dim=0) > 0.999
+        assert torch.equal(embedding(llm.embed(text)[0]), vector)
+
+
+def test_inputs_pack_into_steps_under_the_token_budget(bert_dir, bert):
+    lengths = [len(bert.get_tokenizer().encode_pair(text)[0]) for text in TEXTS]
+    budget = max(lengths) - 1  # the longest input cannot run: an encoder's input is never split
+    llm = LLM(str(bert_dir), dtype="float32", max_num_batched_tokens=budget)
+    outs = llm.embed(TEXTS)
+    longest = lengths.index(max(lengths))
+    assert outs[longest].error is not None and f"limit ({budget})" in outs[longest].error
+    assert all(out.error is None for i, out in enumerate(outs) if i != longest)
+    # Inputs join a step in arrival order while they fit its budget.
+    steps, room = 0, 0
+    for n in (n for i, n in enumerate(lengths) if i != longest):
+        if n > room:
+            steps, room = steps + 1, budget
+        room -= n
+    assert llm.engine.stats.num_steps == steps
+    assert llm.engine.stats.iteration_tokens == sum(lengths) - max(lengths)
+    one_step = LLM(str(bert_dir), dtype="float32")
+    one_step.embed(TEXTS)
+    assert one_step.engine.stats.num_steps == 1
+
+
+def test_the_async_engine_streams_one_final_pooling_output(bert_dir):
+    import asyncio
+
+    from tachyllm.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(bert_dir), dtype="float32")))
+    try:
+        assert (engine.runner_type, engine.pooling_tasks, engine.embedding_dim) == ("pooling", {"embed"}, 64)
+
+        async def embed() -> list:
+            processed = [engine.input_processor.process_pooling(text, PoolingParams()) for text in TEXTS[:2]]
+            streams = await engine.add_requests([(f"r{i}", req, req.params) for i, req in enumerate(processed)])
+            return [[out async for out in stream] for stream in streams]
+
+        results = asyncio.run(embed())
+        assert [len(outs) for outs in results] == [1, 1]
+        assert all(isinstance(outs[0], PoolingRequestOutput) and outs[0].finished for outs in results)
+        assert results[0][0].outputs.data.shape == (64,)
+    finally:
+        engine.shutdown()
+
+
+def causal_embedder(llama_dir: Path, **options) -> LLM:
+    defaults = dict(dtype="float32", convert="embed", block_size=4, kv_cache_memory=4 << 20, max_model_len=256)
+    return LLM(str(llama_dir), **{**defaults, **options})
+
+
+@pytest.mark.parametrize("pooling_type", ["MEAN", "CLS", "LAST"])
+def test_pooling_across_chunks_starts_over_when_a_sequence_is_recomputed(pooling_type):
+    """A preempted sequence is recomputed from its first token: what its lost chunks added is dropped."""
+    from tachyllm.runner.model_runner import PoolingRows
+    from tachyllm.step import PoolingInput, ScheduledSeq, StepBatch
+
+    hidden = torch.randn(12, 8)
+    pooling = PoolingInput(pooling_type, "embed", normalize=False)
+
+    def chunk(start: int, n: int, finished: list[int] | None = None) -> StepBatch:
+        seq = ScheduledSeq(
+            seq_id=7, request_id="r", start=start, token_ids=[1] * n, num_draft_tokens=0, block_table=[],
+            seq_len=12, completes=start + n == 12, pooling=pooling,
+        )  # fmt: skip
+        return StepBatch([seq], finished or [])
+
+    rows = PoolingRows()
+    assert rows.pool(hidden[:5], chunk(0, 5), model=None) == {}  # type: ignore[arg-type]
+    # Preempted (the batch says it ended), then recomputed from the start in two other chunks.
+    assert rows.pool(torch.randn(4, 8), chunk(0, 4, finished=[7]), model=None) == {}  # type: ignore[arg-type]
+    assert rows.pool(hidden[:4], chunk(0, 4), model=None) == {}  # type: ignore[arg-type]
+    result = rows.pool(hidden[4:], chunk(4, 8), model=None)[7]  # type: ignore[arg-type]
+    expected = {"MEAN": hidden.mean(0), "CLS": hidden[0], "LAST": hidden[-1]}[pooling_type]
+    torch.testing.assert_close(result, expected)
+    assert rows.states == {}
+
+
+def test_a_fault_in_a_causal_embedders_chunk_returns_its_blocks(llama_dir):
+    llm = causal_embedder(llama_dir, max_num_batched_tokens=8)
+    engine, steps = llm.engine, []
+
+    def hook(where: str, request_ids: list[str]) -> None:
+        if where == "forward" and "doomed" in request_ids:
+            steps.append(1)
+            if len(steps) == 2:  # its second chunk: the first one's blocks are held
+                raise RuntimeError("injected forward fault")
+
+    with faults.injected(hook):
+        engine.add_request("doomed", list(range(5, 35)), PoolingParams())
+        engine.add_request("fine", list(range(40, 45)), PoolingParams())
+        outputs: dict = {}
+        while engine.has_unfinished_requests():
+            outputs.update((out.request_id, out) for out in engine.step())
+    assert "injected" in outputs["doomed"].error
+    assert outputs["fine"].error is None or "injected" in outputs["fine"].error  # in the failed step, or after
+    manager = engine.block_manager
+    manager.check_invariants([])
+    assert manager.num_free_blocks == manager.num_blocks
+    assert embedding(llm.embed({"prompt_token_ids": list(range(5, 35))})[0]).shape == (64,)
