@@ -16,7 +16,7 @@ import torch
 from helpers.pooling_models import make_tiny_bert
 from helpers.server import error_of, metrics, running_server, wait_idle
 
-from tachyllm import LLM
+from tachyllm import LLM, faults
 from tachyllm.entrypoints.cli import main
 
 TEXTS = ["The quick brown fox", "Paged attention stores keys", "def add(a, b): return a + b"]
@@ -267,6 +267,20 @@ def test_the_server_serves_on_after_bad_inputs(http):
     # The refused requests never reached the engine: only the good one's three inputs did.
     e2e = ("tachy:e2e_request_latency_seconds_count", ())
     assert after[e2e] - before.get(e2e, 0) == 3
+
+
+def test_an_engine_failure_is_a_500_and_the_server_serves_on(http):
+    def fail_the_second_input(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward" and any(rid.endswith("-1") for rid in request_ids):
+            raise RuntimeError("injected")
+
+    with faults.injected(fail_the_second_input):
+        response = http.post("/v1/embeddings", json={"input": TEXTS})
+    error = error_of(response, 500)
+    assert error["code"] == "engine_error" and "injected" in error["message"]
+    assert http.post("/v1/embeddings", json={"input": TEXTS}).status_code == 200
+    idle = wait_idle(http)
+    assert idle[("tachy:num_requests_running", ())] == idle[("tachy:num_requests_waiting", ())] == 0
 
 
 def test_pooling_requests_in_metrics(http):
