@@ -23,7 +23,7 @@ from tachyllm.core.block_manager import extend_block_hashes, servable_blocks
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
 from tachyllm.lora.request import LoRARequest
-from tachyllm.outputs import EngineOutput
+from tachyllm.outputs import EngineOutput, PoolingRequestOutput
 from tachyllm.ray_serve.pending_prefill import pending_prefill
 from tachyllm.ray_serve.prefix_index import adapter_marker
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError
@@ -145,7 +145,9 @@ class RemoteStream:
                 self._retry_or_fail(f"its replica's engine stopped ({item.message})")
                 await self.start()
                 continue
-            if not self._streamed and any(c.token_ids for c in item.outputs):
+            # Output reached the caller (a token; a pooling request's one result): no retry from here on.
+            produced = isinstance(item, PoolingRequestOutput) or any(c.token_ids for c in item.outputs)
+            if not self._streamed and produced:
                 self._streamed = True
                 pending_prefill().done(self._attempt_id)  # its replica has computed the prompt
             if item.finished:
