@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.hf_reference import hf_greedy, mixed_prompts
+from helpers.lora_files import write_adapter
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.lora.request import LoRARequest
@@ -91,3 +92,19 @@ def test_unsupported_peft_adapters_refused(lora_config, message, base, lora_llm,
     assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == NEW_TOKENS
     bm = lora_llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (["model.layers.0.self_attn.q_proj", "model.embed_tokens"], "(embedding and LM-head targets are not served)"),
+        (["model.layers.0.mlp.fc1"], "'model.layers.0.mlp.fc1', which is not supported (supported: q_proj"),
+    ],
+    ids=["embedding path", "unknown path"],
+)
+def test_module_path_targets_checked_by_projection(targets, message, base, lora_llm, tmp_path):
+    """Module paths (PEFT's saved form of "all-linear") are read by their last part: a path to the
+    embedding or to a module that is not a projection is refused like the short name."""
+    path = write_adapter(tmp_path / "adapter", base, ["q_proj"], config_overrides={"target_modules": targets})
+    outputs = lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("paths", 3, str(path)))
+    assert outputs[0].error is not None and message in outputs[0].error, outputs[0].error
