@@ -55,7 +55,9 @@ LAST = [
 ]  # fmt: skip
 CITIES = [
     "Lyon", "Oslo", "Kyoto", "Porto", "Prague", "Beirut", "Turin", "Lahore", "Aarhus", "Accra", "Lisbon",
-    "Kazan", "Lagos", "Pune", "Madrid", "Bremen", "Kochi", "Malmo", "Nairobi", "Zurich", "Izmir", "Nantes",
+    "Kazan", "Lagos", "Pune", "Madrid", "Bremen", "Bergen", "Quito", "Hanoi", "Cusco", "Tartu", "Split",
+    "Graz", "Leeds", "Dakar", "Perth", "Bonn", "Riga", "Basel", "Osaka",
+    "Kochi", "Malmo", "Nairobi", "Zurich", "Izmir", "Nantes", "Tunis", "Cork", "Delft", "Fes",
 ]  # fmt: skip
 TEMPLATES = [
     "{name} is {age} years old and lives in {city}.",
@@ -242,7 +244,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the adapter is saved")
     parser.add_argument("--retrain", action="store_true", help="train even if --out holds an adapter")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--rank", type=int, default=16)
