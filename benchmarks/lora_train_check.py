@@ -21,7 +21,7 @@ without --quantization gguf), and PEFT trains the adapter in fp32 over it. Then,
 
 Needs peft (the `lora-bench` extra: `pip install peft==0.21.2`).
 
-    .venv/bin/python benchmarks/lora_train_check.py [--threads 2] [--steps 40] [--serve]
+    .venv/bin/python benchmarks/lora_train_check.py [--threads 2] [--steps 24] [--serve]
 """
 
 from __future__ import annotations
