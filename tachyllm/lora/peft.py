@@ -113,19 +113,24 @@ def _check_config(config: dict, path: str, max_lora_rank: int) -> tuple[int, flo
         targets = [targets]  # a single name (PEFT would read other strings as a regex)
     if not isinstance(targets, list) or not targets:
         raise refuse("target_modules", f"list some of {', '.join(TARGET_MODULES)}")
+    projections = set()
     for name in targets:
-        if name in UNSUPPORTED_TARGETS:
+        # PEFT matches a name against the end of a module's path, and saves "all-linear" as the full
+        # paths it matched (model.layers.0.self_attn.q_proj): the projection is the last part.
+        projection = name.rsplit(".", 1)[-1] if isinstance(name, str) else name
+        if projection in UNSUPPORTED_TARGETS:
             raise AdapterError(
                 f"LoRA adapter {path!r}: target_modules contains {name!r}, which is not supported "
                 "(embedding and LM-head targets are not served)"
             )
-        if name not in TARGET_MODULES:
+        if projection not in TARGET_MODULES:
             raise AdapterError(
                 f"LoRA adapter {path!r}: target_modules contains {name!r}, which is not supported "
                 f"(supported: {', '.join(TARGET_MODULES)})"
             )
+        projections.add(projection)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return rank, scale, set(targets)
+    return rank, scale, projections
 
 
 def _read_weights(
