@@ -26,7 +26,7 @@ class PoolingParams:
     def verify(self, tasks: frozenset[str] | None = None, embedding_dim: int | None = None, matryoshka: bool = True):
         """Raises RequestError naming the field at fault: a task the model does not serve (`tasks`), a
         `dimensions` outside [1, embedding_dim] or asked of a model without Matryoshka embeddings, a
-        truncation length that is neither -1 nor >= 1."""
+        `normalize` that is not a bool, a truncation length that is neither -1 nor >= 1."""
         if self.task not in POOLING_TASKS:
             raise RequestError(f"task must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}", param="task")
         if tasks is not None and self.task not in tasks:
@@ -44,6 +44,8 @@ class PoolingParams:
             if self.dimensions < 1 or (embedding_dim is not None and self.dimensions > embedding_dim):
                 bound = f"[1, {embedding_dim}]" if embedding_dim is not None else ">= 1"
                 raise RequestError(f"dimensions must be in {bound}, got {self.dimensions}", param="dimensions")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise RequestError(f"normalize must be true or false, got {self.normalize!r}", param="normalize")
         keep = self.truncate_prompt_tokens
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)):
             raise RequestError(

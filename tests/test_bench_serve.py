@@ -277,7 +277,7 @@ def test_sharegpt_is_read_as_vllm_reads_it(model_path, tmp_path):
     "flags, message",
     [
         (["--backend", "tgi"], "'tgi' is not an OpenAI-compatible backend"),
-        (["--endpoint", "/v1/embeddings"], "unknown endpoint '/v1/embeddings'"),
+        (["--endpoint", "/v1/rerank"], "unknown endpoint '/v1/rerank'"),
         (["--percentile-metrics", "ttft,latency"], "expected a comma list of ttft, tpot, itl, e2el"),
     ],
 )

@@ -52,6 +52,8 @@ SCHEMA_CANNOT_SAY = [
     (r"response_format|structured_outputs|guided_\w+", r"give one structured-output constraint"),
     (r"continue_final_message", r"needs the last message to be the assistant's"),
     (r"messages", r"continue_final_message: the final message's content does not appear in the rendered chat"),
+    # The fuzzed server's model generates text: the pooling routes (embeddings, score, rerank) refuse it.
+    (r"model", r"is a text generation model: it serves .*, not /"),
 ]
 
 

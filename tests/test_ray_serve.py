@@ -22,6 +22,7 @@ from helpers.server import free_port
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from tachyllm import LLM  # noqa: E402
 from tachyllm.ray_serve import build_app  # noqa: E402
 from tachyllm.ray_serve.app import application  # noqa: E402
 from tachyllm.ray_serve.config import parse_config  # noqa: E402
@@ -94,6 +95,9 @@ def base(ray_instance, models) -> str:
                  "engine": ENGINE},
                 {"name": "tiny-qwen", "model": models["tiny-qwen"], "replicas": 1, "threads_per_replica": 1,
                  "num_cpus": 0.5, "engine": ENGINE},
+                # The RAG pair: an embedder next to the chat models, behind the same ingress.
+                {"name": "embedder", "model": models["tiny"], "replicas": 1, "threads_per_replica": 1,
+                 "num_cpus": 0.25, "engine": {**ENGINE, "runner": "pooling"}},
             ],
             "router": {"load_margin": 3, "event_interval_s": 0.1},
         }
@@ -150,8 +154,8 @@ def test_responses_api_through_the_ingress(base):
 
 def test_multi_model_routing_and_unknown_model(http):
     listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
-    assert listed == ["tiny", "tiny-qwen"]
-    for name in listed:
+    assert listed == ["tiny", "tiny-qwen", "embedder"]
+    for name in listed[:2]:
         body = http.post("/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 3}).json()
         assert body["model"] == name and body["usage"]["completion_tokens"] == 3
     response = http.post(
@@ -185,6 +189,29 @@ def test_the_other_endpoints(http):
     assert choice["text"] == "hello there you" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["token_logprobs"][0] is None and None not in choice["logprobs"]["token_logprobs"][1:]
     assert len(choice["prompt_logprobs"]) == len(choice["logprobs"]["tokens"]) > 1
+
+
+def test_a_chat_model_and_an_embedder_on_one_endpoint(http, base, models):
+    """The RAG pair through the ingress: the embedder's answers equal the offline LLM.embed's, each model
+    refuses the other's routes, and /v1/models says which is which."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+    texts = ["retrieve this chunk", "and that one"]
+    data = client.embeddings.create(model="embedder", input=texts).data
+    offline = LLM(models["tiny"], runner="pooling", dtype="float32").embed(texts)
+    for got, want in zip(data, offline):
+        assert got.embedding == pytest.approx(want.outputs.embedding, abs=1e-5)
+    ranked = http.post("/v1/rerank", json={"model": "embedder", "query": "chunk", "documents": texts}).json()
+    assert sorted(r["index"] for r in ranked["results"]) == [0, 1]
+    answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert answer.usage.completion_tokens == 2
+    cards = {card["id"]: card["task"] for card in http.get("/v1/models").json()["data"]}
+    assert cards == {"tiny": "generate", "tiny-qwen": "generate", "embedder": "embed"}
+    refused = http.post("/v1/embeddings", json={"model": "tiny", "input": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    refused = http.post("/v1/completions", json={"model": "embedder", "prompt": "x"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    bad = http.post("/v1/embeddings", json={"model": "embedder", "input": [0, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
 
 
 def test_conversation_turns_land_on_the_replica_holding_them(http):

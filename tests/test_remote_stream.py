@@ -7,13 +7,21 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 pytest.importorskip("ray")
 from ray.exceptions import ActorDiedError  # noqa: E402
 
 from tachyllm.engine.input_processor import ProcessedRequest  # noqa: E402
 from tachyllm.errors import RequestError  # noqa: E402
-from tachyllm.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
+from tachyllm.outputs import (  # noqa: E402
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from tachyllm.pooling_params import PoolingParams  # noqa: E402
 from tachyllm.ray_serve.pending_prefill import pending_prefill  # noqa: E402
 from tachyllm.ray_serve.remote_engine import RemoteStream, prompt_block_hashes  # noqa: E402
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError  # noqa: E402
@@ -199,3 +207,18 @@ def test_a_traced_request_records_where_it_was_sent_and_its_retry():
         ("retry", {"reason": "its replica died", "attempt": 1}),
         ("routed", {"engine_request_id": "r-retry1", "attempt": 1}),
     ]
+
+
+def test_a_pooling_requests_one_output_streams_through():
+    """A pooling request's one output (no tokens, no choices) is its answer: it ends the stream."""
+    result = PoolingRequestOutput("r", [1, 2, 3], PoolingOutput(torch.ones(4)), True, RequestMetrics(arrival_time=0.0))
+    engine = FakeEngine([ACCEPTED, result], [ACCEPTED, output([1], True)])
+    pooled = ProcessedRequest(None, list(range(10)), PoolingParams())
+
+    async def run() -> list:
+        stream = RemoteStream(engine, "r", pooled, None)
+        await stream.start()
+        return [out async for out in stream]
+
+    (got,) = asyncio.run(run())
+    assert got is result and len(engine.calls) == 1 and not engine.open_streams

@@ -95,9 +95,9 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1", help="the server's host, without --base-url")
     g.add_argument("--port", type=positive_int, default=8000, help="the server's port, without --base-url")
     g.add_argument(
-        "--endpoint", type=parse_endpoint, default=None, metavar="{completions,chat}",
-        help="the API: completions or chat, or its path (/v1/completions, /v1/chat/completions) "
-        "(default: --backend's, else completions)",
+        "--endpoint", type=parse_endpoint, default=None, metavar="{completions,chat,embeddings}",
+        help="the API: completions, chat or embeddings (one input per request: its latency and inputs/s), or its "
+        "path (/v1/completions, /v1/chat/completions, /v1/embeddings) (default: --backend's, else completions)",
     )  # fmt: skip
     g.add_argument(
         "--backend", type=parse_backend, default=None, metavar="{vllm,openai,openai-chat}",

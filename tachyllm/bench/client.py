@@ -1,5 +1,6 @@
 """The HTTP side of `tachy bench serve`: one streaming request at a time over a shared httpx client,
-timestamped on arrival of every server-sent event, and a /metrics scraper."""
+timestamped on arrival of every server-sent event (an embeddings request: on its whole answer), and a
+/metrics scraper."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tachyllm.bench.metrics import CounterKey, RequestResult
 from tachyllm.errors import TachyError
 
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions", "embeddings": "/v1/embeddings"}
 # Counter names shared by tachy's and vLLM's /metrics (after the prefix and the _total suffix).
 SCRAPED_COUNTERS = frozenset(
     {
@@ -40,7 +41,7 @@ def root_url(base_url: str) -> str:
 @dataclass
 class Endpoint:
     base_url: str
-    kind: str  # completions | chat
+    kind: str  # completions | chat | embeddings
     model: str | None  # None: the first name the server lists
     api_key: str | None = None
     ignore_eos: bool = False
@@ -105,8 +106,12 @@ class BenchClient:
         which tokenizes after the run rather than while requests are timed."""
         result = RequestResult(prompt_len=0)
         result.start = time.perf_counter()
+        if self.endpoint.kind == "embeddings":
+            exchange = self._embed(model, prompt, result)
+        else:
+            exchange = self._stream(model, prompt, max_tokens, result)
         try:
-            await asyncio.wait_for(self._stream(model, prompt, max_tokens, result), self.endpoint.timeout)
+            await asyncio.wait_for(exchange, self.endpoint.timeout)
         except asyncio.TimeoutError:
             result.error = f"timed out after {self.endpoint.timeout:g} s"
         except (httpx.HTTPError, OSError, ValueError) as e:  # ValueError: a malformed JSON event
@@ -151,6 +156,15 @@ class BenchClient:
                 )
             elif not pieces:
                 result.error = f"the stream ended without any generated text (last event: {last_event[:300] or 'none'})"
+
+    async def _embed(self, model: str, prompt: Prompt, result: RequestResult) -> None:
+        """One input's embedding, answered whole: its arrival is the request's only time (no output tokens)."""
+        response = await self.http.post(ENDPOINTS["embeddings"], json={"model": model, "input": prompt})
+        result.chunk_times.append(time.perf_counter())
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {error_message(response.text)}"
+        elif not response.json().get("data"):
+            result.error = f"the answer carried no embedding: {response.text[:300]}"
 
     async def scrape(self) -> dict[CounterKey, float] | None:
         """The counters this benchmark reports, by series; None without /metrics."""

@@ -105,6 +105,9 @@ def apply_vllm_flags(args: argparse.Namespace) -> None:
             f"--backend {args.backend} sends {from_backend} requests, not to --endpoint {ENDPOINTS[args.endpoint]}"
         )
     args.endpoint = args.endpoint or from_backend or "completions"
+    if args.endpoint == "embeddings":
+        # An embedding is answered whole: its latency is the only one (the result file has them all).
+        args.percentile_metrics = ["e2el"]
     if args.served_model_name:
         args.tokenizer = args.tokenizer or args.model  # --model then names the tokenizer only, as in vLLM
         args.model = args.served_model_name
@@ -296,6 +299,8 @@ def format_summary(
     row("Total input tokens:", m.total_input_tokens)
     row("Total generated tokens:", m.total_output_tokens)
     row("Request throughput (req/s):", m.request_throughput)
+    if url.endswith(ENDPOINTS["embeddings"]):  # one input per request
+        row("Input throughput (inputs/s):", m.request_throughput)
     row("Output token throughput (tok/s):", m.output_throughput)
     row("Peak output token throughput (tok/s):", m.peak_output_throughput)
     row("Total token throughput (tok/s):", m.total_token_throughput)

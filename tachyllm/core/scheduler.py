@@ -193,8 +193,9 @@ class Scheduler:
             self.waiting.pop(index)
             if slot:
                 adapters.add(slot)
-            self.stats.prefix_cache_queries += seq.num_tokens
-            self.stats.prefix_cache_hits += len(prefix) * self.block_manager.block_size
+            if not seq.kv_free:  # an encoder's input has no cache to look in
+                self.stats.prefix_cache_queries += seq.num_tokens
+                self.stats.prefix_cache_hits += len(prefix) * self.block_manager.block_size
             if seq.request.metrics.first_scheduled_time is None:
                 seq.request.num_cached_tokens = len(prefix) * self.block_manager.block_size
             if seq.request.metrics.events is not None:

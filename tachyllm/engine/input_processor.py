@@ -48,9 +48,10 @@ class PoolingLimits:
     # The most tokens one input may have: the model's limit, and for an encoder (whose whole input runs in
     # one step) the step's token budget.
     max_input_tokens: int
-    # An encoder's input is framed by special tokens ([CLS] ... [SEP]): truncation keeps the first tokens
-    # and the final one, as its tokenizer's own truncation does; a causal model keeps the last ones.
-    keep_first: bool
+    # An encoder's text is framed by its tokenizer's special tokens ([CLS] ... [SEP]), and truncation keeps
+    # its first tokens and the final one, as that tokenizer's own truncation does; a causal model's text is
+    # framed as its prompts are, and truncation keeps the last tokens.
+    encoder: bool
 
 
 @dataclass
@@ -181,7 +182,8 @@ class InputProcessor:
     def process_pooling(
         self, prompt: str | list[int], params: PoolingParams, text_pair: str | None = None
     ) -> ProcessedRequest:
-        """Tokenizes (with the tokenizer's special tokens: [CLS] text [SEP] pair [SEP] for an encoder) and
+        """Tokenizes (an encoder's text with its tokenizer's special tokens: [CLS] text [SEP] pair [SEP]; a
+        causal model's as its prompts, with a BOS where it wants one) and
         checks a pooling request: its params for this model, token ids in the vocabulary, not empty, and
         within the model's limit, or cut to it when truncate_prompt_tokens asks. Raises RequestError naming
         the field at fault."""
@@ -199,11 +201,20 @@ class InputProcessor:
             if text_pair is not None and not text_pair:
                 raise RequestError("the second text of the pair is empty", param="input")
             text: str | None = prompt
-            token_ids, token_types = self.tokenizer.encode_pair(prompt, text_pair)
+            if pooling.encoder:  # its tokenizer's own framing ([CLS] ... [SEP]), pairs included
+                token_ids, token_types = self.tokenizer.encode_pair(prompt, text_pair)
+            elif text_pair is not None:
+                raise RequestError("text pairs are scored by a cross-encoder, not a causal embedder", param="input")
+            else:  # a causal model: framed as its prompts are (a BOS where the model wants one)
+                token_ids = self.encode(prompt)
         else:
             if text_pair is not None:
                 raise RequestError("a text pair is given as text, not token ids", param="input")
-            text, token_ids = None, self.process_prompt(prompt).token_ids
+            vocab_size = self.limits.vocab_size
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise RequestError(f"input token ids must be in [0, {vocab_size}), got {bad[:3]}", param="input")
         if not token_ids:
             raise RequestError("input is empty (no tokens)", param="input")
         limit = pooling.max_input_tokens
@@ -211,7 +222,7 @@ class InputProcessor:
             keep = min(limit, len(token_ids) if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens)
             if len(token_ids) > keep:
                 text = None  # the text no longer matches the ids
-                if pooling.keep_first:
+                if pooling.encoder:
                     kept = list(range(keep - 1)) + [len(token_ids) - 1] if keep > 1 else [0]
                 else:
                     kept = list(range(len(token_ids) - keep, len(token_ids)))

@@ -353,6 +353,8 @@ class LLMEngine:
         speculating k tokens), or None when every step runs eagerly."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.executor is not None:
             return None
+        if self.runner_type == "pooling":  # its steps are prefills: none would replay a graph
+            return None
         if self.config.enable_lora:
             logger.info("CUDA graphs off: LoRA adapters' steps are not captured yet")
             return None

@@ -22,7 +22,7 @@ from ray.serve._private.utils import generate_request_id
 from tachyllm.core.block_manager import extend_block_hashes, servable_blocks
 from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
-from tachyllm.outputs import EngineOutput
+from tachyllm.outputs import EngineOutput, PoolingRequestOutput
 from tachyllm.ray_serve.pending_prefill import pending_prefill
 from tachyllm.ray_serve.replica import ACCEPTED, EngineInfo, RemoteError
 from tachyllm.ray_serve.router_metrics import router_metrics
@@ -138,7 +138,9 @@ class RemoteStream:
                 self._retry_or_fail(f"its replica's engine stopped ({item.message})")
                 await self.start()
                 continue
-            if not self._streamed and any(c.token_ids for c in item.outputs):
+            # Output reached the caller (a token; a pooling request's one result): no retry from here on.
+            produced = isinstance(item, PoolingRequestOutput) or any(c.token_ids for c in item.outputs)
+            if not self._streamed and produced:
                 self._streamed = True
                 pending_prefill().done(self._attempt_id)  # its replica has computed the prompt
             if item.finished:

@@ -25,13 +25,7 @@ async def start_requests(
 ) -> Sequence[OutputStream]:
     """Admits one engine request per prompt, all or none, while the queue has room for them all. The
     InputProcessor checks them here, once: the engine queues the processed requests as they are."""
-    state.check_not_draining()
-    limit = state.max_queue_len
-    if limit is not None and len(prompts) > limit:
-        raise bad_request(
-            f"{len(prompts)} prompts can never wait at once on this server (--max-queue-len {limit})",
-            param=prompt_param,
-        )
+    check_admissible(state, len(prompts), prompt_param)
     try:
         processed = [model.processor.process_request(pr, sp) for pr, sp in zip(prompts, params)]
         if model.lora is not None:
@@ -39,18 +33,37 @@ async def start_requests(
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
         traced = current_request()
         if traced is None:
-            return await model.engine.add_requests(requests, max_queued=limit)
+            return await model.engine.add_requests(requests, max_queued=state.max_queue_len)
         traced.model, traced.request_id, traced.params = model.name, base_id, params
         traced.prompts = [pr.text for pr in prompts] if traced.record_text else []
         traced.admitted_time = time.time()
-        return [TracedStream(s, traced) for s in await model.engine.add_requests(requests, max_queued=limit)]
-    except QueueFullError as e:
-        raise APIError(
+        streams = await model.engine.add_requests(requests, max_queued=state.max_queue_len)
+        return [TracedStream(s, traced) for s in streams]
+    except (QueueFullError, RequestError) as e:
+        raise admission_error(e, prompt_param) from None
+
+
+def check_admissible(state: ServerState, num_requests: int, prompt_param: str) -> None:
+    """Refuses a request while the server drains, and one with more engine requests than could ever
+    wait at once."""
+    state.check_not_draining()
+    limit = state.max_queue_len
+    if limit is not None and num_requests > limit:
+        raise bad_request(
+            f"{num_requests} prompts can never wait at once on this server (--max-queue-len {limit})",
+            param=prompt_param,
+        )
+
+
+def admission_error(e: QueueFullError | RequestError, prompt_param: str) -> APIError:
+    """An engine's refusal as an HTTP error: a full queue 503, a request's own fault 400 naming the field
+    (`prompt_param` where the engine's check names none)."""
+    if isinstance(e, QueueFullError):
+        return APIError(
             503,
             f"the server is busy: {e.num_queued} requests are waiting to start (max_queue_len {e.limit}); retry later",
             "service_unavailable_error",
             code="queue_full",
             headers={"Retry-After": "1"},
-        ) from None
-    except RequestError as e:
-        raise bad_request(str(e), param=e.param or prompt_param) from None
+        )
+    return bad_request(str(e), param=e.param or prompt_param)

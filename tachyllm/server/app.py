@@ -31,7 +31,17 @@ from tachyllm.server.metrics import MetricsOptions, ServerMetrics
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.request_trace import RequestTracing, dropped_spans_metrics
 from tachyllm.server.responses import json_response
-from tachyllm.server.routes import chat, completions, lora_adapters, models, responses, service, tokenize
+from tachyllm.server.routes import (
+    chat,
+    completions,
+    embeddings,
+    lora_adapters,
+    models,
+    responses,
+    score,
+    service,
+    tokenize,
+)
 from tachyllm.server.state import MetricsSource, RequestLimits, RuntimeLoRA, ServedModel, ServerState, authorize
 from tachyllm.version import __version__
 
@@ -78,7 +88,7 @@ def metrics_options(args: argparse.Namespace) -> MetricsOptions:
 
 
 def server_state(models: list[ServedModel], args: argparse.Namespace, metrics: list[MetricsSource]) -> ServerState:
-    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_tokens)
+    limits = RequestLimits(args.max_n, args.max_prompts_per_request, args.max_request_tokens, args.max_pooling_inputs)
     return ServerState(models, args.api_key, args.max_queue_len, metrics, limits, args.engine_iteration_timeout)
 
 
@@ -107,7 +117,7 @@ def assemble_app(state: ServerState, args: argparse.Namespace, tracing: TraceOpt
 
     app.include_router(service.router)
     admin = (lora_adapters,) if state.runtime_lora is not None else ()  # off unless enabled
-    for routes in (models, completions, chat, responses, tokenize, *admin):
+    for routes in (models, completions, chat, responses, embeddings, score, tokenize, *admin):
         app.include_router(routes.router, dependencies=[Depends(authorize)], responses={401: ERROR_RESPONSES[401]})
     # Refusals (host, content type, size) happen before routing, for every route; CORS, when on,
     # is added last and so wraps them: an allowed page can read a refusal too.

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
 from tachyllm.engine.llm_engine import EngineSnapshot, LoRARequestsInfo
-from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, EngineOutput, RequestOutput, StepStats
+from tachyllm.outputs import ITERATION_TOKEN_BUCKETS, EngineOutput, PoolingRequestOutput, RequestOutput, StepStats
 
 logger = logging.getLogger("tachyllm.server")
 
@@ -166,9 +166,10 @@ class ServerMetrics:
 
     # -- engine thread ------------------------------------------------------------------------
     def observe(self, outputs: list[EngineOutput]) -> None:
-        """Per-output latencies of generation requests; an AsyncEngine output listener."""
+        """Per-output latencies; an AsyncEngine output listener."""
         for out in outputs:
-            if not isinstance(out, RequestOutput):
+            if isinstance(out, PoolingRequestOutput):
+                self._observe_pooled(out)
                 continue
             m = out.metrics
             progress = self._progress.setdefault(out.request_id, _Progress())
@@ -224,6 +225,22 @@ class ServerMetrics:
             self.params_max_tokens.observe(m.params_max_tokens)
         self.kv_computed.observe(prompt_len - out.num_cached_tokens)
         self.request_preemptions.observe(m.num_preemptions)
+
+    def _observe_pooled(self, out: PoolingRequestOutput) -> None:
+        """A pooling request's one output: its prompt and its times, as vLLM counts them (its prefill is
+        the whole request: scheduled to finished)."""
+        m = out.metrics
+        if self.options.log_requests:
+            outcome = "error" if out.error is not None else "pooled"
+            logger.info("request %s finished: %s, prompt %d tokens", out.request_id, outcome, len(out.prompt_token_ids))
+        if out.error is not None or m.finished_time is None:  # failed or aborted: it would skew the distributions
+            return
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.prefill.observe(m.finished_time - m.first_scheduled_time)
+            self.inference.observe(m.finished_time - m.first_scheduled_time)
 
     # -- event loop ---------------------------------------------------------------------------
     def sync(self, snapshot: EngineSnapshot) -> None:

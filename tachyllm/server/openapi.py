@@ -33,12 +33,17 @@ _REQUEST_MODELS: dict[str, type[BaseModel]] = {}  # by name: every app built doc
 
 
 def route_doc(
-    request: type[BaseModel], response: type[BaseModel], generates: bool = False, events: str | None = None
+    request: type[BaseModel],
+    response: type[BaseModel],
+    generates: bool = False,
+    events: str | None = None,
+    pools: bool = False,
 ) -> dict[str, Any]:
     """The route-decorator arguments that document a JSON route: its request body, its response, and
     the errors it can answer; a route that `generates` also answers with server-sent events when the
     body asks to stream (`events` describes them, when they are not OpenAI's chunks ending in [DONE]),
-    and with the engine's errors (500, 503). 421 is documented for every route at the app."""
+    and with the engine's errors (500, 503), as a route that `pools` (embeddings, scores) does. 421 is
+    documented for every route at the app."""
     _REQUEST_MODELS[request.__name__] = request
     ok: dict[str, Any] = {"model": response}
     if generates:
@@ -55,7 +60,7 @@ def route_doc(
                 or f"with `stream: true`: `data: <{response.__name__} chunk>` events, then `data: [DONE]`",
             }
         }
-    errors = (400, 404, 413, 415) + ((500, 503) if generates else ())
+    errors = (400, 404, 413, 415) + ((500, 503) if generates or pools else ())
     return {
         "response_model": response,
         "responses": {200: ok, **{status: ERROR_RESPONSES[status] for status in errors}},
@@ -70,7 +75,8 @@ def route_doc(
 
 def openapi_document(app: FastAPI, vocab_size: int, limits: RequestLimits) -> dict[str, Any]:
     """The document, with this server's own bounds: token ids below its vocabulary size, n at most
-    --max-n, a completions request's prompts at most --max-prompts-per-request."""
+    --max-n, a completions request's prompts at most --max-prompts-per-request, a pooling request's
+    inputs at most --max-pooling-inputs."""
     if app.openapi_schema is None:
         # Behind a proxy's path prefix (--root-path), clients reach the routes under it.
         servers = [{"url": app.root_path}] if app.root_path else None
@@ -89,8 +95,29 @@ def openapi_document(app: FastAPI, vocab_size: int, limits: RequestLimits) -> di
         for option in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
             if option.get("items", {}).get("type") in ("string", "array"):  # several prompts, not one of token ids
                 option["maxItems"] = limits.max_prompts
+        _bound_pooling_inputs(schemas, limits.max_pooling_inputs)
         app.openapi_schema = doc
     return app.openapi_schema
+
+
+def _bound_pooling_inputs(schemas: dict[str, Any], most: int) -> None:
+    """--max-pooling-inputs: embeddings' several inputs, rerank's documents, score's text lists."""
+    pooled = (
+        ("EmbeddingRequest", "input"),
+        ("RerankRequest", "documents"),
+        ("ScoreRequest", "text_1"),
+        ("ScoreRequest", "text_2"),
+    )
+    for model, field in pooled:
+        schema = schemas[model]["properties"][field]
+        for option in schema.get("anyOf", [schema]):
+            if option.get("type") == "array" and not (model == "EmbeddingRequest" and _is_token_ids(option)):
+                option["maxItems"] = most
+
+
+def _is_token_ids(schema: dict[str, Any]) -> bool:
+    """One input's token ids (a list of integers), which the bound on inputs does not count."""
+    return schema.get("items", {}).get("type") == "integer"
 
 
 def _bound_token_ids(node: Any, largest: int) -> None:

@@ -153,7 +153,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     g.add_argument(
         "--max-request-tokens", type=positive_int, default=1 << 20,
-        help="most tokens one HTTP request may claim: its prompts plus n x max_tokens for each (default: 1048576)",
+        help="most tokens one HTTP request may claim: its prompts plus n x max_tokens for each; a pooling request's "
+        "inputs' tokens (default: 1048576)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-pooling-inputs", type=positive_int, default=2048,
+        help="most inputs one pooling request may carry: /v1/embeddings inputs, /v1/rerank documents, /v1/score "
+        "pairs (default: 2048)",
     )  # fmt: skip
     g.add_argument(
         "--allowed-hosts", nargs="+", default=None,

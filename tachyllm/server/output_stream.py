@@ -9,14 +9,17 @@ possible stop string held back): ChoiceProgress keeps those until text arrives w
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fastapi import Request
 
 from tachyllm.outputs import CompletionOutput, DeltaAccumulator, EngineOutput, RequestOutput
 from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.responses import finish_reason
+
+T = TypeVar("T")
 
 
 def generation_output(out: EngineOutput) -> RequestOutput:
@@ -73,19 +76,26 @@ async def final_outputs(request: Request, streams: Sequence[OutputStream]) -> li
             totals[i].add(out)
         return [total.result() for total in totals]
 
+    return await unless_hung_up(request, collect())
+
+
+async def unless_hung_up(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None if the client hung up first (`work` is then cancelled: reading merged()
+    streams, that aborts their requests)."""
+
     async def hang_up() -> None:
         # Once the body is read, receive() returns only when the connection goes away.
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(hang_up())
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(hang_up())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()  # unwinds merged(), which aborts the requests
-    return work.result() if work.done() and not work.cancelled() else None
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
 
 
 @dataclass

@@ -35,23 +35,26 @@ async def parse_body(request: Request, model: type[T]) -> T:
     try:
         return model.model_validate_json(raw, strict=True)
     except ValidationError as e:
-        raise invalid_body(e) from None
+        raise invalid_body(e, {**UNION_HINTS, **getattr(model, "UNION_HINTS", {})}) from None
 
 
 async def parse_generation_request(
     request: Request, model: type[GenerationRequest], state: ServerState
 ) -> tuple[GenerationRequest, ServedModel]:
     """A completions or chat request's body and the model it names, refused (400/404) for what no
-    generation route serves: a model not served, a field this server does not support, too many
-    choices; checked in that order."""
+    generation route serves: a model not served or not a generation model, a field this server does not
+    support, too many choices; checked in that order."""
     body = await parse_body(request, model)
     served = state.model(body.model)
+    served.check_task("generate", request.url.path)
     reject_unsupported(body)
     state.check_n(body.n)
     return body, served
 
 
-def invalid_body(e: ValidationError) -> APIError:
+def invalid_body(e: ValidationError, hints: dict[str, str] = UNION_HINTS) -> APIError:
+    """The first error of `e` as a 400 naming the field; a union-typed field's errors as one, saying
+    what the field accepts (`hints`, by field name; "field[]" for the items of a list)."""
     errors = e.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
@@ -66,7 +69,10 @@ def invalid_body(e: ValidationError) -> APIError:
         while k < min(len(common), len(err["loc"])) and common[k] == err["loc"][k]:
             k += 1
         common = common[:k]
-    if len(related) > 1 and common and common[-1] in UNION_HINTS:
+    hint_key = None
+    if common:
+        hint_key = f"{common[-2]}[]" if isinstance(common[-1], int) and len(common) > 1 else common[-1]
+    if len(related) > 1 and hint_key in hints:
         path = loc_path(common)
         # The value had the type of one alternative and broke its constraint (too long, < 0, ...):
         # that one says what is wrong (its location, less the alternative's name).
@@ -79,7 +85,7 @@ def invalid_body(e: ValidationError) -> APIError:
             if err["type"] == "extra_forbidden":
                 return unknown_field(where)
             return bad_request(f"{where}: {err['msg']}{got(err)}", param=path)
-        return bad_request(f"{path} must be {UNION_HINTS[common[-1]]}", param=path)
+        return bad_request(f"{path} must be {hints[hint_key]}", param=path)
     path = loc_path(first["loc"])
     if first["type"] == "extra_forbidden":
         return unknown_field(path)

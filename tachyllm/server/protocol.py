@@ -12,7 +12,7 @@ do not serve.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -608,6 +608,62 @@ class UnloadLoRAAdapterRequest(Request):
     lora_int_id: int | None = None  # vLLM's; the name alone identifies the adapter here
 
 
+class EmbeddingRequest(Request):
+    """OpenAI's /v1/embeddings body, with vLLM's truncate_prompt_tokens and normalize."""
+
+    UNION_HINTS: ClassVar[dict[str, str]] = {
+        "input": "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
+    }
+
+    model: str | None = None
+    input: (
+        Text
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: PositiveInt | None = None  # only for a model with Matryoshka embeddings (route-checked)
+    user: str | None = None  # accepted and ignored, as by vLLM
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AS_INT] | None = None
+    normalize: bool | None = None
+
+
+class ScoreRequest(Request):
+    """vLLM's /v1/score: each text_1 scored against each text_2 (1-1, 1-N or N-N, pairwise)."""
+
+    UNION_HINTS: ClassVar[dict[str, str]] = {
+        "text_1": "a non-empty string or a non-empty list of them",
+        "text_2": "a non-empty string or a non-empty list of them",
+    }
+
+    model: str | None = None
+    text_1: Text | Annotated[list[Text], Field(min_length=1)]
+    text_2: Text | Annotated[list[Text], Field(min_length=1)]
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AS_INT] | None = None
+    user: str | None = None
+
+
+class RerankDocumentIn(Request):
+    """A document given as an object (Jina's shape): its text."""
+
+    text: Text
+
+
+class RerankRequest(Request):
+    """vLLM's /v1/rerank, in Jina's and Cohere's shape: the documents ranked by relevance to the query."""
+
+    UNION_HINTS: ClassVar[dict[str, str]] = {"documents[]": "a non-empty string or an object with a text field"}
+
+    model: str | None = None
+    query: Text
+    documents: Annotated[list[Text | RerankDocumentIn], Field(min_length=1)]
+    top_n: NonNegInt | None = None  # None or 0: every document
+    return_documents: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AS_INT] | None = None
+    user: str | None = None
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 
@@ -830,11 +886,68 @@ class ModelCard(BaseModel):
     root: str
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int
+    # What the model is for: "generate" (completions, chat, responses), "embed" (embeddings, and score /
+    # rerank by cosine similarity) or "score" (a cross-encoder: score and rerank); the routes it serves.
+    task: Literal["generate", "embed", "score"]
+    endpoints: list[str]
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class PoolingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    # Floats, or with encoding_format base64 the little-endian float32 bytes in base64 (OpenAI's).
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: PoolingUsage
+
+
+class ScoreData(BaseModel):
+    object: Literal["score"] = "score"
+    index: int
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ScoreData]
+    usage: PoolingUsage
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's position in the request
+    relevance_score: float
+    document: RerankDocument | None = None  # with return_documents
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]  # the most relevant first
+    usage: PoolingUsage
 
 
 class TokenizeResponse(BaseModel):

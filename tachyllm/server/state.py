@@ -25,6 +25,15 @@ from tachyllm.server.tools import tool_format
 logger = logging.getLogger("tachyllm.server")
 
 
+# The routes that serve each kind of model (ServedModel.task).
+TASK_ENDPOINTS = {
+    "generate": ["/v1/completions", "/v1/chat/completions", "/v1/responses"],
+    "embed": ["/v1/embeddings", "/v1/score", "/v1/rerank"],
+    "score": ["/v1/score", "/v1/rerank"],
+}
+TASK_NAMES = {"generate": "a text generation model", "embed": "an embedding model", "score": "a cross-encoder"}
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What one HTTP request may ask for (each breach is a 400 naming the field)."""
@@ -33,6 +42,8 @@ class RequestLimits:
     max_prompts: int = 256  # prompts in one completions request
     # Tokens one HTTP request may claim: prompts plus n x max_tokens, summed over its prompts.
     max_request_tokens: int = 1 << 20
+    # Inputs one pooling request may carry: embeddings' inputs, rerank's documents, score's pairs.
+    max_pooling_inputs: int = 2048
 
 
 class EngineClient(Protocol):
@@ -102,6 +113,27 @@ class ServedModel:
     @property
     def name(self) -> str:
         return self.names[0]
+
+    @property
+    def task(self) -> Literal["generate", "embed", "score"]:
+        """What the model is for: generating text, embedding inputs, or scoring pairs (a cross-encoder)."""
+        engine = self.engine
+        if engine.runner_type == "generate":
+            return "generate"
+        return "score" if "score" in engine.pooling_tasks else "embed"
+
+    def check_task(self, task: Literal["generate", "embed", "score"], route: str) -> None:
+        """Refuses (400) a request for `route` to a model not for it: generation to a pooling model,
+        embeddings to a generation model or a cross-encoder, score / rerank to a generation model (an
+        embedding model scores by the cosine similarity of its embeddings)."""
+        served = self.task
+        if served == task or (task == "score" and served == "embed"):
+            return
+        raise bad_request(
+            f"the model {self.name!r} is {TASK_NAMES[served]}: it serves {', '.join(TASK_ENDPOINTS[served])}, "
+            f"not {route}",
+            param="model",
+        )
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""/v1/models: the names this server answers to."""
+"""/v1/models: the names this server answers to, and what each model is for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fastapi.responses import Response
 from tachyllm.server import protocol as p
 from tachyllm.server.openapi import ERROR_RESPONSES
 from tachyllm.server.responses import json_response
-from tachyllm.server.state import ServedModel, ServerState, server_state
+from tachyllm.server.state import TASK_ENDPOINTS, ServedModel, ServerState, server_state
 
 router = APIRouter()
 
@@ -27,4 +27,11 @@ def model_card(model: ServedModel, name: str) -> p.ModelCard:
     """A base model's card has its checkpoint as root; a LoRA adapter's (vLLM's form) its path, and its
     base model as parent."""
     root = model.engine.model_name if model.lora is None else model.lora.lora_path
-    return p.ModelCard(id=name, root=root, parent=model.parent, max_model_len=model.engine.max_model_len)
+    return p.ModelCard(
+        id=name,
+        root=root,
+        parent=model.parent,
+        max_model_len=model.engine.max_model_len,
+        task=model.task,
+        endpoints=TASK_ENDPOINTS[model.task],
+    )

@@ -53,6 +53,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 async def create_response(request: Request, state: ServerState = Depends(server_state)) -> Response:
     body = await parse_body(request, p.ResponsesRequest)
     model = state.model(body.model)
+    model.check_task("generate", request.url.path)
     reject_unsupported(body)
     messages = input_messages(body)
     plan = response_tool_plan(body, messages, model.engine.tokenizer, model.tool_call_parser)
