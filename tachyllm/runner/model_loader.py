@@ -112,9 +112,9 @@ def build_encoder(
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if backend.device.type == "cpu":
         # An encoder step is a matrix-matrix product over every token of its inputs (hundreds of rows),
-        # where oneDNN's prepacked bf16 GEMM is 2-4x faster than the matrix-vector kernel made for
-        # decoding (docs/design_measurements.md#encoder-linears); its sums do not depend on the row count
-        # either (PackedLinear computes a lone row as two), so the step stays batch invariant.
+        # where oneDNN's prepacked bf16 GEMM beats the matrix-vector kernel made for decoding
+        # (docs/design_measurements.md#encoder-linears); its sums do not depend on the row count either
+        # (PackedLinear computes a lone row as two), so the step stays batch invariant.
         bf16_kernels = None if onednn_packing_available(dtype) else backend.bf16_linear_kernels()
         if packing_available(dtype, bf16_kernels):
             pack_linears(model, bf16_kernels, batch_invariant)
