@@ -112,9 +112,9 @@ def free_port() -> int:
 def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -> Iterator[str]:
     """`tachy serve FLAGS` on `port`, up when `ready_path` answers 200; yields its base URL."""
     base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [*TACHY, "serve", "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    # The server's log goes to a file: a pipe nobody reads fills up and blocks the server mid-run.
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen([*TACHY, "serve", "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -124,7 +124,8 @@ def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -
             except httpx.TransportError:
                 pass
             if server.poll() is not None:
-                raise RuntimeError(f"tachy serve {' '.join(flags)} exited: {server.stderr.read()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"tachy serve {' '.join(flags)} exited: {log.read()[-2000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"tachy serve {' '.join(flags)} did not come up in {timeout:.0f} s")
             time.sleep(0.5)
@@ -136,13 +137,14 @@ def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+        log.close()
 
 
 def bench_serve(base: str, dataset: Path, num_prompts: int, concurrency: int, out: Path) -> dict:
     subprocess.run(
         [*TACHY, "bench", "serve", "--base-url", base, "--endpoint", "embeddings", "--dataset", "file",
          "--dataset-path", str(dataset), "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
-         "--warmup", "8", "--no-progress", "--result-json", str(out)],
+         "--warmup", "8", "--input-len", "16", "--no-progress", "--result-json", str(out)],
         check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
     return json.loads(out.read_text())["runs"][0]["metrics"]
