@@ -138,17 +138,19 @@ def test_cpu_engine_captures_nothing(tiny_model_factory):
 
 
 def test_which_steps_the_engine_captures(caplog):
-    """Graphs on a CUDA device with a capturable backend, unless --enforce-eager, tensor parallelism or
-    sliding-window layers: decode steps, and verification steps of the speculator's k drafts."""
+    """Graphs on a CUDA device with a capturable backend, unless --enforce-eager, tensor parallelism,
+    sliding-window layers or the pooling runner (prefills only): decode steps, and verification steps of
+    the speculator's k drafts."""
 
-    def counts(device="cuda", eager=False, capturable=True, spec=None, executor=None, sliding=()):
+    def counts(device="cuda", eager=False, capturable=True, spec=None, executor=None, sliding=(), runner="generate"):
         config = SimpleNamespace(enforce_eager=eager, speculative_config=spec, enable_lora=False)
         backend = SimpleNamespace(graph_capturable=capturable, name="x")
         engine = SimpleNamespace(device=torch.device(device), config=config, backend=backend, executor=executor,
-                                 model_config=SimpleNamespace(sliding_layers=sliding))  # fmt: skip
+                                 model_config=SimpleNamespace(sliding_layers=sliding), runner_type=runner)  # fmt: skip
         return LLMEngine._graph_query_counts(engine)
 
     assert counts() == (1,)
+    assert counts(runner="pooling") is None
     assert counts(spec=SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})) == (1, 4)
     assert counts(device="cpu") is None and counts(eager=True) is None
     assert counts(executor=object()) is None and counts(sliding=(0, 1)) is None

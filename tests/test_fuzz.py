@@ -13,6 +13,7 @@ import httpx
 import jsonschema
 import pytest
 import schemathesis
+from helpers.pooling_models import make_tiny_bert
 from helpers.server import running_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
@@ -54,6 +55,10 @@ SCHEMA_CANNOT_SAY = [
     (r"messages", r"continue_final_message: the final message's content does not appear in the rendered chat"),
     # The fuzzed server's model generates text: the pooling routes (embeddings, score, rerank) refuse it.
     (r"model", r"is a text generation model: it serves .*, not /"),
+    # A pooling model's own bounds: its embedding width (models of one server differ), its input limit.
+    (r"dimensions", r"dimensions must be in \[1, \d+\]"),
+    (r"input|documents|text_2", r"more than this model's limit|--max-request-tokens"),
+    (r"text_2", r"give one text_1 for all, or as many as text_2"),
 ]
 
 
@@ -78,11 +83,14 @@ def api(base) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{base}/openapi.json")
 
 
-def test_every_operation_survives_fuzzing(api):
-    """schemathesis' pytest plugin does not run under this pytest; its strategies run under hypothesis directly."""
+def fuzz_operations(api: schemathesis.BaseSchema, paths: set[str] | None = None) -> int:
+    """Fuzzes every operation (those of `paths` only, if given); returns how many, failing with every
+    operation's failure in one report."""
     failures, operations = [], 0
     for result in api.get_all_operations():
         operation = result.ok()
+        if paths is not None and operation.path not in paths:
+            continue
         operations += 1
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             checks = CHECKS + ([schema_allowed_it] if mode == GenerationMode.POSITIVE else [])
@@ -98,8 +106,23 @@ def test_every_operation_survives_fuzzing(api):
                 assert mode == GenerationMode.NEGATIVE
             except Exception as e:  # keep going: one report with every operation's failure
                 failures.append(f"{operation.label} ({mode}): {e}")
-    assert operations >= 8
     assert not failures, "\n\n".join(failures)
+    return operations
+
+
+def test_every_operation_survives_fuzzing(api):
+    """schemathesis' pytest plugin does not run under this pytest; its strategies run under hypothesis directly."""
+    assert fuzz_operations(api) >= 8
+
+
+POOLING_PATHS = {"/v1/embeddings", "/v1/score", "/v1/rerank"}  # /v2/rerank and /rerank: /v1/rerank's route
+
+
+def test_pooling_operations_survive_fuzzing(tmp_path_factory):
+    """The pooling routes on a model that serves them (the fuzzed generation model refuses them whole)."""
+    model = make_tiny_bert(tmp_path_factory.mktemp("embedder"), is_matryoshka=True)
+    with running_server(str(model), *FLAGS, "--max-pooling-inputs", "4") as url:
+        assert fuzz_operations(schemathesis.openapi.from_url(f"{url}/openapi.json"), POOLING_PATHS) == 3
 
 
 USER = {"role": "user", "content": "hi"}

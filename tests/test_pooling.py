@@ -274,8 +274,20 @@ def test_a_pooling_request_to_a_generation_engine_is_refused(llama_dir):
     with pytest.raises(RequestError, match="does not serve 'embed'"):
         llm.embed("some text")
     embedder = LLM(str(llama_dir), dtype="float32", task="embed", kv_cache_memory=4 << 20, max_model_len=256)
-    assert bad_request(embedder.engine, [1, 2, 3], SamplingParams(max_tokens=2)).param == "model"
+    vocab = embedder.engine.model_config.vocab_size
+    cases = [
+        ([1, 2, 3], SamplingParams(max_tokens=2), "model"),
+        ("", PoolingParams(), "input"),
+        ([1, vocab], PoolingParams(), "input"),
+        ([1] * 257, PoolingParams(), "input"),
+        ("text", PoolingParams(dimensions=8), "dimensions"),  # not a Matryoshka model
+    ]
+    for prompt, params, field in cases:
+        assert bad_request(embedder.engine, prompt, params).param == field, (prompt, params)
+    cut = embedder.embed({"prompt_token_ids": [1] * 257}, truncate_prompt_tokens=-1)[0]
+    assert cut.error is None and len(cut.prompt_token_ids) == 256
     manager = embedder.engine.block_manager
+    manager.check_invariants([])
     assert manager.num_free_blocks == manager.num_blocks
 
 

@@ -11,12 +11,13 @@ import struct
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 import torch
 from helpers.pooling_models import make_tiny_bert
 from helpers.server import error_of, metrics, running_server, wait_idle
 
-from tachyllm import LLM
+from tachyllm import LLM, faults
 from tachyllm.entrypoints.cli import main
 
 TEXTS = ["The quick brown fox", "Paged attention stores keys", "def add(a, b): return a + b"]
@@ -120,11 +121,13 @@ def test_dimensions_on_a_matryoshka_model(tmp_path):
         assert error["param"] == "dimensions" and "[1, 64]" in error["message"]
 
 
-def test_langchain_openai_embeddings(url, embedder_path, embedder):
-    """LangChain tokenizes with tiktoken and sends token ids by default: ids of OpenAI's tokenizer, which
-    this model's vocabulary does not know (and tiktoken fetches its tables from the network). Sending the
-    text (check_embedding_ctx_length=False, as vLLM's docs advise), or tokenizing with the model's own
-    tokenizer (tiktoken_enabled=False, which sends the chunks as text), works offline."""
+def test_langchain_openai_embeddings(url, embedder_path, embedder, monkeypatch):
+    """LangChain tokenizes with tiktoken by default (whose tables it downloads: offline, a ConnectionError
+    before any request) and sends the token ids of OpenAI's tokenizer, which this model's vocabulary does
+    not know: a 400 naming input. Sending the text (check_embedding_ctx_length=False, as vLLM's docs
+    advise), or tokenizing with the model's own tokenizer (tiktoken_enabled=False, which sends the
+    chunks as text), works offline."""
+    import tiktoken
     from langchain_openai import OpenAIEmbeddings
 
     expected = offline_embeddings(embedder, TEXTS)
@@ -134,6 +137,14 @@ def test_langchain_openai_embeddings(url, embedder_path, embedder):
     for embeddings in (as_text, own_tokenizer):
         assert embeddings.embed_documents(TEXTS) == [pytest.approx(e, abs=1e-5) for e in expected]
         assert embeddings.embed_query(TEXTS[1]) == pytest.approx(expected[1], abs=1e-5)
+    # The default, with a local stand-in for OpenAI's tables: one id per byte, from 1000 up.
+    foreign = tiktoken.Encoding(
+        "bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([b]): 1000 + b for b in range(256)}, special_tokens={}
+    )
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: foreign)
+    with pytest.raises(openai.BadRequestError) as refused:
+        OpenAIEmbeddings(**common).embed_documents(TEXTS)
+    assert refused.value.body["param"] == "input" and "token ids must be in [0, " in refused.value.body["message"]
 
 
 def test_score_shapes_match_offline_scores(http, embedder):
@@ -267,6 +278,20 @@ def test_the_server_serves_on_after_bad_inputs(http):
     # The refused requests never reached the engine: only the good one's three inputs did.
     e2e = ("tachy:e2e_request_latency_seconds_count", ())
     assert after[e2e] - before.get(e2e, 0) == 3
+
+
+def test_an_engine_failure_is_a_500_and_the_server_serves_on(http):
+    def fail_the_second_input(stage: str, request_ids: list[str]) -> None:
+        if stage == "forward" and any(rid.endswith("-1") for rid in request_ids):
+            raise RuntimeError("injected")
+
+    with faults.injected(fail_the_second_input):
+        response = http.post("/v1/embeddings", json={"input": TEXTS})
+    error = error_of(response, 500)
+    assert error["code"] == "engine_error" and "injected" in error["message"]
+    assert http.post("/v1/embeddings", json={"input": TEXTS}).status_code == 200
+    idle = wait_idle(http)
+    assert idle[("tachy:num_requests_running", ())] == idle[("tachy:num_requests_waiting", ())] == 0
 
 
 def test_pooling_requests_in_metrics(http):

@@ -289,8 +289,9 @@ class Scheduler:
         """Applies a step the runner computed in `seconds`: every scheduled token now has K/V (of a
         speculating sequence only its last token and the accepted drafts), full blocks enter the
         prefix cache, sampled tokens are appended, blocks of rejected drafts are released, and
-        sequences that reached a stop token or their length limit finish. Returns what each
-        sequence gained, in result order."""
+        sequences that reached a stop token or their length limit finish, as do pooling sequences whose
+        last token was computed (with their result, StepResult.pooled). Returns what each sequence
+        gained: the pooling sequences first, then the sampled ones in result order."""
         # Without the linear fit only the token count matters (the per-size table).
         self.step_cost.observe(step_shape(batch) if self.step_cost.linear_fit else StepShape(batch.num_tokens), seconds)
         seqs = self._in_flight

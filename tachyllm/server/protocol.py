@@ -608,6 +608,10 @@ class UnloadLoRAAdapterRequest(Request):
     lora_int_id: int | None = None  # vLLM's; the name alone identifies the adapter here
 
 
+# vLLM's truncate_prompt_tokens: keep that many tokens of a longer input; -1: the model's limit (0 is refused).
+TruncatePromptTokens = Annotated[int, Field(ge=-1), route_checked({"not": {"const": 0}}), _AS_INT]
+
+
 class EmbeddingRequest(Request):
     """OpenAI's /v1/embeddings body, with vLLM's truncate_prompt_tokens and normalize."""
 
@@ -625,7 +629,7 @@ class EmbeddingRequest(Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None  # only for a model with Matryoshka embeddings (route-checked)
     user: str | None = None  # accepted and ignored, as by vLLM
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AS_INT] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
     normalize: bool | None = None
 
 
@@ -640,7 +644,7 @@ class ScoreRequest(Request):
     model: str | None = None
     text_1: Text | Annotated[list[Text], Field(min_length=1)]
     text_2: Text | Annotated[list[Text], Field(min_length=1)]
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AS_INT] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
     user: str | None = None
 
 
@@ -660,7 +664,7 @@ class RerankRequest(Request):
     documents: Annotated[list[Text | RerankDocumentIn], Field(min_length=1)]
     top_n: NonNegInt | None = None  # None or 0: every document
     return_documents: bool = True
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), _AS_INT] | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
     user: str | None = None
 
 
