@@ -240,6 +240,22 @@ def test_hf_bos_from_post_processor(tmp_path: Path) -> None:
     assert len(plain) == 2 and tokenizer.encode("ab") == [256, *plain]
 
 
+def test_hf_tokenizer_json_padding_and_truncation_ignored(tmp_path: Path) -> None:
+    """A tokenizer.json that pads and truncates every encoding (all-MiniLM-L6-v2's: to 128) encodes
+    inputs as they are, as transformers does: no pad tokens counted in, no tokens silently cut."""
+    save_hf_tokenizer(tmp_path, {"pad_token": "<eos>"})
+    plain = Tokenizer.from_hf_dir(tmp_path)
+    saved = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    saved.enable_padding(pad_id=257, pad_token="<eos>", length=8)
+    saved.enable_truncation(max_length=8)
+    saved.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    for text in ("ab", "a longer input than eight bytes"):
+        assert tokenizer.encode(text) == plain.encode(text)
+        assert tokenizer.encode_pair(text) == (plain.encode(text), [0] * len(plain.encode(text)))
+    assert len(tokenizer.encode("ab")) == 2 and len(tokenizer.encode("a longer input than eight bytes")) > 8
+
+
 def test_hf_without_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)

@@ -64,8 +64,19 @@ class EncoderMetadata(AttentionMetadata):
     after another, each attending to itself only, bidirectionally; nothing is written to a KV cache."""
 
     seq_lens: list[int]  # tokens of each input, in row order
-    # Inputs grouped by length ([first row of each] per length), for attention over equal-length groups.
-    groups: dict[int, list[int]]
+    # Attention runs over inputs padded to a multiple of ENCODER_PAD_MULTIPLE tokens, one call per padded
+    # length: `padded_rows` gathers the step's rows into that layout (padding repeats an input's last
+    # row, masked out as a key), `buckets` are its (padded length, inputs) in order with each one's key
+    # mask [inputs, 1, 1, length], and `unpadded_rows` picks every real row back out, in row order.
+    padded_rows: torch.Tensor
+    buckets: list[tuple[int, int, torch.Tensor]]
+    unpadded_rows: torch.Tensor
+
+
+# An encoder input's attention is padded to a multiple of this many tokens, a length that depends on the
+# input alone (so its result does not depend on the step's other inputs): one attention call per 16
+# lengths instead of one per length (docs/design_measurements.md#encoder-attention).
+ENCODER_PAD_MULTIPLE = 16
 
 
 class LayerOps:
@@ -283,22 +294,37 @@ class Backend(ABC):
         positions: list[int] = []
         token_types: list[int] = []
         seq_lens: list[int] = []
-        groups: dict[int, list[int]] = {}
+        by_padded_length: dict[int, list[tuple[int, int]]] = {}  # padded length -> (first row, length)
         for s in batch.seqs:
             n = len(s.token_ids)
             assert s.start == 0 and s.completes, "an encoder computes each input whole, in one step"
-            groups.setdefault(n, []).append(len(input_ids))
+            padded = -(-n // ENCODER_PAD_MULTIPLE) * ENCODER_PAD_MULTIPLE
+            by_padded_length.setdefault(padded, []).append((len(input_ids), n))
             input_ids += s.token_ids
             positions += range(n)
             types = s.pooling.token_type_ids if s.pooling is not None else None
             token_types += types if types is not None else [0] * n
             seq_lens.append(n)
+        padded_rows: list[int] = []
+        unpadded_rows = [0] * len(input_ids)
+        buckets = []
+        for padded, inputs in sorted(by_padded_length.items()):
+            for first, n in inputs:
+                for i in range(n):
+                    unpadded_rows[first + i] = len(padded_rows) + i
+                padded_rows += range(first, first + n)
+                padded_rows += [first + n - 1] * (padded - n)
+            lengths = torch.tensor([n for _, n in inputs])
+            mask = (torch.arange(padded) < lengths.unsqueeze(1)).view(len(inputs), 1, 1, padded)
+            buckets.append((padded, len(inputs), mask.to(self.device)))
         device = self.device
         meta = EncoderMetadata(
             backend=self,
             slot_mapping=torch.empty(0, dtype=torch.long, device=device),
             seq_lens=seq_lens,
-            groups=groups,
+            padded_rows=torch.tensor(padded_rows, dtype=torch.long, device=device),
+            buckets=buckets,
+            unpadded_rows=torch.tensor(unpadded_rows, dtype=torch.long, device=device),
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=device),
@@ -316,14 +342,17 @@ class Backend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Bidirectional attention of each packed input over itself (no mask within it, no KV cache),
-        [tokens, heads, head_dim]. Portable form: the inputs of one length attend together in one SDPA
-        call over [inputs, heads, length, head_dim], so no input is padded and none sees another; an
-        input's result then does not depend on the lengths of the others in the step."""
-        out = torch.empty_like(q)
-        for length, firsts in meta.groups.items():
-            rows = (torch.tensor(firsts, device=q.device).unsqueeze(1) + torch.arange(length, device=q.device)).view(-1)
-            shape = (len(firsts), length, q.shape[1], q.shape[2])
-            qg, kg, vg = (t.index_select(0, rows).view(shape).transpose(1, 2) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qg, kg, vg, scale=scale)
-            out.index_copy_(0, rows, o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2]))
-        return out
+        [tokens, heads, head_dim]. Portable form: the inputs padded to one length attend together in one
+        SDPA call over [inputs, heads, length, head_dim], their padding masked out as keys, so none sees
+        another; an input's padded length is its own, so its result does not depend on the others."""
+        heads, head_dim = q.shape[1], q.shape[2]
+        qp, kp, vp = (t.index_select(0, meta.padded_rows) for t in (q, k, v))
+        outputs = []
+        row = 0
+        for length, count, mask in meta.buckets:
+            end = row + count * length
+            qb, kb, vb = (t[row:end].view(count, length, heads, head_dim).transpose(1, 2) for t in (qp, kp, vp))
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+            outputs.append(o.transpose(1, 2).reshape(-1, heads, head_dim))
+            row = end
+        return torch.cat(outputs).index_select(0, meta.unpadded_rows)

@@ -131,6 +131,11 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise ModelLoadError("no tokenizer.json (only fast-tokenizer files are supported)")
         backend = Backend.from_file(str(tokenizer_file))
+        # Some tokenizer.json files pad and truncate every encoding (all-MiniLM-L6-v2's: to 128 tokens);
+        # transformers ignores that unless asked per call, and so does tachyllm: length limits are the
+        # input processor's.
+        backend.no_padding()
+        backend.no_truncation()
         config_file = directory / "tokenizer_config.json"
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
         bos_id = _token_id(backend, config.get("bos_token"))

