@@ -5,6 +5,7 @@ and per-adapter trees of finished outputs."""
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +62,20 @@ def test_draft_follows_the_most_frequent_continuation_of_the_longest_match():
     # "1 2 3 9" is followed by 1 once and 7 once.
     assert candidate.score == pytest.approx(1.0 + 0.5 + 0.5 * sum([1.0] * (len(candidate.token_ids) - 2)))
     assert tree.speculate([42], 8, 2.0, 0.1).token_ids == []  # no match: no draft
+
+
+def test_own_text_draft_is_the_draft_for_its_tail():
+    """speculate_own (the proposer's path: no lookups) gives what speculate gives with the text's
+    last tokens as the context, after every piece appended, as factor and depth vary."""
+    rng = random.Random(7)
+    for depth, factor in ((4, 1.0), (12, 2.0), (24, 0.5)):
+        tree, text = SuffixTree(max_depth=depth), []
+        for _ in range(30):
+            piece = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            tree.extend(piece)
+            text += piece
+            expected = tree.speculate(text[-depth:], 16, factor, 0.05)
+            assert tree.speculate_own(16, factor, 0.05) == expected
 
 
 def test_min_token_prob_stops_an_unlikely_draft():

@@ -36,7 +36,7 @@ class SuffixProposer(Proposer):
     def draft(self, seq: Sequence, k: int) -> list[int]:
         tree = self._tree(seq)
         context = seq.token_ids[-self.max_depth :]
-        own = tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
+        own = tree.speculate_own(k, self.max_spec_factor, self.min_token_prob)
         shared = self.global_trees.speculate(
             context, k, self.max_spec_factor, self.min_token_prob, key=seq.request.lora_digest
         )

@@ -91,6 +91,13 @@ class SuffixTree:
         token_ids, match_length, score = self._tree.speculate(context, max_tokens, max_spec_factor, min_token_prob)
         return Candidate(token_ids, match_length, score)
 
+    def speculate_own(self, max_tokens: int, max_spec_factor: float, min_token_prob: float) -> Candidate:
+        """speculate() with the tree's own text (since start_text) as the context, without walking
+        the tree: the nodes of the text's suffixes are kept for the next token to extend. A row's
+        walks over its own tree, large and cold in cache, were most of a step's proposal cost."""
+        token_ids, match_length, score = self._tree.speculate_own(max_tokens, max_spec_factor, min_token_prob)
+        return Candidate(token_ids, match_length, score)
+
     def lookup(self, path: list[int]) -> tuple[int, int] | None:
         """(occurrences, occurrences followed by another token) of path, None where it is absent."""
         found = self._tree.lookup(path)

@@ -108,18 +108,22 @@ class SuffixTree {
   // max_spec_factor times the match length (the paper's adaptive length: a long match is evidence
   // that the text repeats) and within the tree's depth. The longer match wins a tie.
   Candidate speculate(const Tokens& context, int64_t max_tokens, double max_spec_factor, double min_token_prob) const {
-    Candidate best{Tokens{}, 0, 0.0};
     const int64_t n = static_cast<int64_t>(context.size());
-    const int64_t longest = std::min(max_depth_ - 1, n);
-    for (int64_t length = 1; length <= longest; ++length) {
+    std::vector<int32_t> matches;  // matches[L - 1]: the node of context's last L tokens
+    for (int64_t length = 1; length <= std::min(max_depth_ - 1, n); ++length) {
       int32_t node = kRoot;
       for (int64_t i = n - length; i < n && node >= 0; ++i) node = find_child(node, context[i]);
       if (node < 0) break;  // a longer suffix contains this one, so it is not in the tree either
-      const int64_t limit = std::min(max_tokens, static_cast<int64_t>(max_spec_factor * static_cast<double>(length)));
-      Candidate candidate = follow(node, length, limit, min_token_prob);
-      if (!std::get<0>(candidate).empty() && std::get<2>(candidate) >= std::get<2>(best)) best = std::move(candidate);
+      matches.push_back(node);
     }
-    return best;
+    return best_draft(matches, max_tokens, max_spec_factor, min_token_prob);
+  }
+
+  // speculate() with the tree's own text since start_text() as the context, at no lookup cost: the
+  // nodes of that text's suffixes are the ones the next token would extend.
+  Candidate speculate_own(int64_t max_tokens, double max_spec_factor, double min_token_prob) const {
+    const std::vector<int32_t> matches(open_.rbegin(), open_.rend());
+    return best_draft(matches, max_tokens, max_spec_factor, min_token_prob);
   }
 
   // (count, continued) of the node that path leads to, or nothing where the tree lacks it.
@@ -195,6 +199,18 @@ class SuffixTree {
     }
   }
 
+  Candidate best_draft(const std::vector<int32_t>& matches, int64_t max_tokens, double max_spec_factor,
+                       double min_token_prob) const {
+    Candidate best{Tokens{}, 0, 0.0};
+    for (size_t i = 0; i < matches.size(); ++i) {
+      const auto length = static_cast<int64_t>(i + 1);
+      const int64_t limit = std::min(max_tokens, static_cast<int64_t>(max_spec_factor * static_cast<double>(length)));
+      Candidate candidate = follow(matches[i], length, limit, min_token_prob);
+      if (!std::get<0>(candidate).empty() && std::get<2>(candidate) >= std::get<2>(best)) best = std::move(candidate);
+    }
+    return best;
+  }
+
   Candidate follow(int32_t node, int64_t match_length, int64_t limit, double min_token_prob) const {
     Tokens draft;
     double reach = 1.0, score = 0.0;
@@ -234,6 +250,8 @@ void register_suffix_tree(pybind11::module_& m) {
       .def("extend", &SuffixTree::extend, py::arg("token_ids"))
       .def("remove", &SuffixTree::remove, py::arg("token_ids"))
       .def("speculate", &SuffixTree::speculate, py::arg("context"), py::arg("max_tokens"), py::arg("max_spec_factor"),
+           py::arg("min_token_prob"))
+      .def("speculate_own", &SuffixTree::speculate_own, py::arg("max_tokens"), py::arg("max_spec_factor"),
            py::arg("min_token_prob"))
       .def("lookup", &SuffixTree::lookup, py::arg("path"))
       .def("entries", &SuffixTree::entries);
