@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from tachyllm import LLM, SamplingParams
 from tachyllm.spec_decode.ngram import NgramProposer
 from tachyllm.spec_decode.suffix import SuffixProposer
-from tachyllm.spec_decode.suffix_tree import GlobalSuffixTree
+from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees
 
 SNIPPETS = [
     "def count_down(n):\n    result = []\n    i = n\n    while i > 0:\n        result.append(i)\n        i -= 1\n"
@@ -179,7 +179,7 @@ def run(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int) -> tup
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     proposer = llm.engine.speculator.proposer if llm.engine.speculator else None
     if isinstance(proposer, SuffixProposer):  # a cold start: nothing drafted from earlier rounds
-        proposer.global_tree = GlobalSuffixTree(proposer.max_depth, proposer.global_tree.max_sequences)
+        proposer.global_trees = GlobalSuffixTrees(proposer.max_depth, proposer.global_trees.max_sequences)
     stats = llm.engine.stats
     before = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
     tokens, t0 = 0, time.perf_counter()

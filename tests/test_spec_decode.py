@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
 from helpers.models import first_layers, make_tiny_model
-from helpers.spec_decode import NGRAM, draft, with_oracle
+from helpers.spec_decode import NGRAM, SUFFIX, draft, with_oracle
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.core.sequence import Request, Sequence
@@ -319,6 +319,35 @@ def test_a_broken_acceptance_rule_fails_the_same_test(broken, monkeypatch):
     assert chi_square_p_value(counts, expected_pairs(params, target)) < SIGNIFICANCE
 
 
+ENGINE_PROMPT = [11, 12, 13, 14]
+
+
+def second_and_third_tokens(llm: LLM, params: list[SamplingParams], prompt: list[int]) -> dict[tuple[int, ...], int]:
+    """How often each (second, third) output token pair came out of one request per params."""
+    outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        key = tuple(o.outputs[0].token_ids[1:])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def two_sample_p_value(a: dict[tuple[int, ...], int], b: dict[tuple[int, ...], int]) -> float:
+    """Pearson's test that two samples come from one distribution (cells under 10 pooled out)."""
+    keys = sorted(set(a) | set(b))
+    table = np.array([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]], dtype=float)
+    table = table[:, table.sum(axis=0) >= 10]  # pool rare cells out, as the test requires
+    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
+    stat = float(((table - expected) ** 2 / expected).sum())
+    dof = table.shape[1] - 1
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def seeded_sampling(count: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s) for s in range(count)]
+
+
 @pytest.mark.parametrize("draft_model", ["self:layers=1", "file", "file-shortlist"])
 def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factory, tmp_path, draft_model):
     """Two-sample test on the engine: many seeded requests, with and without a draft model (the
@@ -331,29 +360,30 @@ def test_engine_sampling_with_a_draft_matches_sampling_without(tiny_model_factor
     if draft_model.startswith("file"):
         shortlist = {"draft_vocab_size": 200} if draft_model == "file-shortlist" else {}
         draft_model = str(first_layers(path, tmp_path / "draft", 1))
-    prompt = [11, 12, 13, 14]
-    params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s) for s in range(1500)]
-
-    def pairs(llm: LLM) -> dict[tuple[int, ...], int]:
-        outs = llm.generate([{"prompt_token_ids": prompt}] * len(params), params, use_tqdm=False)
-        counts: dict[tuple[int, ...], int] = {}
-        for o in outs:
-            key = tuple(o.outputs[0].token_ids[1:])
-            counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    plain = pairs(tiny_llm(path, max_num_seqs=256))
+    params = seeded_sampling(1500)
+    plain = second_and_third_tokens(tiny_llm(path, max_num_seqs=256), params, ENGINE_PROMPT)
     spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=draft(draft_model, k=1) | shortlist)
-    spec = pairs(spec_llm)
+    spec = second_and_third_tokens(spec_llm, params, ENGINE_PROMPT)
     assert spec_llm.engine.stats.spec_num_draft_tokens > 0
-    keys = sorted(set(plain) | set(spec))
-    table = np.array([[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]], dtype=float)
-    table = table[:, table.sum(axis=0) >= 10]  # pool rare cells out, as the test requires
-    expected = table.sum(axis=1, keepdims=True) * table.sum(axis=0, keepdims=True) / table.sum()
-    stat = float(((table - expected) ** 2 / expected).sum())
-    dof = table.shape[1] - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
-    assert 0.5 * math.erfc(z / math.sqrt(2)) > SIGNIFICANCE
+    assert two_sample_p_value(plain, spec) > SIGNIFICANCE
+
+
+@pytest.mark.native  # the suffix trees are C++
+def test_engine_sampling_with_suffix_drafts_matches_sampling_without(tiny_model_factory):
+    """The same two-sample test with suffix decoding's deterministic drafts: the prompt repeats, so
+    a request's own tree drafts while its last token is a prompt token, and once the first batch has
+    finished the global tree drafts the continuation most frequent among earlier samples, a draft
+    the target accepts often and rejects often (rejection sampling against a one-hot proposal)."""
+    path = tiny_model_factory("llama")
+    prompt = ENGINE_PROMPT * 3
+    params = seeded_sampling(1500)
+    plain = second_and_third_tokens(tiny_llm(path, max_num_seqs=256), params, prompt)
+    spec_llm = tiny_llm(path, max_num_seqs=256, speculative_config=SUFFIX)
+    spec = second_and_third_tokens(spec_llm, params, prompt)
+    stats = spec_llm.engine.stats
+    assert stats.spec_num_draft_tokens > 300
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert two_sample_p_value(plain, spec) > SIGNIFICANCE
 
 
 # -- metrics, rollback, adaptive switch ------------------------------------------------------------

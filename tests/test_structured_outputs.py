@@ -153,6 +153,7 @@ def test_greedy_output_is_identical_with_speculation(path, spec):
     # verification: identity is what this run shows.
 
 
+@pytest.mark.native  # the suffix trees are C++
 def test_suffix_drafts_are_verified_under_the_grammar(path):
     """Constrained rows beside a free one; the second wave is drafted from the first's outputs (the
     global tree), the free row's text offered to the constrained ones too: drafts the grammar

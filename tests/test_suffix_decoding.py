@@ -1,34 +1,29 @@
 """Suffix decoding: the suffix trees (insertion, incremental extension, scoring, the adaptive draft
 length, the global tree's bound and eviction), the proposer in the engine (greedy identity with
 speculating and non-speculating rows, chunked prefill, preemption, drafts from finished requests),
-and its configuration."""
+and per-adapter trees of finished outputs."""
 
 from __future__ import annotations
+
+import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
+from helpers.lora_files import write_adapter
 from helpers.spec_decode import SUFFIX
 
 from tachyllm import SamplingParams
-from tachyllm.errors import ConfigError
+from tachyllm.lora.request import LoRARequest
 from tachyllm.runner import kv_cache
 from tachyllm.server.metrics import ServerMetrics
 from tachyllm.spec_decode.suffix import SuffixProposer
-from tachyllm.spec_decode.suffix_tree import GlobalSuffixTree, SuffixNode, SuffixTree
+from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree
 from tachyllm.speculative_config import SpeculativeConfig
 
-
-def shape(node: SuffixNode) -> tuple:
-    """A tree's content, comparable between trees."""
-    return node.count, node.continued, sorted((t, shape(c)) for t, c in node.children.items())
-
-
-def node_at(tree: SuffixTree, path: list[int]) -> SuffixNode:
-    node = tree.root
-    for token in path:
-        node = node.children[token]
-    return node
+# The trees are C++: every test here needs the kernels (tests/test_suffix_config.py does not).
+pytestmark = pytest.mark.native
 
 
 # -- the trees ------------------------------------------------------------------------------------
@@ -37,11 +32,10 @@ def node_at(tree: SuffixTree, path: list[int]) -> SuffixNode:
 def test_insertion_counts_every_substring_up_to_the_depth():
     tree = SuffixTree(max_depth=3)
     tree.extend([1, 2, 1, 2, 3])
-    assert node_at(tree, [1]).count == 2 and node_at(tree, [2]).count == 2
-    assert node_at(tree, [1, 2]).count == 2 and node_at(tree, [1, 2]).continued == 2
-    assert node_at(tree, [1, 2, 1]).count == 1 and node_at(tree, [1, 2, 3]).count == 1
-    assert not node_at(tree, [1, 2, 1]).children  # depth 3: nothing deeper
-    assert 3 not in node_at(tree, [3]).children and node_at(tree, [3]).continued == 0
+    assert tree.lookup([1]) == (2, 2) and tree.lookup([2]) == (2, 2)
+    assert tree.lookup([1, 2]) == (2, 2)
+    assert tree.lookup([1, 2, 1]) == (1, 0) and tree.lookup([1, 2, 3]) == (1, 0)  # depth 3: nothing deeper
+    assert tree.lookup([1, 2, 1, 2]) is None and tree.lookup([3, 3]) is None and tree.lookup([3]) == (1, 0)
     assert tree.num_tokens == 5
     # 1, 2, 3 / 12, 21, 23 / 121, 212, 123
     assert tree.num_nodes == 1 + 3 + 3 + 3
@@ -54,7 +48,7 @@ def test_extending_in_pieces_builds_the_tree_built_at_once():
     pieces = SuffixTree(max_depth=4)
     for start in range(0, len(tokens), 3):
         pieces.extend(tokens[start : start + 3])
-    assert shape(pieces.root) == shape(whole.root) and pieces.num_nodes == whole.num_nodes
+    assert pieces.entries() == whole.entries() and pieces.num_nodes == whole.num_nodes
 
 
 def test_draft_follows_the_most_frequent_continuation_of_the_longest_match():
@@ -68,6 +62,20 @@ def test_draft_follows_the_most_frequent_continuation_of_the_longest_match():
     # "1 2 3 9" is followed by 1 once and 7 once.
     assert candidate.score == pytest.approx(1.0 + 0.5 + 0.5 * sum([1.0] * (len(candidate.token_ids) - 2)))
     assert tree.speculate([42], 8, 2.0, 0.1).token_ids == []  # no match: no draft
+
+
+def test_own_text_draft_is_the_draft_for_its_tail():
+    """speculate_own (the proposer's path: no lookups) gives what speculate gives with the text's
+    last tokens as the context, after every piece appended, as factor and depth vary."""
+    rng = random.Random(7)
+    for depth, factor in ((4, 1.0), (12, 2.0), (24, 0.5)):
+        tree, text = SuffixTree(max_depth=depth), []
+        for _ in range(30):
+            piece = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            tree.extend(piece)
+            text += piece
+            expected = tree.speculate(text[-depth:], 16, factor, 0.05)
+            assert tree.speculate_own(16, factor, 0.05) == expected
 
 
 def test_min_token_prob_stops_an_unlikely_draft():
@@ -96,41 +104,94 @@ def test_draft_length_adapts_to_the_match_length():
 
 def test_global_tree_keeps_the_last_outputs_and_removes_the_oldest():
     outputs = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8, 7, 8], [1, 2, 5, 9]]
-    tree = GlobalSuffixTree(max_depth=4, max_sequences=2)
+    tree = GlobalSuffixTrees(max_depth=4, max_sequences=2)
     for seq_id, output in enumerate(outputs):
         tree.add(seq_id, output)
     assert tree.num_sequences == 2
     # Exactly the tree of the last two outputs, the evicted counts and nodes gone.
-    fresh = GlobalSuffixTree(max_depth=4, max_sequences=2)
+    fresh = GlobalSuffixTrees(max_depth=4, max_sequences=2)
     fresh.add(2, outputs[2]), fresh.add(3, outputs[3])
-    assert shape(tree.tree.root) == shape(fresh.tree.root) and tree.num_nodes == fresh.num_nodes
+    assert tree.trees[None].entries() == fresh.trees[None].entries() and tree.num_nodes == fresh.num_nodes
     assert tree.speculate([1, 2], 4, 2.0, 0.1).token_ids == [5, 9]  # not 3 4 nor 5 6: evicted
     # No substring spans two outputs: 8 is never followed by 1.
-    assert 1 not in node_at(tree.tree, [8]).children
+    assert tree.trees[None].lookup([8, 1]) is None
 
 
 def test_global_tree_size_is_bounded_by_the_cached_outputs():
-    tree = GlobalSuffixTree(max_depth=6, max_sequences=3)
+    tree = GlobalSuffixTrees(max_depth=6, max_sequences=3)
     sizes = []
     for seq_id in range(40):
         tree.add(seq_id, [(seq_id * 7 + i) % 50 for i in range(20)])
         sizes.append(tree.num_nodes)
     assert max(sizes) <= 1 + 3 * 20 * 6
     assert sizes[-1] == sizes[-10]  # steady: every new output replaces an old one of the same size
-    empty = GlobalSuffixTree(max_depth=6, max_sequences=0)
+    empty = GlobalSuffixTrees(max_depth=6, max_sequences=0)
     empty.add(0, [1, 2, 3])
-    assert empty.num_nodes == 1
+    assert empty.num_nodes == 0 and empty.speculate([1, 2], 4, 2.0, 0.1).token_ids == []
+
+
+def test_removal_deletes_emptied_nodes_and_refuses_a_text_never_put_in():
+    tree = SuffixTree(max_depth=4)
+    tree.extend([1, 2, 3])
+    tree.start_text()
+    tree.extend([1, 2, 4])
+    before = tree.entries()
+    with pytest.raises(ValueError, match="never put in"):
+        tree.remove([1, 2, 5])
+    assert tree.entries() == before  # checked before anything changed
+    tree.remove([1, 2, 3])
+    only = SuffixTree(max_depth=4)
+    only.extend([1, 2, 4])
+    assert tree.entries() == only.entries() and tree.num_nodes == only.num_nodes
+    tree.remove([1, 2, 4])
+    assert tree.entries() == [] and tree.num_nodes == 1
+    # Freed nodes are reused: putting the texts in again builds the same tree.
+    tree.start_text()
+    tree.extend([1, 2, 4])
+    assert tree.entries() == only.entries()
+
+
+def test_bad_tree_depth_and_token_ids_are_refused():
+    with pytest.raises(ValueError, match="max_depth must be >= 1"):
+        SuffixTree(max_depth=0)
+    tree = SuffixTree(max_depth=4)
+    for bad in (-1, 2**31):
+        with pytest.raises(ValueError, match="bad token id"):
+            tree.extend([bad])
+    assert tree.num_tokens == 0 and tree.entries() == []
+
+
+def test_a_tie_between_continuations_takes_the_smaller_token():
+    tree = SuffixTree(max_depth=4)
+    tree.extend([1, 9, 0, 1, 5])
+    assert tree.speculate([1], 1, 1.0, 0.0).token_ids == [5]
+    assert tree.speculate([1], 1, 1.0, 0.0).score == pytest.approx(0.5)
+
+
+def test_global_trees_are_kept_apart_by_key_under_one_bound():
+    trees = GlobalSuffixTrees(max_depth=4, max_sequences=3)
+    trees.add(0, [1, 2, 3, 4], key=b"adapter-a")
+    trees.add(1, [1, 2, 7, 8], key=b"")
+    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"adapter-a").token_ids == [3, 4]
+    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"").token_ids == [7, 8]
+    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"adapter-b").token_ids == []
+    trees.add(2, [5, 6], key=b"")
+    trees.add(3, [5, 6], key=b"")  # the fourth output evicts the oldest, adapter a's only one
+    assert trees.num_sequences == 3 and set(trees.trees) == {b""}
+    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"adapter-a").token_ids == []
+    assert trees.num_nodes == trees.trees[b""].num_nodes
 
 
 def test_proposer_prefers_the_better_scored_tree():
     config = SpeculativeConfig.from_dict({**SUFFIX, "suffix_decoding_max_spec_factor": 4.0})
     proposer = SuffixProposer(config)
-    proposer.global_tree.add(0, [3, 4, 5, 6, 7, 8])
-    proposer.global_tree.add(1, [3, 4, 5, 6, 7, 8])
+    proposer.global_trees.add(0, [3, 4, 5, 6, 7, 8], key=b"")
+    proposer.global_trees.add(1, [3, 4, 5, 6, 7, 8], key=b"")
 
     class Seq:  # what the proposer reads of a Sequence
         def __init__(self, seq_id, token_ids):
             self.seq_id, self.token_ids = seq_id, token_ids
+            self.request = SimpleNamespace(lora_digest=b"")
 
     # Its own text followed "3 4" by 9 once and 5 once; the global tree by 5 6 7 8 every time.
     assert proposer.draft(Seq(1, [3, 4, 9, 3, 4, 5, 0, 3, 4]), 8) == [5, 6, 7, 8]
@@ -178,7 +239,7 @@ def test_greedy_output_is_identical_with_suffix_decoding(tiny_model_factory, spe
     assert sum(o.metrics.spec_num_drafts for o in second) < 0.5 * sum(len(e) for e in expected)
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # rejections rolled back too
     # A finished sequence's output joins the global tree at the next step's proposals.
-    global_tree = llm.engine.speculator.proposer.global_tree
+    global_tree = llm.engine.speculator.proposer.global_trees
     assert global_tree.num_sequences >= len(prompts)
     # Its size is a metric, on /metrics as a gauge.
     assert stats.spec_suffix_tree_nodes == global_tree.num_nodes > 1
@@ -241,52 +302,33 @@ def test_greedy_identity_under_preemption(tiny_model_factory):
     proposer = small.engine.speculator.proposer
     assert all(seq.is_finished for seq, _ in proposer._trees.values())
     proposer.release_finished([])
-    assert not proposer._trees and proposer.global_tree.num_sequences == 2 * len(prompts)
+    assert not proposer._trees and proposer.global_trees.num_sequences == 2 * len(prompts)
 
 
-# -- configuration ----------------------------------------------------------------------------------
+# -- adapters ---------------------------------------------------------------------------------------
 
 
-def test_config_takes_vllm_suffix_keys_and_defaults():
-    config = SpeculativeConfig.from_dict('{"method": "suffix"}')
-    assert config.num_speculative_tokens == config.suffix_decoding_max_tree_depth == 24
-    assert (config.suffix_decoding_max_spec_factor, config.suffix_decoding_min_token_prob) == (1.0, 0.1)
-    config = SpeculativeConfig.from_dict(
-        {"method": "suffix", "num_speculative_tokens": 32, "suffix_decoding_max_tree_depth": 64,
-         "suffix_decoding_max_cached_requests": 0, "suffix_decoding_max_spec_factor": 2,
-         "suffix_decoding_min_token_prob": 0}
-    )  # fmt: skip
-    assert config.num_speculative_tokens == 32 and config.suffix_decoding_max_cached_requests == 0
-    assert (
-        SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 64}).num_speculative_tokens
-        == 32
-    )
+def test_an_adapters_outputs_never_seed_another_adapters_drafts(tiny_model_factory, tmp_path):
+    """An adapter scaled down to almost nothing writes what the base model writes, so one shared
+    tree of outputs would draft the base model's answers from the adapter's: the base model's
+    requests draft exactly what they draft on an engine that never ran the adapter, while the
+    adapter's own repeated requests draft from its tree."""
+    path = tiny_model_factory("llama")
+    adapter = LoRARequest("faint", 1, str(write_adapter(tmp_path / "faint", path, ["q_proj"], alpha=1e-6, seed=1)))
+    prompts = repetitive_prompts(5, 4)
+    params = SamplingParams(max_tokens=32, **GREEDY)
+    options = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8, "speculative_config": SUFFIX}
 
+    def base_wave(llm) -> tuple[list[list[int]], list[int]]:
+        outs = run(llm, prompts, params, prefix="base")
+        return token_ids(outs), [o.metrics.spec_num_draft_tokens for o in outs]
 
-@pytest.mark.parametrize(
-    "options, message",
-    [
-        ({"num_speculative_tokens": 33}, r"num_speculative_tokens must be an integer in \[1, 32\]"),
-        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
-        ({"suffix_decoding_max_tree_depth": 1}, "suffix_decoding_max_tree_depth must be an integer >= 2"),
-        ({"suffix_decoding_max_tree_depth": "24"}, "suffix_decoding_max_tree_depth"),
-        ({"suffix_decoding_max_cached_requests": -1}, "suffix_decoding_max_cached_requests"),
-        ({"suffix_decoding_max_cached_requests": 1.5}, "suffix_decoding_max_cached_requests"),
-        ({"suffix_decoding_max_spec_factor": 0}, "suffix_decoding_max_spec_factor must be a number > 0"),
-        ({"suffix_decoding_max_spec_factor": float("inf")}, "suffix_decoding_max_spec_factor"),
-        ({"suffix_decoding_min_token_prob": 1.5}, r"suffix_decoding_min_token_prob must be a number in \[0, 1\]"),
-        ({"suffix_decoding_min_token_prob": True}, "suffix_decoding_min_token_prob"),
-        ({"model": "x"}, "method 'suffix' takes no 'model'"),
-        ({"suffix_decoding_max_depth": 3}, "unknown key"),
-    ],
-)
-def test_config_rejects_bad_suffix_values(options, message):
-    with pytest.raises(ConfigError, match=message):
-        SpeculativeConfig.from_dict({"method": "suffix", **options})
-
-
-def test_bad_suffix_config_is_refused_at_engine_start(tiny_model_factory):
-    with pytest.raises(ConfigError, match="suffix_decoding_min_token_prob"):
-        tiny_llm(
-            tiny_model_factory("llama"), speculative_config={"method": "suffix", "suffix_decoding_min_token_prob": -1}
-        )
+    alone = base_wave(tiny_llm(path, **options))
+    llm = tiny_llm(path, **options)
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=adapter)
+    assert token_ids(first) == alone[0]  # the same text: a shared tree would draft it
+    assert base_wave(llm) == alone
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=adapter)
+    assert sum(o.metrics.spec_num_accepted_tokens for o in again) > sum(alone[1])
+    trees = llm.engine.speculator.proposer.global_trees
+    assert len(trees.trees) == 2 and b"" in trees.trees  # the base model's and the adapter's

@@ -120,7 +120,7 @@ class Speculator:
     @property
     def suffix_tree_nodes(self) -> int:
         """The size of suffix decoding's tree of finished outputs (0 for other methods)."""
-        return self.proposer.global_tree.num_nodes if isinstance(self.proposer, SuffixProposer) else 0
+        return self.proposer.global_trees.num_nodes if isinstance(self.proposer, SuffixProposer) else 0
 
     def observe(self, batch: StepBatch, result: StepResult, seconds: float) -> None:
         """Feeds the step's draft forwards and verifications to the controller (the step's own time

@@ -1,24 +1,31 @@
 """Suffix decoding (arXiv 2411.04975; vLLM's "suffix" method): drafts from suffix trees over the
 sequence's own prompt and output and over the outputs of recently finished sequences, whichever
 candidate scores higher. No model runs: a proposal is a walk down a tree, and its length adapts
-to how long the match behind it is."""
+to how long the match behind it is.
+
+The tree of finished outputs is per engine (so per model) and per LoRA adapter, keyed by the
+adapter's content digest: a request's drafts come only from its own text and from outputs of
+requests that ran with the same weights. Drafts only propose; verification against the model
+decides every emitted token, so another request's text can reach an output only where the model
+itself would have produced it."""
 
 from __future__ import annotations
 
 from tachyllm.core.sequence import Sequence
 from tachyllm.spec_decode.proposer import Draft, Proposer
-from tachyllm.spec_decode.suffix_tree import GlobalSuffixTree, SuffixTree
+from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree, require_native_trees
 from tachyllm.speculative_config import SpeculativeConfig
 
 
 class SuffixProposer(Proposer):
     def __init__(self, config: SpeculativeConfig):
+        require_native_trees()  # refused at engine start, not at the first proposal
         self.max_depth = config.suffix_decoding_max_tree_depth
         self.max_spec_factor = config.suffix_decoding_max_spec_factor
         self.min_token_prob = config.suffix_decoding_min_token_prob
         # Outputs only: drafts from them merely propose, verification decides what is emitted, so
-        # one request's text never reaches another's output through this tree.
-        self.global_tree = GlobalSuffixTree(self.max_depth, config.suffix_decoding_max_cached_requests)
+        # one request's text never reaches another's output through these trees.
+        self.global_trees = GlobalSuffixTrees(self.max_depth, config.suffix_decoding_max_cached_requests)
         # Each sequence's tree and the sequence it follows; kept while the sequence is preempted,
         # since its tokens stay the same and only its KV is recomputed.
         self._trees: dict[int, tuple[Sequence, SuffixTree]] = {}
@@ -29,8 +36,10 @@ class SuffixProposer(Proposer):
     def draft(self, seq: Sequence, k: int) -> list[int]:
         tree = self._tree(seq)
         context = seq.token_ids[-self.max_depth :]
-        own = tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
-        shared = self.global_tree.speculate(context, k, self.max_spec_factor, self.min_token_prob)
+        own = tree.speculate_own(k, self.max_spec_factor, self.min_token_prob)
+        shared = self.global_trees.speculate(
+            context, k, self.max_spec_factor, self.min_token_prob, key=seq.request.lora_digest
+        )
         return (own if own.score >= shared.score else shared).token_ids
 
     def _tree(self, seq: Sequence) -> SuffixTree:
@@ -48,4 +57,4 @@ class SuffixProposer(Proposer):
         for seq_id, (seq, _) in list(self._trees.items()):
             if seq_id not in live and seq.is_finished:
                 del self._trees[seq_id]
-                self.global_tree.add(seq_id, seq.output_token_ids)
+                self.global_trees.add(seq_id, seq.output_token_ids, key=seq.request.lora_digest)

@@ -1,25 +1,26 @@
 """Suffix trees for suffix decoding (arXiv 2411.04975): every substring of at most max_depth
 tokens of the text put in, as a trie whose nodes count their occurrences. A draft follows a
-suffix of the context found in a tree, then the most frequent continuation token by token; every
-suffix length is tried and the draft with the most expected accepted tokens is taken.
+suffix of the context found in a tree, then the most frequent continuation token by token (the
+smallest token id on a tie); every suffix length is tried and the draft with the most expected
+accepted tokens is taken.
 
-`SuffixTree` is one request's prompt and output, extended as tokens are accepted: appending a
-token extends the at most max_depth suffixes that end at the previous token, O(max_depth) work,
-never a rebuild. `GlobalSuffixTree` holds the outputs of the last N finished sequences and
-removes the oldest one's counts when a newer one comes in, which bounds its size.
+The trees are C++ (kernels/csrc/suffix_tree.cpp): a proposal walks up to max_depth suffixes of
+every decoding row each step, which costs tens of microseconds per row in Python. This module is
+their face: `SuffixTree` is one token stream (a request's prompt and output, extended in place as
+tokens are accepted, never rebuilt), `GlobalSuffixTrees` the outputs of the last N finished
+sequences, one tree per adapter, the oldest output's counts removed when a newer one comes in. Where
+the C++ kernels are unavailable the suffix method is refused when the engine starts.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
 
-
-@dataclass(slots=True)  # slots: a tree holds up to max_depth nodes per token put in
-class SuffixNode:
-    count: int = 0  # occurrences of the path from the root to here
-    continued: int = 0  # of those, how many are followed by another token (the children's counts)
-    children: dict[int, SuffixNode] = field(default_factory=dict)
+from tachyllm.errors import ConfigError
+from tachyllm.kernels.native import native_ops
 
 
 @dataclass
@@ -35,64 +36,47 @@ class Candidate:
 NO_CANDIDATE = Candidate([], 0, 0.0)
 
 
+def require_native_trees() -> Any:
+    """The C++ kernels module that holds the trees; ConfigError where it could not be built."""
+    ops = native_ops()
+    if ops is None:
+        raise ConfigError(
+            "speculative_config: method 'suffix' needs tachyllm's C++ kernels (its suffix trees), which are"
+            " unavailable here (no C++ compiler, or TACHY_NATIVE=0; see the warning above)"
+        )
+    return ops
+
+
 class SuffixTree:
     """One token stream's substrings of up to max_depth tokens, appended to in place."""
 
     def __init__(self, max_depth: int):
-        self.max_depth = max_depth
-        self.root = SuffixNode()
-        self.num_nodes = 1
-        self.num_tokens = 0
-        # The nodes of the suffixes of the text so far that are shorter than max_depth (the ones
-        # the next token extends), longest first.
-        self._open: list[SuffixNode] = []
+        self._tree = require_native_trees().SuffixTree(max_depth)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self._tree.max_depth)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self._tree.num_nodes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens put in, over every text."""
+        return int(self._tree.num_tokens)
 
     def start_text(self) -> None:
         """Begins another text in the same tree: no substring spans the texts' boundary."""
-        self._open = []
+        self._tree.start_text()
 
     def extend(self, token_ids: list[int]) -> None:
-        for token in token_ids:
-            extended = []
-            for node in [*self._open, self.root]:
-                child = node.children.get(token)
-                if child is None:
-                    child = node.children[token] = SuffixNode()
-                    self.num_nodes += 1
-                child.count += 1
-                node.continued += 1
-                extended.append(child)
-            self.num_tokens += 1
-            # Suffixes that reached max_depth are extended no further.
-            self._open = extended[-(self.max_depth - 1) :] if self.max_depth > 1 else []
+        self._tree.extend(token_ids)
 
     def remove(self, token_ids: list[int]) -> None:
-        """Takes away the counts that extend(token_ids) added as a text of its own; nodes left
-        with no occurrences are deleted."""
-        for start in range(len(token_ids)):
-            node = self.root
-            for token in token_ids[start : start + self.max_depth]:
-                child = node.children[token]
-                child.count -= 1
-                node.continued -= 1
-                if child.count == 0:
-                    self.num_nodes -= self._subtree_size(child)
-                    del node.children[token]
-                    break
-                node = child
-
-    def _subtree_size(self, node: SuffixNode) -> int:
-        return 1 + sum(self._subtree_size(c) for c in node.children.values())
-
-    def _find(self, tokens: list[int]) -> SuffixNode | None:
-        """The node that `tokens` lead to from the root, or None where the tree does not hold them."""
-        node = self.root
-        for token in tokens:
-            child = node.children.get(token)
-            if child is None:
-                return None
-            node = child
-        return node
+        """Takes away the counts that extend(token_ids) added as a text of its own; nodes left with
+        no occurrences are deleted. ValueError (the tree unchanged) for a text never put in."""
+        self._tree.remove(token_ids)
 
     def speculate(
         self, context: list[int], max_tokens: int, max_spec_factor: float, min_token_prob: float
@@ -104,49 +88,53 @@ class SuffixTree:
         adaptive length: a long match is evidence that the text repeats) and within the tree's
         depth. A long match leaves few levels to draft from, a short one is weaker evidence: the
         score settles it (the longer match on a tie)."""
-        best = NO_CANDIDATE
-        for length in range(1, min(self.max_depth - 1, len(context)) + 1):
-            node = self._find(context[len(context) - length :])
-            if node is None:
-                break  # a longer suffix contains this one, so it is not in the tree either
-            limit = min(max_tokens, int(max_spec_factor * length))
-            candidate = self._follow(node, length, limit, min_token_prob)
-            if candidate.token_ids and candidate.score >= best.score:
-                best = candidate
-        return best
+        token_ids, match_length, score = self._tree.speculate(context, max_tokens, max_spec_factor, min_token_prob)
+        return Candidate(token_ids, match_length, score)
 
-    @staticmethod
-    def _follow(node: SuffixNode, match_length: int, limit: int, min_token_prob: float) -> Candidate:
-        draft: list[int] = []
-        reach, score = 1.0, 0.0
-        while len(draft) < limit and node.continued:
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
-            reach *= child.count / node.continued
-            if reach < min_token_prob:
-                break
-            draft.append(token)
-            score += reach
-            node = child
-        return Candidate(draft, match_length, score)
+    def speculate_own(self, max_tokens: int, max_spec_factor: float, min_token_prob: float) -> Candidate:
+        """speculate() with the tree's own text (since start_text) as the context, without walking
+        the tree: the nodes of the text's suffixes are kept for the next token to extend. A row's
+        walks over its own tree, large and cold in cache, were most of a step's proposal cost."""
+        token_ids, match_length, score = self._tree.speculate_own(max_tokens, max_spec_factor, min_token_prob)
+        return Candidate(token_ids, match_length, score)
+
+    def lookup(self, path: list[int]) -> tuple[int, int] | None:
+        """(occurrences, occurrences followed by another token) of path, None where it is absent."""
+        found = self._tree.lookup(path)
+        return None if found is None else (int(found[0]), int(found[1]))
+
+    def entries(self) -> list[tuple[list[int], int, int]]:
+        """Every node but the root as (path, count, continued), in path order: the whole content."""
+        return [(list(path), int(count), int(continued)) for path, count, continued in self._tree.entries()]
 
 
-class GlobalSuffixTree:
-    """The outputs of the last max_sequences finished sequences in one tree."""
+class GlobalSuffixTrees:
+    """The outputs of the last max_sequences finished sequences, in one tree per key (the adapter a
+    sequence ran with: one adapter's outputs never draft for another's requests). The bound is over
+    all keys together, the oldest output removed first, so memory stays bounded however many
+    adapters come and go."""
 
     def __init__(self, max_depth: int, max_sequences: int):
-        self.tree = SuffixTree(max_depth)
+        self.max_depth = max_depth
         self.max_sequences = max_sequences
-        self._outputs: OrderedDict[int, list[int]] = OrderedDict()
+        self.trees: dict[Hashable, SuffixTree] = {}
+        self._outputs: OrderedDict[tuple[Hashable, int], list[int]] = OrderedDict()
 
-    def add(self, seq_id: int, output_token_ids: list[int]) -> None:
+    def add(self, seq_id: int, output_token_ids: list[int], key: Hashable = None) -> None:
         if not output_token_ids or self.max_sequences == 0:
             return
         while len(self._outputs) >= self.max_sequences:
-            _, oldest = self._outputs.popitem(last=False)
-            self.tree.remove(oldest)
-        self._outputs[seq_id] = list(output_token_ids)
-        self.tree.start_text()
-        self.tree.extend(self._outputs[seq_id])
+            (oldest_key, _), oldest = self._outputs.popitem(last=False)
+            oldest_tree = self.trees[oldest_key]
+            oldest_tree.remove(oldest)
+            if oldest_tree.num_nodes == 1:
+                del self.trees[oldest_key]  # an adapter with no outputs left keeps no tree
+        tree = self.trees.get(key)
+        if tree is None:
+            tree = self.trees[key] = SuffixTree(self.max_depth)
+        self._outputs[key, seq_id] = list(output_token_ids)
+        tree.start_text()
+        tree.extend(output_token_ids)
 
     @property
     def num_sequences(self) -> int:
@@ -154,9 +142,18 @@ class GlobalSuffixTree:
 
     @property
     def num_nodes(self) -> int:
-        return self.tree.num_nodes
+        """Nodes over every key's tree (each counts its root): the size gauge."""
+        return sum(tree.num_nodes for tree in self.trees.values())
 
     def speculate(
-        self, context: list[int], max_tokens: int, max_spec_factor: float, min_token_prob: float
+        self,
+        context: list[int],
+        max_tokens: int,
+        max_spec_factor: float,
+        min_token_prob: float,
+        key: Hashable = None,
     ) -> Candidate:
-        return self.tree.speculate(context, max_tokens, max_spec_factor, min_token_prob)
+        tree = self.trees.get(key)
+        if tree is None:
+            return NO_CANDIDATE
+        return tree.speculate(context, max_tokens, max_spec_factor, min_token_prob)

@@ -24,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_bf16_gemv(m);
   register_decode_layer(m);
   register_shm_allreduce(m);
+  register_suffix_tree(m);
 }

@@ -42,3 +42,6 @@ void register_decode_layer(pybind11::module_& m);
 
 // shm_allreduce.cpp
 void register_shm_allreduce(pybind11::module_& m);
+
+// suffix_tree.cpp: suffix decoding's trees (a class, SuffixTree)
+void register_suffix_tree(pybind11::module_& m);
