@@ -1,0 +1,223 @@
+// LoRA adapters of one step on one wrapped linear (tachyllm/lora/layers.py), in segment form: the
+// step's rows grouped by adapter, each adapter's A and B read once for all its rows.
+//
+// For one segment (the rows of one adapter) with A [R, in] (the stacked A of the projections that
+// share the input: q/k/v, gate/up) and, per projection, scale * B transposed [r, cols]:
+//   shrink  s[m, j] = x[m] . A[j]                     (fp32, for every row m and rank j < R)
+//   expand  out[m, c] = round(out[m, c] + sum_j s[m, r0 + j] * Bt[j, c])   over the projection's ranks
+// Both in fp32 whatever the activations (bf16 or fp32); out is rounded once, as the PyTorch path
+// rounds. Each output is summed in one order fixed by the build (dot products: 16 fp32 lanes, then
+// the lanes; expands: ranks in order), whatever the other rows of the call and the threads: a row's
+// result does not depend on the batch (batch invariance, docs/determinism.md).
+//
+// The rows' shrunk vectors are small ([rows, R] fp32); the shrink's threads take rows (or, for one row,
+// ranks), the expand's take column ranges, so one decode row still spreads over the threads. AVX-512 where the build
+// has it; a scalar loop of the same order elsewhere.
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "lora.h"
+#include "ops.h"
+#include "vec_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+// The least columns of an expand and ranks of a one-row shrink a thread takes, so that the default
+// model's smallest ones (576 columns, 16 ranks) still go to two threads (not tuned).
+constexpr int64_t kExpandGrain = 256;
+constexpr int64_t kShrinkGrain = 8;
+
+template <typename T>
+inline float to_float(T v) {
+  return static_cast<float>(v);
+}
+
+// One row of activations widened to fp32.
+template <typename T>
+void widen(float* dst, const T* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// Rounded to nearest even as c10::BFloat16 does (NaN kept as a quiet NaN).
+inline void store16(bf16* p, __m512 v, __mmask16 m) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lowest_kept, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rounded));
+}
+#endif
+
+// out[row, c0 + c] for c in [begin, end) += shrunk . Bt[:, c] over `rank` ranks.
+template <typename T>
+void expand_row(T* out_row, const float* shrunk, const float* bt, int64_t cols, int64_t rank, int64_t begin,
+                int64_t end) {
+  int64_t c = begin;
+#if defined(__AVX512F__)
+  for (; c < end; c += 16) {
+    const __mmask16 m = end - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - c)) - 1);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < rank; ++j)
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[j]), _mm512_maskz_loadu_ps(m, bt + j * cols + c), acc);
+    store16(out_row + c, _mm512_add_ps(load16(out_row + c, m), acc), m);
+  }
+#endif
+  for (; c < end; ++c) {
+    float acc = 0;
+    for (int64_t j = 0; j < rank; ++j) acc = std::fma(shrunk[j], bt[j * cols + c], acc);
+    out_row[c] = static_cast<T>(to_float(out_row[c]) + acc);
+  }
+}
+
+template <typename T>
+void apply_segment(T* out, int64_t out_stride, const T* x, int64_t x_stride, const int64_t* rows, int64_t num_rows,
+                   const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout) {
+  const int64_t in = a.size(1), total_rank = a.size(0);
+  const float* a_data = a.data_ptr<float>();
+  const float* bt_data = bt.data_ptr<float>();
+  const int64_t* lay = layout.data_ptr<int64_t>();
+  const int64_t parts = layout.size(0);
+  auto row_of = [&](int64_t m) { return rows ? rows[m] : m; };
+
+  // The shrink: a thread takes rows (each widened to fp32 once, A staying in cache), or for one row
+  // ranks; every s[m, j] is the same dot product either way.
+  std::vector<float> shrunk(num_rows * total_rank);
+  if (num_rows == 1) {
+    std::vector<float> xs(in);
+    widen(xs.data(), x + row_of(0) * x_stride, in);
+    at::parallel_for(0, total_rank, kShrinkGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) shrunk[j] = dot(xs.data(), a_data + j * in, in);
+    });
+  } else {
+    at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xs(in);
+      for (int64_t m = begin; m < end; ++m) {
+        widen(xs.data(), x + row_of(m) * x_stride, in);
+        for (int64_t j = 0; j < total_rank; ++j) shrunk[m * total_rank + j] = dot(xs.data(), a_data + j * in, in);
+      }
+    });
+  }
+  // Each projection's expand into its own columns; its scale * B^T follows the previous one's in bt.
+  int64_t bt_offset = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    const int64_t col0 = lay[4 * p], cols = lay[4 * p + 1], rank0 = lay[4 * p + 2], rank = lay[4 * p + 3];
+    const float* proj_bt = bt_data + bt_offset;
+    at::parallel_for(0, cols, kExpandGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t m = 0; m < num_rows; ++m)
+        expand_row(out + row_of(m) * out_stride + col0, shrunk.data() + m * total_rank + rank0, proj_bt, cols, rank,
+                   begin, end);
+    });
+    bt_offset += rank * cols;
+  }
+}
+
+}  // namespace
+
+void LoRAStep::set(const c10::optional<torch::Tensor>& rows_, const std::vector<int64_t>& offsets_,
+                   const std::vector<int64_t>& slots_) {
+  TORCH_CHECK(offsets_.size() == (slots_.empty() ? 0 : slots_.size() + 1), "offsets must be one more than slots");
+  for (size_t i = 0; i + 1 < offsets_.size(); ++i)
+    TORCH_CHECK(offsets_[i] >= 0 && offsets_[i] <= offsets_[i + 1], "offsets must be ascending from 0");
+  if (rows_) {
+    TORCH_CHECK(rows_->scalar_type() == at::kLong && rows_->dim() == 1 && rows_->is_contiguous(),
+                "rows must be contiguous int64");
+    TORCH_CHECK(!offsets_.empty() && rows_->numel() == offsets_.back(), "the offsets must end at the number of rows");
+  } else {
+    TORCH_CHECK(slots_.size() <= 1 && (slots_.empty() || offsets_[0] == 0),
+                "without rows, one segment holds every row");
+  }
+  rows = rows_;
+  offsets = offsets_;
+  slots = slots_;
+}
+
+void LoRASlots::set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout) {
+  TORCH_CHECK(slot >= 0, "a slot is a non-negative index");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(),
+              "A must be contiguous fp32 [ranks, in]");
+  TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.dim() == 1 && bt.is_contiguous(), "Bt must be contiguous flat fp32");
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 4 && layout.is_contiguous(),
+              "a layout is int64 [projections, 4]");
+  const int64_t* lay = layout.data_ptr<int64_t>();
+  int64_t bt_size = 0;
+  for (int64_t p = 0; p < layout.size(0); ++p) {
+    TORCH_CHECK(lay[4 * p] >= 0 && lay[4 * p + 1] >= 0, "a projection's columns must be non-negative");
+    TORCH_CHECK(lay[4 * p + 2] >= 0 && lay[4 * p + 3] >= 0 && lay[4 * p + 2] + lay[4 * p + 3] <= a.size(0),
+                "a projection's ranks exceed A");
+    bt_size += lay[4 * p + 1] * lay[4 * p + 3];
+  }
+  TORCH_CHECK(bt.numel() == bt_size, "Bt must hold each projection's [rank, columns] in turn");
+  if (static_cast<int64_t>(slots_.size()) <= slot) slots_.resize(slot + 1);
+  slots_[slot] = Weights{a, bt, layout};
+}
+
+void LoRASlots::clear(int64_t slot) {
+  if (slot >= 0 && slot < static_cast<int64_t>(slots_.size())) slots_[slot] = c10::nullopt;
+}
+
+void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep& step) const {
+  RECORD_FUNCTION("native::lora_apply", std::vector<c10::IValue>());
+  if (step.slots.empty()) return;
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x [rows, in] and out [rows, out] expected");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must have one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "LoRA activations must be bf16 or fp32, got ", x.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
+  const int64_t* row_index = step.rows ? step.rows->data_ptr<int64_t>() : nullptr;
+  if (row_index) {
+    for (int64_t m = 0; m < step.rows->numel(); ++m)
+      TORCH_CHECK(row_index[m] >= 0 && row_index[m] < x.size(0), "a row index is out of range");
+  } else {
+    TORCH_CHECK(step.offsets[1] == x.size(0), "the step's one segment must hold every row");
+  }
+  for (size_t s = 0; s < step.slots.size(); ++s) {
+    const int64_t slot = step.slots[s], begin = step.offsets[s], count = step.offsets[s + 1] - begin;
+    if (count == 0 || slot < 0 || slot >= static_cast<int64_t>(slots_.size()) || !slots_[slot]) continue;
+    const Weights& w = *slots_[slot];
+    TORCH_CHECK(w.a.size(1) == x.size(1), "the adapter's A has ", w.a.size(1), " input features, x ", x.size(1));
+    const int64_t* lay = w.layout.data_ptr<int64_t>();
+    for (int64_t p = 0; p < w.layout.size(0); ++p)
+      TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out.size(1), "a projection's columns exceed out");
+    const int64_t* seg_rows = row_index ? row_index + begin : nullptr;
+    if (x.scalar_type() == at::kBFloat16) {
+      apply_segment(out.data_ptr<bf16>(), out.stride(0), x.data_ptr<bf16>(), x.stride(0), seg_rows, count, w.a, w.bt,
+                    w.layout);
+    } else {
+      apply_segment(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), seg_rows, count, w.a, w.bt,
+                    w.layout);
+    }
+  }
+}
+
+void register_lora(pybind11::module_& m) {
+  pybind11::class_<LoRAStep, std::shared_ptr<LoRAStep>>(m, "LoRAStep", "the step's rows grouped by adapter slot")
+      .def(pybind11::init<>())
+      .def("set", &LoRAStep::set, pybind11::arg("rows"), pybind11::arg("offsets"), pybind11::arg("slots"));
+  pybind11::class_<LoRASlots, std::shared_ptr<LoRASlots>>(m, "LoRASlots", "the adapters loaded into one linear")
+      .def(pybind11::init<>())
+      .def("set", &LoRASlots::set, pybind11::arg("slot"), pybind11::arg("a"), pybind11::arg("bt"),
+           pybind11::arg("layout"))
+      .def("clear", &LoRASlots::clear, pybind11::arg("slot"))
+      .def("apply", &LoRASlots::apply,
+           "out[rows] += scale * (x[rows] A^T) B^T per adapter segment of the step, in place (fp32 accumulation)",
+           pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("step"), ReleaseGil());
+}
