@@ -163,6 +163,7 @@ def main() -> None:
             if "offline" not in args.skip:
                 results["base N"].append(offline(base, batch, None))
                 results["lora N"].append(offline(lora, batch, mixed))
+            print(f"{name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items() if v), flush=True)
         rows.append((name, results))
         if args.profile:
             slots = [lora.engine.lora.loaded[a].slot for a in adapters]

@@ -51,11 +51,12 @@ class LoRAManager:
         shapes = projection_shapes(cfg)
         self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
         for layer, wrappers in zip(model.layers, self.layers):
-            if layer.fused is None:
+            fused = getattr(layer, "fused", None)  # the backend's fused form of the layer (models/llama.py)
+            if fused is None:
                 continue
-            set_lora = getattr(layer.fused, "set_lora", None)
+            set_lora = getattr(fused, "set_lora", None)
             if self.segments.native is None or set_lora is None:
-                layer.fused = None  # it would bypass the wrapped linears
+                setattr(layer, "fused", None)  # it would bypass the wrapped linears
                 continue
             set_lora(self.segments.native, *(wrappers[p].native for p in FUSED_ORDER))
         # By the whole LoRARequest (name, id, path): a request that differs in any of them is another

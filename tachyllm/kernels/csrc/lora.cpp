@@ -11,12 +11,14 @@
 // result does not depend on the batch (batch invariance, docs/determinism.md).
 //
 // The rows' shrunk vectors are small ([rows, R] fp32); the shrink's threads take rows (or, for one row,
-// ranks), the expand's take column ranges, so one decode row still spreads over the threads. AVX-512 where the build
+// ranks), the expand's take column ranges, so one decode row still spreads over the threads; all the
+// segments of a call share those two parallel regions. AVX-512 where the build
 // has it; a scalar loop of the same order elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -88,46 +90,64 @@ void expand_row(T* out_row, const float* shrunk, const float* bt, int64_t cols, 
   }
 }
 
+// One segment of a call: its rows (None: the call's rows 0..count) and its adapter's weights.
+struct Segment {
+  const int64_t* rows;
+  int64_t count;
+  int64_t first;  // its first row among the call's segments' rows, in order (its rows of `shrunk`)
+  const float* a;
+  int64_t ranks;
+  const float* bt;
+  const int64_t* layout;
+  int64_t parts;
+};
+
+// Every segment of the call in two parallel regions (a region costs a thread wake-up, which a decode
+// step pays per linear): the shrink of every row, then the expand of every column range.
 template <typename T>
-void apply_segment(T* out, int64_t out_stride, const T* x, int64_t x_stride, const int64_t* rows, int64_t num_rows,
-                   const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout) {
-  const int64_t in = a.size(1), total_rank = a.size(0);
-  const float* a_data = a.data_ptr<float>();
-  const float* bt_data = bt.data_ptr<float>();
-  const int64_t* lay = layout.data_ptr<int64_t>();
-  const int64_t parts = layout.size(0);
-  auto row_of = [&](int64_t m) { return rows ? rows[m] : m; };
+void apply_segments(T* out, int64_t out_stride, int64_t out_cols, const T* x, int64_t x_stride, int64_t in,
+                    const std::vector<Segment>& segments, int64_t total_rows, int64_t max_ranks) {
+  std::vector<float> shrunk(total_rows * max_ranks);
+  std::vector<int64_t> segment_of(total_rows);
+  for (size_t s = 0; s < segments.size(); ++s)
+    for (int64_t m = 0; m < segments[s].count; ++m) segment_of[segments[s].first + m] = static_cast<int64_t>(s);
+  auto row_of = [&](const Segment& seg, int64_t m) { return seg.rows ? seg.rows[m] : m; };
 
   // The shrink: a thread takes rows (each widened to fp32 once, A staying in cache), or for one row
   // ranks; every s[m, j] is the same dot product either way.
-  std::vector<float> shrunk(num_rows * total_rank);
-  if (num_rows == 1) {
+  if (total_rows == 1) {
+    const Segment& seg = segments[0];
     std::vector<float> xs(in);
-    widen(xs.data(), x + row_of(0) * x_stride, in);
-    at::parallel_for(0, total_rank, kShrinkGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) shrunk[j] = dot(xs.data(), a_data + j * in, in);
+    widen(xs.data(), x + row_of(seg, 0) * x_stride, in);
+    at::parallel_for(0, seg.ranks, kShrinkGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) shrunk[j] = dot(xs.data(), seg.a + j * in, in);
     });
   } else {
-    at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, total_rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> xs(in);
-      for (int64_t m = begin; m < end; ++m) {
-        widen(xs.data(), x + row_of(m) * x_stride, in);
-        for (int64_t j = 0; j < total_rank; ++j) shrunk[m * total_rank + j] = dot(xs.data(), a_data + j * in, in);
+      for (int64_t g = begin; g < end; ++g) {
+        const Segment& seg = segments[segment_of[g]];
+        widen(xs.data(), x + row_of(seg, g - seg.first) * x_stride, in);
+        for (int64_t j = 0; j < seg.ranks; ++j) shrunk[g * max_ranks + j] = dot(xs.data(), seg.a + j * in, in);
       }
     });
   }
-  // Each projection's expand into its own columns; its scale * B^T follows the previous one's in bt.
-  int64_t bt_offset = 0;
-  for (int64_t p = 0; p < parts; ++p) {
-    const int64_t col0 = lay[4 * p], cols = lay[4 * p + 1], rank0 = lay[4 * p + 2], rank = lay[4 * p + 3];
-    const float* proj_bt = bt_data + bt_offset;
-    at::parallel_for(0, cols, kExpandGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t m = 0; m < num_rows; ++m)
-        expand_row(out + row_of(m) * out_stride + col0, shrunk.data() + m * total_rank + rank0, proj_bt, cols, rank,
-                   begin, end);
-    });
-    bt_offset += rank * cols;
-  }
+  // The expand: a thread takes a range of output columns, for every segment's projections there; each
+  // projection's scale * B^T follows the previous one's in bt.
+  at::parallel_for(0, out_cols, kExpandGrain, [&](int64_t begin, int64_t end) {
+    for (const Segment& seg : segments) {
+      int64_t bt_offset = 0;
+      for (int64_t p = 0; p < seg.parts; ++p) {
+        const int64_t* lay = seg.layout + 4 * p;
+        const int64_t col0 = lay[0], cols = lay[1], rank0 = lay[2], rank = lay[3];
+        const int64_t from = std::max(begin, col0), to = std::min(end, col0 + cols);
+        for (int64_t m = 0; from < to && m < seg.count; ++m)
+          expand_row(out + row_of(seg, m) * out_stride + col0, shrunk.data() + (seg.first + m) * max_ranks + rank0,
+                     seg.bt + bt_offset, cols, rank, from - col0, to - col0);
+        bt_offset += rank * cols;
+      }
+    }
+  });
 }
 
 }  // namespace
@@ -189,6 +209,8 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
   } else {
     TORCH_CHECK(step.offsets[1] == x.size(0), "the step's one segment must hold every row");
   }
+  std::vector<Segment> segments;
+  int64_t total_rows = 0, max_ranks = 0;
   for (size_t s = 0; s < step.slots.size(); ++s) {
     const int64_t slot = step.slots[s], begin = step.offsets[s], count = step.offsets[s + 1] - begin;
     if (count == 0 || slot < 0 || slot >= static_cast<int64_t>(slots_.size()) || !slots_[slot]) continue;
@@ -197,14 +219,18 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
     const int64_t* lay = w.layout.data_ptr<int64_t>();
     for (int64_t p = 0; p < w.layout.size(0); ++p)
       TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out.size(1), "a projection's columns exceed out");
-    const int64_t* seg_rows = row_index ? row_index + begin : nullptr;
-    if (x.scalar_type() == at::kBFloat16) {
-      apply_segment(out.data_ptr<bf16>(), out.stride(0), x.data_ptr<bf16>(), x.stride(0), seg_rows, count, w.a, w.bt,
-                    w.layout);
-    } else {
-      apply_segment(out.data_ptr<float>(), out.stride(0), x.data_ptr<float>(), x.stride(0), seg_rows, count, w.a, w.bt,
-                    w.layout);
-    }
+    segments.push_back(Segment{row_index ? row_index + begin : nullptr, count, total_rows, w.a.data_ptr<float>(),
+                               w.a.size(0), w.bt.data_ptr<float>(), lay, w.layout.size(0)});
+    total_rows += count;
+    max_ranks = std::max(max_ranks, w.a.size(0));
+  }
+  if (segments.empty()) return;
+  if (x.scalar_type() == at::kBFloat16) {
+    apply_segments(out.data_ptr<bf16>(), out.stride(0), out.size(1), x.data_ptr<bf16>(), x.stride(0), x.size(1),
+                   segments, total_rows, max_ranks);
+  } else {
+    apply_segments(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0), x.size(1),
+                   segments, total_rows, max_ranks);
   }
 }
 
