@@ -69,26 +69,35 @@ inline void store16(bf16* p, __m512 v, __mmask16 m) {
 }
 #endif
 
-// out[row, c0 + c] for c in [begin, end) += shrunk . Bt[:, c] over `rank` ranks.
-template <typename T>
-void expand_row(T* out_row, const float* shrunk, const float* bt, int64_t cols, int64_t rank, int64_t begin,
-                int64_t end) {
+// out[rows[i], c0 + c] for c in [begin, end) += shrunk[i] . Bt[:, c] over `rank` ranks, for R rows
+// at once: each load of Bt serves every row, and each row's sum runs over the ranks in order from
+// zero, as it would alone (R = 1), so the bits do not depend on the tile.
+template <int R, typename T>
+void expand_rows(T* const* out_rows, const float* const* shrunk, const float* bt, int64_t cols, int64_t rank,
+                 int64_t begin, int64_t end) {
   int64_t c = begin;
 #if defined(__AVX512F__)
   for (; c < end; c += 16) {
     const __mmask16 m = end - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - c)) - 1);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < rank; ++j)
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[j]), _mm512_maskz_loadu_ps(m, bt + j * cols + c), acc);
-    store16(out_row + c, _mm512_add_ps(load16(out_row + c, m), acc), m);
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < rank; ++j) {
+      const __m512 b = _mm512_maskz_loadu_ps(m, bt + j * cols + c);
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[i][j]), b, acc[i]);
+    }
+    for (int i = 0; i < R; ++i) store16(out_rows[i] + c, _mm512_add_ps(load16(out_rows[i] + c, m), acc[i]), m);
   }
 #endif
   for (; c < end; ++c) {
-    float acc = 0;
-    for (int64_t j = 0; j < rank; ++j) acc = std::fma(shrunk[j], bt[j * cols + c], acc);
-    out_row[c] = static_cast<T>(to_float(out_row[c]) + acc);
+    for (int i = 0; i < R; ++i) {
+      float acc = 0;
+      for (int64_t j = 0; j < rank; ++j) acc = std::fma(shrunk[i][j], bt[j * cols + c], acc);
+      out_rows[i][c] = static_cast<T>(to_float(out_rows[i][c]) + acc);
+    }
   }
 }
+
+constexpr int kExpandRows = 4;  // rows per tile of the expand: 4 accumulators and one load per rank
 
 // One segment of a call: its rows (None: the call's rows 0..count) and its adapter's weights.
 struct Segment {
@@ -141,9 +150,21 @@ void apply_segments(T* out, int64_t out_stride, int64_t out_cols, const T* x, in
         const int64_t* lay = seg.layout + 4 * p;
         const int64_t col0 = lay[0], cols = lay[1], rank0 = lay[2], rank = lay[3];
         const int64_t from = std::max(begin, col0), to = std::min(end, col0 + cols);
-        for (int64_t m = 0; from < to && m < seg.count; ++m)
-          expand_row(out + row_of(seg, m) * out_stride + col0, shrunk.data() + (seg.first + m) * max_ranks + rank0,
-                     seg.bt + bt_offset, cols, rank, from - col0, to - col0);
+        T* rows[kExpandRows];
+        const float* sums[kExpandRows];
+        for (int64_t m = 0; from < to && m < seg.count; m += kExpandRows) {
+          const int64_t n = std::min<int64_t>(kExpandRows, seg.count - m);
+          for (int64_t i = 0; i < n; ++i) {
+            rows[i] = out + row_of(seg, m + i) * out_stride + col0;
+            sums[i] = shrunk.data() + (seg.first + m + i) * max_ranks + rank0;
+          }
+          const float* proj_bt = seg.bt + bt_offset;
+          if (n == kExpandRows)
+            expand_rows<kExpandRows>(rows, sums, proj_bt, cols, rank, from - col0, to - col0);
+          else
+            for (int64_t i = 0; i < n; ++i)
+              expand_rows<1>(rows + i, sums + i, proj_bt, cols, rank, from - col0, to - col0);
+        }
         bt_offset += rank * cols;
       }
     }
