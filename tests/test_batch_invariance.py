@@ -11,10 +11,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from helpers.gguf_files import random_blocks
+from helpers.lora_kernels import lora_linear, seqs
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.kernels import native
 from tachyllm.kernels.linear import NATIVE_MAX_ROWS, PackedLinear, onednn_packing_available
+from tachyllm.lora.layers import StepSegments
 
 ops = native.native_ops()
 
@@ -176,6 +178,31 @@ def test_prequantized_act_order_rows_do_not_depend_on_the_row_count(bits, dtype)
     layer = build([stored], None, ops).module
     assert isinstance(layer, PermutedInput)
     _linear_rows_invariant(layer, in_features, dtype)
+
+
+@pytest.mark.native
+@pytest.mark.skipif(ops is None, reason="the C++ kernels did not build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_segment_kernel_rows_do_not_depend_on_the_batch(dtype):
+    """An adapter row's LoRA output, to the bit, alone and in a step with other rows of its adapter,
+    other adapters and base rows (the segment kernel sums each output in one order)."""
+    step = [(1, 3), (0, 2), (2, 4), (1, 5), (3, 1)]
+    segments = StepSegments(torch.device("cpu"), ops)
+    linear = lora_linear(576, [576, 192, 192], dtype, segments)
+    x = torch.randn(sum(n for _, n in step), 576).to(dtype)
+    base = torch.randn(x.shape[0], 960).to(dtype)  # the base linear's output, the same for every call
+    together = base.clone()
+    segments.set_step(seqs(step))
+    linear.native.apply(together, x, segments.native)
+    row = 0
+    for slot, n in step:
+        for i in range(n):
+            alone = base[row + i : row + i + 1].clone()
+            segments.set_step(seqs([(slot, 1)]))
+            linear.native.apply(alone, x[row + i : row + i + 1], segments.native)
+            assert torch.equal(alone[0], together[row + i]), (slot, i)
+        row += n
+    assert not torch.equal(together, base)
 
 
 @pytest.mark.native

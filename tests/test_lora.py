@@ -9,10 +9,12 @@ import json
 import pytest
 import torch
 from helpers.lora_files import ALL_TARGETS, adapter_key, merge_adapter, write_adapter
+from helpers.lora_kernels import seqs
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.config import EngineConfig
 from tachyllm.errors import AdapterError, ConfigError
+from tachyllm.kernels import native
 from tachyllm.lora.request import LoRARequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -338,10 +340,10 @@ def test_adapter_over_any_base_linear(weights, base, adapters, tmp_path):
         assert type(wrapper.base).__module__.startswith("tachyllm.quantization")
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32
     x = torch.randn(5, 64).to(dtype)
-    manager.segments.segments = [(loaded.slot, torch.tensor([1, 3]))]
+    manager.segments.set_step(seqs([(0, 1), (loaded.slot, 1), (0, 1), (loaded.slot, 1), (0, 1)]))
     with torch.inference_mode():
         got, plain = wrapper(x), wrapper.base(x)
-    manager.segments.segments = []
+    manager.segments.set_step([])
     a_gate, b_gate = loaded.adapter.weights[(1, "gate_proj")]
     a_up, b_up = loaded.adapter.weights[(1, "up_proj")]
     xf = x.float()
@@ -383,3 +385,23 @@ def test_preempted_adapter_rows_resume_identically(base, adapters, lora_llm):
     assert token_ids(outputs) == alone
     assert small.engine.stats.num_preemptions > 0
     assert_all_blocks_free(small)
+
+
+def test_fused_decoder_layers_run_the_adapters(base, adapters):
+    """With the C++ kernels, the fused decoder layers stay on and apply the adapters after each of their
+    linears: a batch of three adapters and base rows gives the tokens of the same engine running its
+    layers as modules (the same kernels, called one by one)."""
+    if native.native_ops() is None:
+        pytest.skip("the C++ kernels did not build")
+    options = {"dtype": "bfloat16", "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "backend": "cpu"}
+    fused, modules = tiny_llm(base, **options), tiny_llm(base, **options)
+    assert all(layer.fused is not None for layer in fused.engine.model.layers)
+    for layer in modules.engine.model.layers:
+        layer.fused = None
+    names = [None, "qv", "all-rslora", "mlp-o"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    loras = [None if n is None else request(adapters, n) for n in names]
+    got = token_ids(fused.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert got == token_ids(modules.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert got[2] != token_ids(fused.generate(prompts[2:3], GREEDY, use_tqdm=False))[0]  # the adapter acts
+    assert_all_blocks_free(fused)

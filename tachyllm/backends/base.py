@@ -214,6 +214,13 @@ class Backend(ABC):
         does."""
         return None
 
+    def lora_kernels(self) -> ModuleType | None:
+        """Kernels for LoRA adapters in segment form (rows grouped by adapter), with LoRAStep and
+        LoRASlots as kernels/csrc/lora.h declares them, whose fused decoder layers take adapters
+        through `set_lora`; or None: the wrapped linears (tachyllm/lora/layers.py) use PyTorch matmuls
+        and the fused layers are off with adapters."""
+        return None
+
     def fused_decoder_layer(self, layer, rotary) -> FusedLayer | None:
         """The decoder layer as one call, or None where this backend has no fused form for it."""
         return None

@@ -115,6 +115,22 @@ class CpuLayerOps(LayerOps):
         return super().silu_mul(gate_up)
 
 
+class _FusedDecodeLayer:
+    """A C++ DecodeLayer as the model calls it; `set_lora` hands it the LoRA adapters of its linears
+    (lora/manager.py)."""
+
+    def __init__(self, layer, cos: torch.Tensor, sin: torch.Tensor):
+        self.layer, self.cos, self.sin = layer, cos, sin
+        self.set_lora = layer.set_lora
+
+    def __call__(self, x, residual, positions, kv_cache: LayerKV, meta: CpuMetadata):
+        (kc, ks), (vc, vs) = kernel_caches(*kv_cache)
+        return self.layer.forward(
+            x, residual, positions, self.cos, self.sin, kc, vc, meta.slot_mapping, meta.block_tables, meta.seq_info,
+            ks, vs,
+        )  # fmt: skip
+
+
 @register_backend
 class CpuBackend(Backend):
     name = "cpu"
@@ -143,6 +159,9 @@ class CpuBackend(Backend):
         # Their portable scalar fallback (no AVX-512 VNNI, no AVX2) is for correctness, and slower than aten.
         return self.kernels if self.kernels.quant_gemv_isa() != "scalar" else None
 
+    def lora_kernels(self) -> ModuleType | None:
+        return self.kernels
+
     def bf16_linear_kernels(self) -> ModuleType | None:
         # Built for AVX512-BF16 or AVX2 + FMA it beats PyTorch's bf16 linears; otherwise it is a
         # scalar loop, far slower than oneDNN (measurements: docs/design_measurements.md#bf16-linears).
@@ -163,15 +182,7 @@ class CpuBackend(Backend):
             *specs, weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
         )  # fmt: skip
-        cos, sin = rotary.cos, rotary.sin
-
-        def run(x, residual, positions, kv_cache: LayerKV, meta: CpuMetadata):
-            (kc, ks), (vc, vs) = kernel_caches(*kv_cache)
-            return fused.forward(
-                x, residual, positions, cos, sin, kc, vc, meta.slot_mapping, meta.block_tables, meta.seq_info, ks, vs
-            )  # fmt: skip
-
-        return run
+        return _FusedDecodeLayer(fused, rotary.cos, rotary.sin)
 
     def metadata_builder(self, kv_caches: list[LayerKV], block_size: int) -> CpuMetadataBuilder:
         return CpuMetadataBuilder(self, kv_caches, block_size)

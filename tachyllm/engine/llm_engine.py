@@ -209,13 +209,18 @@ class LLMEngine:
         else:
             self.model, self.weight_bytes = build_model(
                 ckpt, self.dtype, self.backend, self.max_model_len, config.quant_config,
-                batch_invariant=config.deterministic, fuse_layers=not config.enable_lora,
+                batch_invariant=config.deterministic,
+                fuse_layers=not config.enable_lora or self.backend.lora_kernels() is not None,
             )  # fmt: skip
             rank_config = self.model_config
-        # LoRA: the targeted linears wrapped, so the backend's fused layers (which bypass them) stay off.
+        # LoRA: the targeted linears wrapped; the backend's fused layers run the adapters with its LoRA
+        # kernels, and are off where it has none (they would bypass the wrappers).
         if config.enable_lora:
             max_cpu_loras = config.max_cpu_loras or config.max_loras
-            self.lora = LoRAManager(self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras)
+            self.lora = LoRAManager(
+                self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras,
+                kernels=self.backend.lora_kernels(),
+            )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
             logger.info(
                 "the %s backend is not batch invariant: outputs may depend on the batch and on prefix-cache hits "

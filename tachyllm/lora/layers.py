@@ -10,6 +10,8 @@ fp32 accumulator; rows of the base model skip all of it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +19,8 @@ from torch import nn
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.step import ScheduledSeq
 
+# The activations the kernels' LoRASlots.apply takes; others (fp16) run the PyTorch path.
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)
 # Each wrapped module of a decoder layer: its path, and the PEFT projections fused in it, in output order.
 FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -28,37 +32,68 @@ FUSED_PROJECTIONS = {
 
 @dataclass
 class StepSegments:
-    """The current step's rows grouped by adapter slot, shared by every wrapped linear: (slot, row
-    indices), or (slot, None) when the slot holds every row. Base-model rows (slot 0) are left out."""
+    """The current step's rows grouped by adapter slot, computed once per step for every wrapped linear:
+    `slots` in order, segment i holding rows[offsets[i]:offsets[i + 1]] of the step (`rows` None when one
+    slot holds every row). Base-model rows (slot 0) are left out. `kernels`: the backend's segment
+    kernels (Backend.lora_kernels; None: PyTorch matmuls), chosen when the engine is built; `native`,
+    their copy of the step, which the wrapped linears and the fused decoder layers read."""
 
     device: torch.device
-    segments: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    kernels: ModuleType | None = None
+    slots: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    rows: torch.Tensor | None = None
+    native: Any = field(init=False, default=None)  # kernels.LoRAStep
+
+    def __post_init__(self) -> None:
+        if self.kernels is not None:
+            self.native = self.kernels.LoRAStep()
 
     def set_step(self, seqs: list[ScheduledSeq]) -> None:
-        slots = {s.lora_slot for s in seqs}
-        if slots == {0} or not slots:
-            self.segments = []
+        self._group(seqs)
+        if self.native is not None:
+            self.native.set(self.rows, self.offsets, self.slots)
+
+    def _group(self, seqs: list[ScheduledSeq]) -> None:
+        self.rows = None
+        distinct = {s.lora_slot for s in seqs}
+        if distinct == {0} or not distinct:
+            self.slots, self.offsets = [], []
             return
-        if len(slots) == 1:
-            self.segments = [(slots.pop(), None)]
+        if len(distinct) == 1:
+            self.slots, self.offsets = [distinct.pop()], [0, sum(s.num_new_tokens for s in seqs)]
             return
-        rows: dict[int, list[int]] = {}
+        by_slot: dict[int, list[int]] = {}
         start = 0
         for s in seqs:
             if s.lora_slot:
-                rows.setdefault(s.lora_slot, []).extend(range(start, start + s.num_new_tokens))
+                by_slot.setdefault(s.lora_slot, []).extend(range(start, start + s.num_new_tokens))
             start += s.num_new_tokens
-        self.segments = [
-            (slot, torch.tensor(index, dtype=torch.long, device=self.device)) for slot, index in sorted(rows.items())
-        ]
+        self.slots = sorted(by_slot)
+        index: list[int] = []
+        self.offsets = [0]
+        for slot in self.slots:
+            index += by_slot[slot]
+            self.offsets.append(len(index))
+        self.rows = torch.tensor(index, dtype=torch.long, device=self.device)
+
+    def segments(self) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, its rows of the step, or None for every row) per segment."""
+        if self.rows is None:
+            return [(slot, None) for slot in self.slots]
+        return [(slot, self.rows[self.offsets[i] : self.offsets[i + 1]]) for i, slot in enumerate(self.slots)]
 
 
 @dataclass
 class _SlotWeights:
-    """One adapter's share of a wrapped linear: the stacked A of its projections, and per projection
-    (output columns, columns of the shrunk rows, scale · B)."""
+    """One adapter's share of a wrapped linear, fp32: the stacked A of its projections [sum of ranks, in];
+    `bt`, each projection's scale · Bᵀ [rank, columns] one after the other, flat; `layout`, int64
+    [projections, 4] rows of (first output column, columns, first rank, rank); and per projection
+    (output columns, ranks of the shrunk rows, its scale · Bᵀ as a view of `bt`)."""
 
-    stacked_a: torch.Tensor  # fp32 [sum of ranks, in]
+    stacked_a: torch.Tensor
+    bt: torch.Tensor
+    layout: torch.Tensor
     expands: list[tuple[slice, slice, torch.Tensor]]
 
 
@@ -73,6 +108,8 @@ class LoRALinear(nn.Module):
         self.columns = {p: slice(s, s + n) for p, s, n in zip(projections, starts, out_sizes)}
         self.segments = segments
         self.slots: dict[int, _SlotWeights] = {}
+        # The backend kernels' copy of the slots (the same tensors), where it has them.
+        self.native = segments.kernels.LoRASlots() if segments.kernels is not None else None
 
     def set_adapter(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Loads an adapter's (A, B) of some of this linear's projections into `slot` (none: clears it)."""
@@ -80,31 +117,51 @@ class LoRALinear(nn.Module):
         if not pieces:
             return
         device = self.segments.device
-        a_parts, expands, rank_start = [], [], 0
+        a_parts, bt_parts, layout, rank_start = [], [], [], 0
         for proj in self.projections:
             if proj not in pieces:
                 continue
             a, b = pieces[proj]
             a_parts.append(a)
-            rank = a.shape[0]
-            expands.append((self.columns[proj], slice(rank_start, rank_start + rank), (b * scale).to(device)))
-            rank_start += rank
-        self.slots[slot] = _SlotWeights(torch.cat(a_parts).to(device), expands)
+            bt_parts.append((b * scale).T.contiguous().flatten())
+            columns = self.columns[proj]
+            layout.append((columns.start, columns.stop - columns.start, rank_start, a.shape[0]))
+            rank_start += a.shape[0]
+        bt = torch.cat(bt_parts).to(device)
+        expands, offset = [], 0
+        for (col0, cols, rank0, rank), proj in zip(layout, (p for p in self.projections if p in pieces)):
+            view = bt[offset : offset + rank * cols].view(rank, cols)
+            expands.append((self.columns[proj], slice(rank0, rank0 + rank), view))
+            offset += rank * cols
+        weights = _SlotWeights(
+            torch.cat(a_parts).to(device).contiguous(), bt, torch.tensor(layout, dtype=torch.long), expands
+        )
+        self.slots[slot] = weights
+        if self.native is not None:
+            self.native.set(slot, weights.stacked_a, weights.bt, weights.layout)
 
     def clear_adapter(self, slot: int) -> None:
         self.slots.pop(slot, None)
+        if self.native is not None:
+            self.native.clear(slot)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        for slot, rows in self.segments.segments:
+        step = self.segments
+        if not step.slots:
+            return out
+        if self.native is not None and out.dtype in NATIVE_DTYPES and x.dtype == out.dtype:
+            self.native.apply(out, x, step.native)
+            return out
+        for slot, rows in step.segments():
             weights = self.slots.get(slot)
             if weights is None:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
             shrunk = xs.float() @ weights.stacked_a.T
             target = out if rows is None else out.index_select(0, rows)
-            for columns, ranks, scaled_b in weights.expands:
-                target[:, columns] = (target[:, columns].float() + shrunk[:, ranks] @ scaled_b.T).to(out.dtype)
+            for columns, ranks, bt in weights.expands:
+                target[:, columns] = (target[:, columns].float() + shrunk[:, ranks] @ bt).to(out.dtype)
             if rows is not None:
                 out.index_copy_(0, rows, target)
         return out

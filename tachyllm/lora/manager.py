@@ -10,6 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
@@ -22,6 +23,8 @@ from tachyllm.model_config import ModelConfig
 from tachyllm.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger("tachyllm")
+# One projection of each linear of a fused decoder layer, in the order its set_lora takes them.
+FUSED_ORDER = ("q_proj", "o_proj", "gate_proj", "down_proj")
 
 # Upper bounds (seconds) of the adapter load-time histogram: from a small adapter read from the page
 # cache to a large one read from a slow disk.
@@ -50,14 +53,32 @@ class LoadedAdapter:
 
 class LoRAManager:
     def __init__(
-        self, model: LlamaForCausalLM, cfg: ModelConfig, device: torch.device, max_lora_rank: int, max_cpu_loras: int
+        self,
+        model: LlamaForCausalLM,
+        cfg: ModelConfig,
+        device: torch.device,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        kernels: ModuleType | None = None,
     ):
+        """`kernels`: the backend's LoRA segment kernels (Backend.lora_kernels; None: PyTorch matmuls).
+        The model's fused decoder layers run the adapters through them; without them, or where a fused
+        layer cannot take adapters, the layer runs as modules."""
         self.model_config = cfg
         self.max_lora_rank = max_lora_rank
         self.capacity = max_cpu_loras
-        self.segments = StepSegments(device)
+        self.segments = StepSegments(device, kernels)
         shapes = projection_shapes(cfg)
         self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
+        for layer, wrappers in zip(model.layers, self.layers):
+            fused = getattr(layer, "fused", None)  # the backend's fused form of the layer (models/llama.py)
+            if fused is None:
+                continue
+            set_lora = getattr(fused, "set_lora", None)
+            if self.segments.native is None or set_lora is None:
+                setattr(layer, "fused", None)  # it would bypass the wrapped linears
+                continue
+            set_lora(self.segments.native, *(wrappers[p].native for p in FUSED_ORDER))
         # By the whole LoRARequest (name, id, path): a request that differs in any of them is another
         # adapter, read anew (the server gives an adapter loaded again over HTTP a new id). Least
         # recently used first.

@@ -23,6 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_gemv(m);
   register_bf16_gemv(m);
   register_decode_layer(m);
+  register_lora(m);
   register_shm_allreduce(m);
   register_suffix_tree(m);
 }

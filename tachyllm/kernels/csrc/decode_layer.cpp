@@ -3,7 +3,12 @@
 // After the kernels of this folder, what was left of a small decode step was Python: ~20 calls per
 // layer (modules, views, checks), ~2.5 ms of a 6.4 ms step at batch 1. A DecodeLayer holds one
 // layer's weights as the kernels want them and chains the same kernels the Python modules call,
-// in the same order, so its results are those of the module path.
+// in the same order, so its results are those of the module path. With LoRA adapters (set_lora), each
+// linear's output gets the step's adapter rows added as the wrapped linears add them (lora.cpp).
+#include <array>
+#include <memory>
+
+#include "lora.h"
 #include "ops.h"
 
 namespace {
@@ -80,7 +85,7 @@ class DecodeLayer {
       rms_norm(x, res, input_norm_, eps_);
     }
     const int64_t n = x.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    const torch::Tensor qkv = qkv_(x);
+    const torch::Tensor qkv = linear(0, qkv_, x);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, head_dim_});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, head_dim_});
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, head_dim_});
@@ -88,17 +93,34 @@ class DecodeLayer {
     write_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale);
     torch::Tensor attn = torch::empty({n, heads_, head_dim_}, qkv.options());
     paged_attention(attn, q, k_cache, v_cache, block_tables, seq_info, scale_, k_scale, v_scale);
-    torch::Tensor h = o_(attn.view({n, q_size}));
+    torch::Tensor h = linear(1, o_, attn.view({n, q_size}));
     add_rms_norm(h, res, post_norm_, eps_);
-    return {down_(silu_mul(gate_up_(h))), res};
+    return {linear(3, down_, silu_mul(linear(2, gate_up_, h))), res};
+  }
+
+  // The adapters of the step `step` (set once per step) and of this layer's qkv, o, gate_up and down
+  // linears, applied after each of them from now on.
+  void set_lora(std::shared_ptr<LoRAStep> step, std::shared_ptr<LoRASlots> qkv, std::shared_ptr<LoRASlots> o,
+                std::shared_ptr<LoRASlots> gate_up, std::shared_ptr<LoRASlots> down) {
+    TORCH_CHECK(step && qkv && o && gate_up && down, "set_lora needs the step and the four linears' adapters");
+    lora_step_ = std::move(step);
+    lora_ = {std::move(qkv), std::move(o), std::move(gate_up), std::move(down)};
   }
 
  private:
+  torch::Tensor linear(int index, const Linear& base, const torch::Tensor& x) const {
+    torch::Tensor y = base(x);
+    if (lora_step_ && !lora_step_->slots.empty()) lora_[index]->apply(y, x, *lora_step_);
+    return y;
+  }
+
   Linear qkv_, o_, gate_up_, down_;
   torch::Tensor input_norm_, post_norm_;
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
   double scale_;
+  std::shared_ptr<const LoRAStep> lora_step_;
+  std::array<std::shared_ptr<const LoRASlots>, 4> lora_;
 };
 
 }  // namespace
@@ -111,5 +133,7 @@ void register_decode_layer(pybind11::module_& m) {
       .def("forward", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("residual"), pybind11::arg("positions"),
            pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("k_cache"), pybind11::arg("v_cache"),
            pybind11::arg("slots"), pybind11::arg("block_tables"), pybind11::arg("seq_info"),
-           pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(), ReleaseGil());
+           pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(), ReleaseGil())
+      .def("set_lora", &DecodeLayer::set_lora, pybind11::arg("step"), pybind11::arg("qkv"), pybind11::arg("o"),
+           pybind11::arg("gate_up"), pybind11::arg("down"));
 }

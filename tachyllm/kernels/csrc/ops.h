@@ -40,6 +40,9 @@ void register_bf16_gemv(pybind11::module_& m);
 // decode_layer.cpp
 void register_decode_layer(pybind11::module_& m);
 
+// lora.cpp (the classes: lora.h)
+void register_lora(pybind11::module_& m);
+
 // shm_allreduce.cpp
 void register_shm_allreduce(pybind11::module_& m);
 

@@ -1,0 +1,36 @@
+// LoRA adapters in segment form (lora.cpp): the step's rows grouped by adapter, and the adapters
+// loaded into one wrapped linear. Shared by the wrapped linears (tachyllm/lora/layers.py) and the
+// fused decoder layer (decode_layer.cpp), which apply them after each of their linears.
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <vector>
+
+// The step's rows by adapter slot, set once per step: segment i holds the rows
+// rows[offsets[i]:offsets[i + 1]] of slot slots[i]; without rows, one segment holds every row.
+struct LoRAStep {
+  c10::optional<torch::Tensor> rows;  // int64
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> slots;
+
+  void set(const c10::optional<torch::Tensor>& rows, const std::vector<int64_t>& offsets,
+           const std::vector<int64_t>& slots);
+};
+
+// The adapters loaded into one linear, by slot: the stacked A fp32 [ranks, in]; Bt, each projection's
+// scale * B^T [rank, cols] one after the other (fp32, flat); the layout int64 [projections, 4] of
+// (first output column, columns, first rank, rank).
+class LoRASlots {
+ public:
+  void set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout);
+  void clear(int64_t slot);
+  // out[rows] += each segment's adapter update of x[rows], in place; slots without weights here are skipped.
+  void apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep& step) const;
+
+ private:
+  struct Weights {
+    torch::Tensor a, bt, layout;
+  };
+  std::vector<c10::optional<Weights>> slots_;
+};
