@@ -185,12 +185,13 @@ def rag(args: argparse.Namespace, model: Path) -> None:
     questions = [f"What does the documentation say about {s.rstrip('.?!').lower()}?" for s in corpus[-args.questions :]]
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "models.yaml"
+        # One Ray CPU each, so that both replicas fit a 2-core machine; each computes on --threads threads.
         config.write_text(
             json.dumps(  # JSON is YAML
                 {
                     "models": [
-                        {"name": "chat", "threads_per_replica": args.threads},
-                        {"name": "embed", "model": str(model), "threads_per_replica": args.threads},
+                        {"name": "chat", "threads_per_replica": args.threads, "num_cpus": 1},
+                        {"name": "embed", "model": str(model), "threads_per_replica": args.threads, "num_cpus": 1},
                     ]
                 }
             )
