@@ -185,12 +185,13 @@ def rag(args: argparse.Namespace, model: Path) -> None:
     questions = [f"What does the documentation say about {s.rstrip('.?!').lower()}?" for s in corpus[-args.questions :]]
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "models.yaml"
+        # One Ray CPU each, so that both replicas fit a 2-core machine; each computes on --threads threads.
         config.write_text(
             json.dumps(  # JSON is YAML
                 {
                     "models": [
-                        {"name": "chat", "threads_per_replica": args.threads},
-                        {"name": "embed", "model": str(model), "threads_per_replica": args.threads},
+                        {"name": "chat", "threads_per_replica": args.threads, "num_cpus": 1},
+                        {"name": "embed", "model": str(model), "threads_per_replica": args.threads, "num_cpus": 1},
                     ]
                 }
             )
@@ -200,8 +201,11 @@ def rag(args: argparse.Namespace, model: Path) -> None:
             start = time.perf_counter()
             vectors = []
             for i in range(0, len(chunks), 64):
-                response = http.post("/v1/embeddings", json={"model": "embed", "input": chunks[i : i + 64]})
-                response.raise_for_status()
+                # A chunk may pass the model's 256 tokens: cut to them (vLLM's truncate_prompt_tokens).
+                body = {"model": "embed", "input": chunks[i : i + 64], "truncate_prompt_tokens": 256}
+                response = http.post("/v1/embeddings", json=body)
+                if response.status_code != 200:
+                    raise RuntimeError(f"/v1/embeddings: {response.status_code} {response.text}")
                 vectors += [item["embedding"] for item in response.json()["data"]]
             index = torch.tensor(vectors)
             print(f"{len(chunks)} chunks embedded in {time.perf_counter() - start:.1f} s", flush=True)
