@@ -163,7 +163,8 @@ def test_responses_api_through_the_ingress(base):
 def test_multi_model_routing_and_unknown_model(http):
     listed = [card["id"] for card in http.get("/v1/models").json()["data"]]
     assert sorted(listed) == ["embedder", "tiny", "tiny-qv", "tiny-qwen"]
-    for name in ["tiny", "tiny-qwen", "tiny-qv"]:
+    # The adapter "tiny-qv" is left to its own test: a request here would load it on a replica already.
+    for name in ["tiny", "tiny-qwen"]:
         body = http.post("/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 3}).json()
         assert body["model"] == name and body["usage"]["completion_tokens"] == 3
     response = http.post(
