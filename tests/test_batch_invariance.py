@@ -185,9 +185,10 @@ def test_prequantized_act_order_rows_do_not_depend_on_the_row_count(bits, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_segment_kernel_rows_do_not_depend_on_the_batch(dtype):
     """An adapter row's LoRA output, to the bit, alone and in a step with other rows of its adapter,
-    other adapters and base rows (the segment kernel sums each output in one order)."""
+    other adapters and base rows (the segment kernel sums each output in one order); on bf16, with the
+    adapters' weights stored bf16."""
     step = [(1, 3), (0, 2), (2, 4), (1, 5), (3, 1)]
-    segments = StepSegments(torch.device("cpu"), ops)
+    segments = StepSegments(torch.device("cpu"), ops, dtype)
     linear = lora_linear(576, [576, 192, 192], dtype, segments)
     x = torch.randn(sum(n for _, n in step), 576).to(dtype)
     base = torch.randn(x.shape[0], 960).to(dtype)  # the base linear's output, the same for every call

@@ -82,7 +82,8 @@ def _weights(rank: int = 4, in_features: int = IN, cols: int = 8):
         (lambda w: w | {"a": w["a"].double()}, "A must be contiguous fp32"),
         (lambda w: w | {"a": w["a"].T}, "A must be contiguous fp32"),
         (lambda w: w | {"bt": w["bt"][:-1]}, "Bt must hold"),
-        (lambda w: w | {"bt": w["bt"].view(4, 8)}, "Bt must be contiguous flat fp32"),
+        (lambda w: w | {"bt": w["bt"].view(4, 8)}, "Bt must be contiguous flat"),
+        (lambda w: w | {"bt": w["bt"].bfloat16()}, "in A's dtype"),
         (lambda w: w | {"layout": torch.tensor([[0, 8, 1, 4]])}, "ranks exceed A"),
         (lambda w: w | {"layout": torch.tensor([[-1, 8, 0, 4]])}, "columns must be non-negative"),
         (lambda w: w | {"layout": torch.tensor([0, 8, 0, 4])}, "layout is int64"),
@@ -128,3 +129,47 @@ def test_bad_apply_refused(x, out, rows, message):
     step.set(rows, [0, 2], [1])
     with pytest.raises(RuntimeError, match=message):
         slots.apply(out, x, step)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [[(1, 1)], [(2, 5)], [(1, 3), (0, 2), (3, 1), (2, 4), (1, 1)], [(1, 6), (2, 5)]],
+)
+def test_bf16_stored_weights_match_pytorch_path_on_rounded_weights(step):
+    """On bf16 activations the kernel's adapters are stored bf16: the PyTorch path with the same
+    bf16-rounded weights in fp32 math gives the same outputs to one bf16 ulp (the summation order)."""
+    torch_path = lora_linear(IN, OUTS, torch.bfloat16, StepSegments(torch.device("cpu")))
+    kernel_path = lora_linear(IN, OUTS, torch.bfloat16, StepSegments(torch.device("cpu"), ops, torch.bfloat16))
+    for slot, weights in kernel_path.slots.items():
+        assert weights.stacked_a.dtype == weights.bt.dtype == torch.bfloat16
+        reference = torch_path.slots[slot]  # fp32, rounded as the kernel's were (views of bt follow)
+        reference.stacked_a.copy_(reference.stacked_a.bfloat16().float())
+        reference.bt.copy_(reference.bt.bfloat16().float())
+        assert torch.equal(reference.bt, weights.bt.float())
+    x = torch.randn(sum(n for _, n in step), IN).to(torch.bfloat16)
+    torch_path.segments.set_step(seqs(step))
+    kernel_path.segments.set_step(seqs(step))
+    want, got = torch_path(x), kernel_path(x)
+    _ulp_close(got, want)
+    # The kernel's bf16 weights against the same weights in fp32: the same fp32 math, one ulp apart at most.
+    fp32_path = lora_linear(IN, OUTS, torch.bfloat16, StepSegments(torch.device("cpu"), ops))
+    for slot, weights in fp32_path.slots.items():
+        weights.stacked_a.copy_(weights.stacked_a.bfloat16().float())
+        weights.bt.copy_(weights.bt.bfloat16().float())
+        fp32_path.native.set(slot, weights.stacked_a, weights.bt, weights.layout)
+    fp32_path.segments.set_step(seqs(step))
+    assert torch.equal(kernel_path(x), fp32_path(x))
+
+
+def test_fp32_activations_keep_fp32_weights():
+    linear = lora_linear(IN, OUTS, torch.float32, StepSegments(torch.device("cpu"), ops, torch.float32))
+    assert all(w.stacked_a.dtype == w.bt.dtype == torch.float32 for w in linear.slots.values())
+
+
+def test_bf16_weights_refused_on_fp32_activations():
+    a, bt, layout = _weights()
+    slots, step = ops.LoRASlots(), ops.LoRAStep()
+    slots.set(1, a.bfloat16(), bt.bfloat16(), layout)
+    step.set(None, [0, 2], [1])
+    with pytest.raises(RuntimeError, match="bf16 adapter weights need bf16 activations"):
+        slots.apply(torch.zeros(2, 8), torch.randn(2, IN), step)

@@ -219,7 +219,7 @@ class LLMEngine:
             max_cpu_loras = config.max_cpu_loras or config.max_loras
             self.lora = LoRAManager(
                 self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras,
-                kernels=self.backend.lora_kernels(),
+                kernels=self.backend.lora_kernels(), dtype=self.dtype,
             )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
             logger.info(

@@ -36,10 +36,13 @@ class StepSegments:
     `slots` in order, segment i holding rows[offsets[i]:offsets[i + 1]] of the step (`rows` None when one
     slot holds every row). Base-model rows (slot 0) are left out. `kernels`: the backend's segment
     kernels (Backend.lora_kernels; None: PyTorch matmuls), chosen when the engine is built; `native`,
-    their copy of the step, which the wrapped linears and the fused decoder layers read."""
+    their copy of the step, which the wrapped linears and the fused decoder layers read. `activations`:
+    the model's activation dtype; with kernels and bf16 activations the adapters' weights are stored
+    bf16 (`weight_dtype`; the kernels widen them to fp32 as they load them), else fp32."""
 
     device: torch.device
     kernels: ModuleType | None = None
+    activations: torch.dtype = torch.float32
     slots: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     rows: torch.Tensor | None = None
@@ -48,6 +51,13 @@ class StepSegments:
     def __post_init__(self) -> None:
         if self.kernels is not None:
             self.native = self.kernels.LoRAStep()
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the wrapped linears store their adapters' A and scale · Bᵀ in."""
+        if self.kernels is not None and self.activations == torch.bfloat16:
+            return torch.bfloat16
+        return torch.float32
 
     def set_step(self, seqs: list[ScheduledSeq]) -> None:
         self._group(seqs)
@@ -86,7 +96,8 @@ class StepSegments:
 
 @dataclass
 class _SlotWeights:
-    """One adapter's share of a wrapped linear, fp32: the stacked A of its projections [sum of ranks, in];
+    """One adapter's share of a wrapped linear, in the step's weight_dtype (fp32, or bf16 for the
+    kernels on bf16 activations): the stacked A of its projections [sum of ranks, in];
     `bt`, each projection's scale · Bᵀ [rank, columns] one after the other, flat; `layout`, int64
     [projections, 4] rows of (first output column, columns, first rank, rank); and per projection
     (output columns, ranks of the shrunk rows, its scale · Bᵀ as a view of `bt`)."""
@@ -127,14 +138,18 @@ class LoRALinear(nn.Module):
             columns = self.columns[proj]
             layout.append((columns.start, columns.stop - columns.start, rank_start, a.shape[0]))
             rank_start += a.shape[0]
-        bt = torch.cat(bt_parts).to(device)
+        dtype = self.segments.weight_dtype  # B is scaled in fp32, then rounded once
+        bt = torch.cat(bt_parts).to(device=device, dtype=dtype)
         expands, offset = [], 0
         for (col0, cols, rank0, rank), proj in zip(layout, (p for p in self.projections if p in pieces)):
             view = bt[offset : offset + rank * cols].view(rank, cols)
             expands.append((self.columns[proj], slice(rank0, rank0 + rank), view))
             offset += rank * cols
         weights = _SlotWeights(
-            torch.cat(a_parts).to(device).contiguous(), bt, torch.tensor(layout, dtype=torch.long), expands
+            torch.cat(a_parts).to(device=device, dtype=dtype).contiguous(),
+            bt,
+            torch.tensor(layout, dtype=torch.long),
+            expands,
         )
         self.slots[slot] = weights
         if self.native is not None:
@@ -158,10 +173,10 @@ class LoRALinear(nn.Module):
             if weights is None:
                 continue
             xs = x if rows is None else x.index_select(0, rows)
-            shrunk = xs.float() @ weights.stacked_a.T
+            shrunk = xs.float() @ weights.stacked_a.float().T
             target = out if rows is None else out.index_select(0, rows)
             for columns, ranks, bt in weights.expands:
-                target[:, columns] = (target[:, columns].float() + shrunk[:, ranks] @ bt).to(out.dtype)
+                target[:, columns] = (target[:, columns].float() + shrunk[:, ranks] @ bt.float()).to(out.dtype)
             if rows is not None:
                 out.index_copy_(0, rows, target)
         return out

@@ -60,14 +60,16 @@ class LoRAManager:
         max_lora_rank: int,
         max_cpu_loras: int,
         kernels: ModuleType | None = None,
+        dtype: torch.dtype = torch.float32,
     ):
         """`kernels`: the backend's LoRA segment kernels (Backend.lora_kernels; None: PyTorch matmuls).
         The model's fused decoder layers run the adapters through them; without them, or where a fused
-        layer cannot take adapters, the layer runs as modules."""
+        layer cannot take adapters, the layer runs as modules. `dtype`: the model's activations (bf16:
+        the kernels' adapter weights are stored bf16)."""
         self.model_config = cfg
         self.max_lora_rank = max_lora_rank
         self.capacity = max_cpu_loras
-        self.segments = StepSegments(device, kernels)
+        self.segments = StepSegments(device, kernels, dtype)
         shapes = projection_shapes(cfg)
         self.layers = attach_lora(model, {p: out for p, (_, out) in shapes.items()}, self.segments)
         for layer, wrappers in zip(model.layers, self.layers):

@@ -5,10 +5,11 @@
 // share the input: q/k/v, gate/up) and, per projection, scale * B transposed [r, cols]:
 //   shrink  s[m, j] = x[m] . A[j]                     (fp32, for every row m and rank j < R)
 //   expand  out[m, c] = round(out[m, c] + sum_j s[m, r0 + j] * Bt[j, c])   over the projection's ranks
-// Both in fp32 whatever the activations (bf16 or fp32); out is rounded once, as the PyTorch path
-// rounds. Each output is summed in one order fixed by the build (dot products: 16 fp32 lanes, then
-// the lanes; expands: ranks in order), whatever the other rows of the call and the threads: a row's
-// result does not depend on the batch (batch invariance, docs/determinism.md).
+// Both in fp32 whatever the activations (bf16 or fp32) and the stored weights (fp32, or bf16 for bf16
+// activations: widened to fp32 as they are loaded); out is rounded once, as the PyTorch path rounds.
+// Each output is summed in one order fixed by the build (dot products: 16 fp32 lanes, then the lanes;
+// expands: ranks in order), whatever the other rows of the call and the threads: a row's result does
+// not depend on the batch (batch invariance, docs/determinism.md).
 //
 // The rows' shrunk vectors are small ([rows, R] fp32); the shrink's threads take rows (or, for one row,
 // ranks), the expand's take column ranges, so one decode row still spreads over the threads; all the
@@ -51,6 +52,25 @@ void widen(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// x . a over n, for fp32 x and a row of A in fp32 (vec_math.h's dot) or bf16, in the same order:
+// 16 fp32 lanes, then the lanes, then the tail.
+inline float dot_row(const float* x, const float* a, int64_t n) { return dot(x, a, n); }
+inline float dot_row(const float* x, const bf16* a, int64_t n) {
+  int64_t i = 0;
+  float sum = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 w = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i))), 16));
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += x[i] * static_cast<float>(a[i]);
+  return sum;
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
@@ -72,9 +92,9 @@ inline void store16(bf16* p, __m512 v, __mmask16 m) {
 // out[rows[i], c0 + c] for c in [begin, end) += shrunk[i] . Bt[:, c] over `rank` ranks, for R rows
 // at once: each load of Bt serves every row, and each row's sum runs over the ranks in order from
 // zero, as it would alone (R = 1), so the bits do not depend on the tile.
-template <int R, typename T>
-void expand_rows(T* const* out_rows, const float* const* shrunk, const float* bt, int64_t cols, int64_t rank,
-                 int64_t begin, int64_t end) {
+template <int R, typename T, typename W>
+void expand_rows(T* const* out_rows, const float* const* shrunk, const W* bt, int64_t cols, int64_t rank, int64_t begin,
+                 int64_t end) {
   int64_t c = begin;
 #if defined(__AVX512F__)
   for (; c < end; c += 16) {
@@ -82,7 +102,7 @@ void expand_rows(T* const* out_rows, const float* const* shrunk, const float* bt
     __m512 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < rank; ++j) {
-      const __m512 b = _mm512_maskz_loadu_ps(m, bt + j * cols + c);
+      const __m512 b = load16(bt + j * cols + c, m);
       for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(shrunk[i][j]), b, acc[i]);
     }
     for (int i = 0; i < R; ++i) store16(out_rows[i] + c, _mm512_add_ps(load16(out_rows[i] + c, m), acc[i]), m);
@@ -91,7 +111,7 @@ void expand_rows(T* const* out_rows, const float* const* shrunk, const float* bt
   for (; c < end; ++c) {
     for (int i = 0; i < R; ++i) {
       float acc = 0;
-      for (int64_t j = 0; j < rank; ++j) acc = std::fma(shrunk[i][j], bt[j * cols + c], acc);
+      for (int64_t j = 0; j < rank; ++j) acc = std::fma(shrunk[i][j], to_float(bt[j * cols + c]), acc);
       out_rows[i][c] = static_cast<T>(to_float(out_rows[i][c]) + acc);
     }
   }
@@ -99,52 +119,54 @@ void expand_rows(T* const* out_rows, const float* const* shrunk, const float* bt
 
 constexpr int kExpandRows = 4;  // rows per tile of the expand: 4 accumulators and one load per rank
 
-// One segment of a call: its rows (None: the call's rows 0..count) and its adapter's weights.
+// One segment of a call: its rows (None: the call's rows 0..count) and its adapter's weights (W: their
+// stored dtype).
+template <typename W>
 struct Segment {
   const int64_t* rows;
   int64_t count;
   int64_t first;  // its first row among the call's segments' rows, in order (its rows of `shrunk`)
-  const float* a;
+  const W* a;
   int64_t ranks;
-  const float* bt;
+  const W* bt;
   const int64_t* layout;
   int64_t parts;
 };
 
 // Every segment of the call in two parallel regions (a region costs a thread wake-up, which a decode
 // step pays per linear): the shrink of every row, then the expand of every column range.
-template <typename T>
+template <typename T, typename W>
 void apply_segments(T* out, int64_t out_stride, int64_t out_cols, const T* x, int64_t x_stride, int64_t in,
-                    const std::vector<Segment>& segments, int64_t total_rows, int64_t max_ranks) {
+                    const std::vector<Segment<W>>& segments, int64_t total_rows, int64_t max_ranks) {
   std::vector<float> shrunk(total_rows * max_ranks);
   std::vector<int64_t> segment_of(total_rows);
   for (size_t s = 0; s < segments.size(); ++s)
     for (int64_t m = 0; m < segments[s].count; ++m) segment_of[segments[s].first + m] = static_cast<int64_t>(s);
-  auto row_of = [&](const Segment& seg, int64_t m) { return seg.rows ? seg.rows[m] : m; };
+  auto row_of = [&](const Segment<W>& seg, int64_t m) { return seg.rows ? seg.rows[m] : m; };
 
   // The shrink: a thread takes rows (each widened to fp32 once, A staying in cache), or for one row
   // ranks; every s[m, j] is the same dot product either way.
   if (total_rows == 1) {
-    const Segment& seg = segments[0];
+    const Segment<W>& seg = segments[0];
     std::vector<float> xs(in);
     widen(xs.data(), x + row_of(seg, 0) * x_stride, in);
     at::parallel_for(0, seg.ranks, kShrinkGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) shrunk[j] = dot(xs.data(), seg.a + j * in, in);
+      for (int64_t j = begin; j < end; ++j) shrunk[j] = dot_row(xs.data(), seg.a + j * in, in);
     });
   } else {
     at::parallel_for(0, total_rows, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> xs(in);
       for (int64_t g = begin; g < end; ++g) {
-        const Segment& seg = segments[segment_of[g]];
+        const Segment<W>& seg = segments[segment_of[g]];
         widen(xs.data(), x + row_of(seg, g - seg.first) * x_stride, in);
-        for (int64_t j = 0; j < seg.ranks; ++j) shrunk[g * max_ranks + j] = dot(xs.data(), seg.a + j * in, in);
+        for (int64_t j = 0; j < seg.ranks; ++j) shrunk[g * max_ranks + j] = dot_row(xs.data(), seg.a + j * in, in);
       }
     });
   }
   // The expand: a thread takes a range of output columns, for every segment's projections there; each
   // projection's scale * B^T follows the previous one's in bt.
   at::parallel_for(0, out_cols, kExpandGrain, [&](int64_t begin, int64_t end) {
-    for (const Segment& seg : segments) {
+    for (const Segment<W>& seg : segments) {
       int64_t bt_offset = 0;
       for (int64_t p = 0; p < seg.parts; ++p) {
         const int64_t* lay = seg.layout + 4 * p;
@@ -158,7 +180,7 @@ void apply_segments(T* out, int64_t out_stride, int64_t out_cols, const T* x, in
             rows[i] = out + row_of(seg, m + i) * out_stride + col0;
             sums[i] = shrunk.data() + (seg.first + m + i) * max_ranks + rank0;
           }
-          const float* proj_bt = seg.bt + bt_offset;
+          const W* proj_bt = seg.bt + bt_offset;
           if (n == kExpandRows)
             expand_rows<kExpandRows>(rows, sums, proj_bt, cols, rank, from - col0, to - col0);
           else
@@ -193,9 +215,10 @@ void LoRAStep::set(const c10::optional<torch::Tensor>& rows_, const std::vector<
 
 void LoRASlots::set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout) {
   TORCH_CHECK(slot >= 0, "a slot is a non-negative index");
-  TORCH_CHECK(a.scalar_type() == at::kFloat && a.dim() == 2 && a.is_contiguous(),
-              "A must be contiguous fp32 [ranks, in]");
-  TORCH_CHECK(bt.scalar_type() == at::kFloat && bt.dim() == 1 && bt.is_contiguous(), "Bt must be contiguous flat fp32");
+  TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) && a.dim() == 2 && a.is_contiguous(),
+              "A must be contiguous fp32 or bf16 [ranks, in]");
+  TORCH_CHECK(bt.scalar_type() == a.scalar_type() && bt.dim() == 1 && bt.is_contiguous(),
+              "Bt must be contiguous flat, in A's dtype");
   TORCH_CHECK(layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 4 && layout.is_contiguous(),
               "a layout is int64 [projections, 4]");
   const int64_t* lay = layout.data_ptr<int64_t>();
@@ -230,28 +253,50 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
   } else {
     TORCH_CHECK(step.offsets[1] == x.size(0), "the step's one segment must hold every row");
   }
-  std::vector<Segment> segments;
+  // The adapters of the step here: (its first segment's begin, count, slot's weights); one weight dtype.
+  struct Found {
+    int64_t begin, count, first;
+    const Weights* w;
+  };
+  std::vector<Found> found;
   int64_t total_rows = 0, max_ranks = 0;
   for (size_t s = 0; s < step.slots.size(); ++s) {
     const int64_t slot = step.slots[s], begin = step.offsets[s], count = step.offsets[s + 1] - begin;
     if (count == 0 || slot < 0 || slot >= static_cast<int64_t>(slots_.size()) || !slots_[slot]) continue;
     const Weights& w = *slots_[slot];
     TORCH_CHECK(w.a.size(1) == x.size(1), "the adapter's A has ", w.a.size(1), " input features, x ", x.size(1));
+    TORCH_CHECK(w.a.scalar_type() == at::kFloat || w.a.scalar_type() == x.scalar_type(),
+                "bf16 adapter weights need bf16 activations");
+    TORCH_CHECK(found.empty() || w.a.scalar_type() == found[0].w->a.scalar_type(),
+                "the adapters of one linear must share one weight dtype");
     const int64_t* lay = w.layout.data_ptr<int64_t>();
     for (int64_t p = 0; p < w.layout.size(0); ++p)
       TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out.size(1), "a projection's columns exceed out");
-    segments.push_back(Segment{row_index ? row_index + begin : nullptr, count, total_rows, w.a.data_ptr<float>(),
-                               w.a.size(0), w.bt.data_ptr<float>(), lay, w.layout.size(0)});
+    found.push_back(Found{begin, count, total_rows, &w});
     total_rows += count;
     max_ranks = std::max(max_ranks, w.a.size(0));
   }
-  if (segments.empty()) return;
+  if (found.empty()) return;
+  auto segments_of = [&](auto tag) {
+    using W = decltype(tag);
+    std::vector<Segment<W>> segments;
+    for (const Found& f : found)
+      segments.push_back(Segment<W>{row_index ? row_index + f.begin : nullptr, f.count, f.first,
+                                    f.w->a.template data_ptr<W>(), f.w->a.size(0), f.w->bt.template data_ptr<W>(),
+                                    f.w->layout.template data_ptr<int64_t>(), f.w->layout.size(0)});
+    return segments;
+  };
+  const bool bf16_weights = found[0].w->a.scalar_type() == at::kBFloat16;
   if (x.scalar_type() == at::kBFloat16) {
-    apply_segments(out.data_ptr<bf16>(), out.stride(0), out.size(1), x.data_ptr<bf16>(), x.stride(0), x.size(1),
-                   segments, total_rows, max_ranks);
+    if (bf16_weights)
+      apply_segments(out.data_ptr<bf16>(), out.stride(0), out.size(1), x.data_ptr<bf16>(), x.stride(0), x.size(1),
+                     segments_of(bf16{}), total_rows, max_ranks);
+    else
+      apply_segments(out.data_ptr<bf16>(), out.stride(0), out.size(1), x.data_ptr<bf16>(), x.stride(0), x.size(1),
+                     segments_of(float{}), total_rows, max_ranks);
   } else {
     apply_segments(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0), x.size(1),
-                   segments, total_rows, max_ranks);
+                   segments_of(float{}), total_rows, max_ranks);
   }
 }
 

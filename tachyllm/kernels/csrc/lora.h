@@ -18,9 +18,10 @@ struct LoRAStep {
            const std::vector<int64_t>& slots);
 };
 
-// The adapters loaded into one linear, by slot: the stacked A fp32 [ranks, in]; Bt, each projection's
-// scale * B^T [rank, cols] one after the other (fp32, flat); the layout int64 [projections, 4] of
-// (first output column, columns, first rank, rank).
+// The adapters loaded into one linear, by slot: the stacked A [ranks, in]; Bt, each projection's
+// scale * B^T [rank, cols] one after the other (flat), both fp32, or both bf16 for bf16 activations (one
+// dtype for every slot of the linear); the layout int64 [projections, 4] of (first output column,
+// columns, first rank, rank).
 class LoRASlots {
  public:
   void set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout);
