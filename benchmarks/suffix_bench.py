@@ -26,6 +26,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from spec_decode_bench import TOPICS  # the same open-chat topics as that benchmark's chat workload
+
 from tachyllm import LLM, SamplingParams
 from tachyllm.spec_decode.suffix import SuffixProposer
 from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees
@@ -139,19 +141,6 @@ TOOLS = (
     '{"tool": "create_shipment", "arguments": {"order_id": ..., "customer": ..., "city": ..., "items": '
     '[{"name": ..., "quantity": ...}], "priority": "standard", "notify_customer": true}} and nothing else.'
 )
-
-TOPICS = [
-    "how vaccines train the immune system", "why the sky is blue", "tips for learning to cook",
-    "the history of the printing press", "how to start running as a beginner", "what a black hole is",
-    "how bees make honey", "the water cycle", "how to write a good cover letter", "why sleep matters",
-    "how a bicycle stays upright", "the causes of the seasons", "how to care for a houseplant",
-    "what inflation is", "how computers store numbers", "the life of a star", "how to make friends in a new city",
-    "why leaves change colour in autumn", "how rainbows form", "how to plan a small garden",
-    "what photosynthesis does", "how to save money on groceries", "how tides work", "the rules of chess",
-    "how to stay focused while studying", "how volcanoes erupt", "what a healthy breakfast looks like",
-    "how the internet routes messages", "why cats purr", "how to learn a new language", "how glass is made",
-    "the benefits of walking",
-]  # fmt: skip
 
 CONFIGS = {
     "none": None,
