@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 from tachyllm.config import EngineConfig
 from tachyllm.errors import ConfigError
-from tachyllm.outputs import RequestEvent, RequestMetrics, RequestOutput
+from tachyllm.outputs import EngineOutput, RequestEvent, RequestMetrics, RequestOutput
 from tachyllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("tachyllm")
@@ -55,9 +55,10 @@ def trace_options(config: EngineConfig) -> TraceOptions | None:
 @dataclass
 class EngineRequestTrace:
     """What the trace keeps of one engine request: its latest output (whose metrics are the request's own,
-    growing in place) and, per sample, the tokens and text parts of its DELTA (or one FINAL_ONLY) outputs."""
+    growing in place) and, per sample, the tokens and text parts of its DELTA (or one FINAL_ONLY) outputs.
+    A pooling request's one output has no samples: its prompt and timings are all there is."""
 
-    last: RequestOutput
+    last: EngineOutput
     num_tokens: dict[int, int] = field(default_factory=dict)
     finish_reasons: dict[int, str | None] = field(default_factory=dict)
     texts: dict[int, list[str]] = field(default_factory=dict)  # record_text only
@@ -74,7 +75,7 @@ class TracedRequest:
     at its end."""
 
     start_time: float  # time.time() when the request came in
-    operation: str  # GenAI operation name: "chat", "text_completion"
+    operation: str  # GenAI operation name: "chat", "text_completion"; pooling: "embeddings", "score", "rerank"
     model: str | None = None
     request_id: str | None = None
     params: list[SamplingParams] = field(default_factory=list)
@@ -91,12 +92,15 @@ class TracedRequest:
     def record(self, name: str, **attributes: Any) -> None:
         self.events.append(RequestEvent(name, time.time(), attributes))
 
-    def observe(self, out: RequestOutput) -> None:
-        """Takes an engine request's DELTA output (or its one FINAL_ONLY output): O(its new tokens)."""
+    def observe(self, out: EngineOutput) -> None:
+        """Takes an engine request's DELTA output (or its one FINAL_ONLY output, or a pooling request's one
+        output): O(its new tokens)."""
         kept = self.engine_requests.get(out.request_id)
         if kept is None:
             kept = self.engine_requests[out.request_id] = EngineRequestTrace(out)
         kept.last = out
+        if not isinstance(out, RequestOutput):
+            return
         for c in out.outputs:
             kept.num_tokens[c.index] = kept.num_tokens.get(c.index, 0) + len(c.token_ids)
             kept.finish_reasons[c.index] = c.finish_reason
@@ -303,17 +307,18 @@ def _annotate(tracer: RequestTracer, span, request: TracedRequest) -> None:
     errors = [request.error] if request.error else []
     if kept:
         prompt_tokens = sum(len(k.last.prompt_token_ids) for k in kept)
-        completion_tokens = sum(sum(k.num_tokens.values()) for k in kept)
-        reasons = [reason for k in kept for reason in k.reasons]
-        attrs.update({
-            "gen_ai.usage.prompt_tokens": prompt_tokens,
-            "gen_ai.usage.completion_tokens": completion_tokens,
-            "gen_ai.usage.input_tokens": prompt_tokens,
-            "gen_ai.usage.output_tokens": completion_tokens,
-            "gen_ai.usage.num_sequences": len(reasons),
-            "gen_ai.usage.cache_read.input_tokens": sum(k.last.num_cached_tokens for k in kept),
-            "gen_ai.response.finish_reasons": reasons,
-        })  # fmt: skip
+        attrs["gen_ai.usage.prompt_tokens"] = attrs["gen_ai.usage.input_tokens"] = prompt_tokens
+        generated = [k.last for k in kept if isinstance(k.last, RequestOutput)]
+        if generated:  # a pooling request has no output tokens, samples or finish reasons
+            completion_tokens = sum(sum(k.num_tokens.values()) for k in kept)
+            reasons = [reason for k in kept for reason in k.reasons]
+            attrs.update({
+                "gen_ai.usage.completion_tokens": completion_tokens,
+                "gen_ai.usage.output_tokens": completion_tokens,
+                "gen_ai.usage.num_sequences": len(reasons),
+                "gen_ai.usage.cache_read.input_tokens": sum(out.num_cached_tokens for out in generated),
+                "gen_ai.response.finish_reasons": reasons,
+            })  # fmt: skip
         attrs.update(_latencies([k.last.metrics for k in kept]))
         for k in kept:
             _engine_span(tracer, span, k)
@@ -365,21 +370,23 @@ def _latencies(metrics: list[RequestMetrics]) -> dict[str, float]:
 
 def _engine_span(tracer: RequestTracer, parent, kept: EngineRequestTrace) -> None:
     """One engine request: arrival to finish, its queue / prefill / decode phases as children, and the
-    engine's events (scheduling, prefill chunks, preemptions, first token, steps, the finish)."""
+    engine's events (scheduling, prefill chunks, preemptions, first token, steps, the finish). A pooling
+    request's prefill runs to its finish: it has no first token and no decode."""
     trace, out = tracer._trace, kept.last
     m = out.metrics
     end = m.finished_time or time.time()
+    attributes = {
+        "tachy.engine_request_id": out.request_id,
+        "gen_ai.usage.prompt_tokens": len(out.prompt_token_ids),
+        "tachy.num_preemptions": sum(1 for e in m.events or () if e.name == "preempted"),
+    }
+    finished: dict[str, Any] = {}
+    if isinstance(out, RequestOutput):
+        attributes["gen_ai.usage.completion_tokens"] = sum(kept.num_tokens.values())
+        attributes["tachy.prefix_cached_tokens"] = out.num_cached_tokens
+        finished["finish_reasons"] = kept.reasons
     engine = tracer._tracer.start_span(
-        "engine",
-        context=trace.set_span_in_context(parent),
-        start_time=_ns(m.arrival_time),
-        attributes={
-            "tachy.engine_request_id": out.request_id,
-            "gen_ai.usage.prompt_tokens": len(out.prompt_token_ids),
-            "gen_ai.usage.completion_tokens": sum(kept.num_tokens.values()),
-            "tachy.prefix_cached_tokens": out.num_cached_tokens,
-            "tachy.num_preemptions": sum(1 for e in m.events or () if e.name == "preempted"),
-        },
+        "engine", context=trace.set_span_in_context(parent), start_time=_ns(m.arrival_time), attributes=attributes
     )
     if m.spec_num_drafts:
         engine.set_attributes({
@@ -400,7 +407,7 @@ def _engine_span(tracer: RequestTracer, parent, kept: EngineRequestTrace) -> Non
         engine.add_event(event.name, event.attributes, timestamp=_ns(event.time))
     if m.first_token_time is not None:
         engine.add_event("first_token", {"ttft_seconds": m.ttft}, timestamp=_ns(m.first_token_time))
-    engine.add_event("finished", {"finish_reasons": kept.reasons}, timestamp=_ns(end))
+    engine.add_event("finished", finished, timestamp=_ns(end))
     if out.error:
         engine.set_status(trace.Status(trace.StatusCode.ERROR, out.error))
     engine.end(end_time=_ns(end))

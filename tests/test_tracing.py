@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from helpers.pooling_models import make_tiny_bert
 from otlp_receiver import Span, grpc_receiver, http_receiver
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,11 +38,24 @@ ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "4M", "--log-stats-in
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
 PROMPT = "The quick brown fox jumps"
+# What a pooling request's span leaves out: it samples nothing and generates no tokens.
+NOTHING_GENERATED = (
+    "gen_ai.usage.output_tokens",
+    "gen_ai.usage.completion_tokens",
+    "gen_ai.response.finish_reasons",
+    "gen_ai.latency.time_to_first_token",
+    "gen_ai.request.max_tokens",
+)
 
 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory) -> str:
     return str(tiny_model_factory("llama"))
+
+
+@pytest.fixture(scope="module")
+def embedder_path(tmp_path_factory) -> str:
+    return str(make_tiny_bert(tmp_path_factory.mktemp("embedder")))
 
 
 @pytest.fixture
@@ -163,6 +177,49 @@ def test_refused_and_failed_requests_have_error_status(model_path, http_protocol
     assert failed_span.status_code == 2 and "injected kernel fault" in failed_span.status_message
     assert failed_span.attributes["gen_ai.response.finish_reasons"] == ["error"]
     assert spans[ok.headers["x-trace-id"]].status_code != 2
+
+
+def test_pooling_requests_traced_with_input_tokens_and_timings(embedder_path, http_protocol):
+    texts = ["The quick brown fox", "Paged attention stores keys"]
+    with http_receiver() as (receiver, url), traced_server(embedder_path, url) as http:
+        calls = {
+            "embeddings": ("/v1/embeddings", {"input": texts}),
+            "score": ("/v1/score", {"text_1": texts[0], "text_2": texts}),
+            "rerank": ("/v1/rerank", {"query": texts[0], "documents": texts}),
+        }
+        responses = {
+            operation: http.post(path, json=body, headers={"traceparent": TRACEPARENT} if path == "/v1/score" else {})
+            for operation, (path, body) in calls.items()
+        }
+        refused = http.post("/v1/embeddings", json={"input": texts, "dimensions": 8})  # no Matryoshka cut
+        assert refused.status_code == 400
+        flush(http)
+        spans = {s.trace_id: s for s in receiver.wait_for("llm_request", 4)}
+        engines = receiver.wait_for("engine", 2 + 3 + 3)  # rerank and score by cosine: the query embedded too
+        phases = receiver.wait_for("queue", 8) + receiver.wait_for("prefill", 8)
+    assert responses["score"].headers["x-trace-id"] == TRACE_ID
+    for operation, response in responses.items():
+        assert response.status_code == 200, response.text
+        span = spans[response.headers["x-trace-id"]]
+        a = span.attributes
+        assert a["gen_ai.operation.name"] == operation and span.status_code != 2
+        assert a["gen_ai.request.id"] == a["gen_ai.response.id"] == response.json()["id"]
+        assert a["gen_ai.request.model"] == a["gen_ai.response.model"] == response.json()["model"]
+        prompt_tokens = response.json()["usage"]["prompt_tokens"]
+        assert a["gen_ai.usage.prompt_tokens"] == a["gen_ai.usage.input_tokens"] == prompt_tokens > 0
+        assert 0 <= a["gen_ai.latency.time_in_queue"] <= a["gen_ai.latency.e2e"] <= span.end - span.start + 1e-3
+        assert a["gen_ai.latency.time_in_model_inference"] >= 0
+        assert not any(name in a for name in NOTHING_GENERATED), operation
+        mine = [e for e in engines if e.parent_span_id == span.span_id]
+        assert sum(e.attributes["gen_ai.usage.prompt_tokens"] for e in mine) == prompt_tokens
+        for engine in mine:
+            assert "gen_ai.usage.completion_tokens" not in engine.attributes
+            assert sorted(p.name for p in phases if p.parent_span_id == engine.span_id) == ["prefill", "queue"]
+            assert [e[0] for e in engine.events][-1] == "finished"
+    assert spans[responses["score"].headers["x-trace-id"]].parent_span_id == PARENT_ID
+    refused_span = spans[refused.headers["x-trace-id"]]
+    assert refused_span.attributes["gen_ai.operation.name"] == "embeddings"
+    assert refused_span.status_code == 2 and "dimensions" in refused_span.status_message
 
 
 def test_text_recorded_only_with_its_flag(model_path, http_protocol):

@@ -1,4 +1,5 @@
-"""start_requests: a route's requests checked by the engine's InputProcessor and admitted to the engine, all or none."""
+"""start_requests: a route's requests checked by the engine's InputProcessor and admitted to the engine, all or
+none; add_requests: checked requests handed to the engine, and to the request's trace."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
-from tachyllm.engine.input_processor import Prompt
+from tachyllm.engine.input_processor import ProcessedRequest, Prompt
 from tachyllm.errors import RequestError
 from tachyllm.sampling_params import SamplingParams
-from tachyllm.server.async_engine import OutputStream, QueueFullError
+from tachyllm.server.async_engine import OutputStream, QueueFullError, RequestParams
 from tachyllm.server.errors import APIError, bad_request
 from tachyllm.server.request_trace import TracedStream, current_request
 from tachyllm.server.state import ServedModel, ServerState
@@ -31,16 +32,30 @@ async def start_requests(
         if model.lora is not None:
             processed = [replace(req, lora_request=model.lora) for req in processed]
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
-        traced = current_request()
-        if traced is None:
-            return await model.engine.add_requests(requests, max_queued=state.max_queue_len)
-        traced.model, traced.request_id, traced.params = model.name, base_id, params
-        traced.prompts = [pr.text for pr in prompts] if traced.record_text else []
-        traced.admitted_time = time.time()
-        streams = await model.engine.add_requests(requests, max_queued=state.max_queue_len)
-        return [TracedStream(s, traced) for s in streams]
+        if (traced := current_request()) is not None and traced.record_text:
+            traced.prompts = [pr.text for pr in prompts]
+        return await add_requests(state, model, base_id, requests, params)
     except (QueueFullError, RequestError) as e:
         raise admission_error(e, prompt_param) from None
+
+
+async def add_requests(
+    state: ServerState,
+    model: ServedModel,
+    base_id: str,
+    requests: list[tuple[str, ProcessedRequest, RequestParams]],
+    params: list[SamplingParams],
+) -> Sequence[OutputStream]:
+    """Hands checked requests to the engine, all or none (QueueFullError: its queue has no room for them).
+    The request being traced learns its model, id and sampling parameters (none for a pooling request) and
+    when the engine took it, and sees every output of its streams."""
+    traced = current_request()
+    if traced is None:
+        return await model.engine.add_requests(requests, max_queued=state.max_queue_len)
+    traced.model, traced.request_id, traced.params = model.name, base_id, params
+    traced.admitted_time = time.time()
+    streams = await model.engine.add_requests(requests, max_queued=state.max_queue_len)
+    return [TracedStream(s, traced) for s in streams]
 
 
 def check_admissible(state: ServerState, num_requests: int, prompt_param: str) -> None:

@@ -17,7 +17,7 @@ from tachyllm.errors import RequestError
 from tachyllm.outputs import PoolingRequestOutput, ScoringRequestOutput
 from tachyllm.pooling_params import PoolingParams
 from tachyllm.server import protocol as p
-from tachyllm.server.admission import admission_error, check_admissible
+from tachyllm.server.admission import add_requests, admission_error, check_admissible
 from tachyllm.server.async_engine import OutputStream, QueueFullError
 from tachyllm.server.errors import APIError, bad_request
 from tachyllm.server.output_stream import unless_hung_up
@@ -77,7 +77,7 @@ async def run_pooling(
                 param=param,
             )
         requests = [(f"{base_id}-{i}", req, req.params) for i, req in enumerate(processed)]
-        streams = await model.engine.add_requests(requests, max_queued=state.max_queue_len)
+        streams = await add_requests(state, model, base_id, requests, params=[])
     except RequestError as e:  # the engine's checks call an input "input" or "prompt": this route's is `param`
         raise bad_request(str(e), param=param if e.param in (None, "input", "prompt") else e.param) from None
     except QueueFullError as e:

@@ -1,5 +1,5 @@
-"""Request tracing in the server (docs/observability.md): an ASGI middleware gives each generation request
-an `llm_request` span, continuing the caller's W3C trace context (traceparent / tracestate) and naming the
+"""Request tracing in the server (docs/observability.md): an ASGI middleware gives each generation or pooling
+request an `llm_request` span, continuing the caller's W3C trace context (traceparent / tracestate) and naming the
 trace in the response's headers; admission hands it the request's engine streams, whose outputs carry
 the engine's timings and events; the span is built when the response has been sent."""
 
@@ -15,12 +15,20 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
 from tachyllm.otel import RequestTracer, TracedRequest
-from tachyllm.outputs import EngineOutput, RequestOutput
+from tachyllm.outputs import EngineOutput
 from tachyllm.server.async_engine import OutputStream
 from tachyllm.server.state import MetricsSource
 
-# The GenAI operation name (OpenTelemetry semantic conventions) of each traced route.
-TRACED_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion", "/v1/responses": "chat"}
+# The GenAI operation name (OpenTelemetry semantic conventions) of each traced route. The conventions name
+# no operation for scoring pairs: score and rerank are the names of vLLM's routes and pooling tasks.
+TRACED_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/responses": "chat",
+    "/v1/embeddings": "embeddings",
+    "/v1/score": "score",
+    **dict.fromkeys(("/v1/rerank", "/v2/rerank", "/rerank"), "rerank"),
+}
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 # The traced request being served in this task (set by RequestTracing, read by admission and the routes).
@@ -55,8 +63,7 @@ class TracedStream:
 
     async def __anext__(self) -> EngineOutput:
         out = await self._stream.__anext__()
-        if isinstance(out, RequestOutput):  # a pooling request's trace is its timings alone
-            self._request.observe(out)
+        self._request.observe(out)
         return out
 
     def close(self) -> None:
@@ -64,7 +71,7 @@ class TracedStream:
 
 
 class RequestTracing:
-    """ASGI middleware: one span per POST to a generation route, ended once its response is sent."""
+    """ASGI middleware: one span per POST to a generation or pooling route, ended once its response is sent."""
 
     def __init__(self, app, tracer: RequestTracer) -> None:
         self.app = app
