@@ -20,33 +20,17 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers.lora_files import ALL_TARGETS, write_adapter, write_gguf_adapter  # noqa: E402
+from helpers.server import thread_server  # noqa: E402
 
-from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tachyllm.engine_args import engine_config  # noqa: E402
-from tachyllm.entrypoints.cli import build_parser  # noqa: E402
 from tachyllm.lora.adapter_files import load_adapter  # noqa: E402
 from tachyllm.model_config import ModelConfig  # noqa: E402
-from tachyllm.server.app import build_app  # noqa: E402
-from tachyllm.server.async_engine import AsyncEngine  # noqa: E402
-
-
-def start_server(flags: list[str]) -> tuple[str, uvicorn.Server, AsyncEngine]:
-    args = build_parser().parse_args(["serve", "--log-stats-interval", "0", "--disable-log-requests", *flags])
-    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, args), host="127.0.0.1", port=0, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", server, engine
 
 
 def write_adapters(cfg: ModelConfig, root: Path, rank: int) -> dict[str, Path]:
@@ -125,8 +109,8 @@ def main() -> None:
     flags += ["--enable-lora", "--max-lora-rank", str(opts.rank), "--allow-runtime-lora-updating"]
     flags += ["--max-num-seqs", str(opts.streams + 1)]
     flags += [] if opts.threads is None else ["--threads", str(opts.threads)]
-    url, server, engine = start_server(flags)
-    try:
+    quiet = ["--log-stats-interval", "0", "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    with thread_server([*quiet, *flags]) as (url, _, engine):
         with tempfile.TemporaryDirectory() as tmp:
             paths = write_adapters(engine.model_config, Path(tmp), opts.rank)
             reads = load_times(engine.model_config, paths, opts.rank, opts.load_reps)
@@ -149,9 +133,6 @@ def main() -> None:
                     what = f", hot-load ({fmt}) to its first answer {1000 * load_s:.0f} ms" if load else ""
                     print(f"round {r} {kind:7}: worst inter-token gap {1000 * gap:6.1f} ms{what} "
                           f"(load {os.getloadavg()[0]:.1f})")  # fmt: skip
-    finally:
-        server.should_exit = True
-        engine.shutdown(10)
     calm, loaded = statistics.median(worst["no load"]), statistics.median(worst["load"])
     print(f"worst gap, median over rounds: no load {1000 * calm:.1f} ms, load {1000 * loaded:.1f} ms "
           f"({loaded / calm:.2f}x); ranges {[round(1000 * g, 1) for g in worst['no load']]} vs "

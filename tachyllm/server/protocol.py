@@ -615,42 +615,42 @@ class UnloadLoRAAdapterRequest(Request):
 
 # vLLM's truncate_prompt_tokens: keep that many tokens of a longer input; -1: the model's limit (0 is refused).
 TruncatePromptTokens = Annotated[int, Field(ge=-1), route_checked({"not": {"const": 0}}), _AS_INT]
+Texts = Text | Annotated[list[Text], Field(min_length=1)]  # a text, or a non-empty list of them
+TEXTS_HINT = "a non-empty string or a non-empty list of them"
 
 
-class EmbeddingRequest(Request):
+class PoolingRequest(Request):
+    """The fields every pooling route's body has beside its inputs (vLLM's)."""
+
+    model: str | None = None
+    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    user: str | None = None  # accepted and ignored, as by vLLM
+
+
+class EmbeddingRequest(PoolingRequest):
     """OpenAI's /v1/embeddings body, with vLLM's truncate_prompt_tokens and normalize."""
 
     UNION_HINTS: ClassVar[dict[str, str]] = {
         "input": "a non-empty string, a list of strings, a list of token ids, or a list of token-id lists"
     }
 
-    model: str | None = None
     input: (
-        Text
-        | Annotated[list[Text], Field(min_length=1)]
+        Texts
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveInt | None = None  # only for a model with Matryoshka embeddings (route-checked)
-    user: str | None = None  # accepted and ignored, as by vLLM
-    truncate_prompt_tokens: TruncatePromptTokens | None = None
     normalize: bool | None = None
 
 
-class ScoreRequest(Request):
+class ScoreRequest(PoolingRequest):
     """vLLM's /v1/score: each text_1 scored against each text_2 (1-1, 1-N or N-N, pairwise)."""
 
-    UNION_HINTS: ClassVar[dict[str, str]] = {
-        "text_1": "a non-empty string or a non-empty list of them",
-        "text_2": "a non-empty string or a non-empty list of them",
-    }
+    UNION_HINTS: ClassVar[dict[str, str]] = {"text_1": TEXTS_HINT, "text_2": TEXTS_HINT}
 
-    model: str | None = None
-    text_1: Text | Annotated[list[Text], Field(min_length=1)]
-    text_2: Text | Annotated[list[Text], Field(min_length=1)]
-    truncate_prompt_tokens: TruncatePromptTokens | None = None
-    user: str | None = None
+    text_1: Texts
+    text_2: Texts
 
 
 class RerankDocumentIn(Request):
@@ -659,18 +659,15 @@ class RerankDocumentIn(Request):
     text: Text
 
 
-class RerankRequest(Request):
+class RerankRequest(PoolingRequest):
     """vLLM's /v1/rerank, in Jina's and Cohere's shape: the documents ranked by relevance to the query."""
 
     UNION_HINTS: ClassVar[dict[str, str]] = {"documents[]": "a non-empty string or an object with a text field"}
 
-    model: str | None = None
     query: Text
     documents: Annotated[list[Text | RerankDocumentIn], Field(min_length=1)]
     top_n: NonNegInt | None = None  # None or 0: every document
     return_documents: bool = True
-    truncate_prompt_tokens: TruncatePromptTokens | None = None
-    user: str | None = None
 
 
 # -- responses ---------------------------------------------------------------------------------

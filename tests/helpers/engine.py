@@ -60,6 +60,8 @@ def assert_all_free(llm: LLM) -> None:
 
 
 def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
+    """Each output's first sample's tokens; every request must have succeeded."""
+    assert all(o.error is None for o in outputs), [o.error for o in outputs]
     return [o.outputs[0].token_ids for o in outputs]
 
 

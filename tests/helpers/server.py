@@ -54,10 +54,19 @@ def running_server(model: str, *flags: str) -> Iterator[str]:
 @contextmanager
 def graceful_server(model: str, *flags: str) -> Iterator[tuple[str, GracefulServer]]:
     """running_server's server itself too (its state, its exit code)."""
-    args = build_parser().parse_args(["serve", "--model", model, "--port", "0", *ENGINE_FLAGS, *flags])
-    server = make_server(build_app(AsyncEngine(lambda: LLMEngine(engine_config(args))), args), args)
-    with serving(server) as base:
+    with thread_server(["--model", model, *ENGINE_FLAGS, *flags]) as (base, server, _):
         yield base, server
+
+
+@contextmanager
+def thread_server(serve_args: list[str]) -> Iterator[tuple[str, GracefulServer, AsyncEngine]]:
+    """`tachy serve SERVE_ARGS` as a uvicorn server in a thread, on a free port (the benchmarks' servers
+    too); yields its base URL, the server and its engine, which stops with the server."""
+    args = build_parser().parse_args(["serve", "--port", "0", *serve_args])
+    engine = AsyncEngine(lambda: LLMEngine(engine_config(args)))
+    server = make_server(build_app(engine, args), args)
+    with serving(server) as base:
+        yield base, server, engine
 
 
 def metrics(http: httpx.Client) -> dict[tuple[str, tuple], float]:
