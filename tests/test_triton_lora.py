@@ -1,6 +1,9 @@
 """The Triton LoRA shrink / expand kernels (kernels/triton/lora.py) on the CPU through Triton's
 interpreter, against the same products in PyTorch: fixed-size banks, a slot per row (-1: a base row,
-left as it is), q/k/v columns expanded from their own ranks, rows independent of their batch.
+left as it is), q/k/v columns expanded from their own ranks, rows independent of their batch; the
+cuda backend's LoRAStep / LoRASlots over them (kernels/triton/lora_buffers.py) in a wrapped linear
+against its PyTorch path and the C++ kernel, their buffers' fixed addresses and their bad arguments
+refused; and the engine on the cuda backend against the merged weights.
 
 Tolerance: fp32 accumulation in another summation order than PyTorch's (rtol 1e-5); bf16 outputs
 within two bf16 ulps (the interpreter's bf16 conversion truncates, tests/test_triton_ops.py)."""

@@ -33,12 +33,14 @@ FUSED_PROJECTIONS = {
 @dataclass
 class StepSegments:
     """The current step's rows grouped by adapter slot, computed once per step for every wrapped linear:
-    `slots` in order, segment i holding rows[offsets[i]:offsets[i + 1]] of the step (`rows` None when one
-    slot holds every row). Base-model rows (slot 0) are left out. `kernels`: the backend's LoRA
-    kernels (Backend.lora_kernels; None: PyTorch matmuls), chosen when the engine is built; `native`,
-    their copy of the step, which the wrapped linears and the fused decoder layers read. `activations`:
-    the model's activation dtype; with kernels and bf16 activations the adapters' weights are stored
-    bf16 (`weight_dtype`; the kernels widen them to fp32 as they load them), else fp32. Kernels whose
+    `slots` in order, segment i holding rows[offsets[i]:offsets[i + 1]] of the step (`rows` on the host,
+    None when one slot holds every row; the PyTorch path copies them to the device at its first
+    segments() of the step, which kernels reading the step on the device do not need). Base-model
+    rows (slot 0) are left out. `kernels`: the backend's LoRA kernels (Backend.lora_kernels; None:
+    PyTorch matmuls), chosen when the engine is built; `native`, their copy of the step, which the
+    wrapped linears and the fused decoder layers read. `activations`: the model's activation dtype;
+    with kernels and bf16 activations the adapters' weights are stored bf16 (`weight_dtype`; the
+    kernels widen them to fp32 as they load them), else fp32. Kernels whose
     buffers have a fixed size (`FIXED_SIZE`: the Triton ones) are built for steps of up to `max_tokens`
     rows, adapters of up to `max_rank` and `num_slots` adapters loaded."""
 
@@ -52,7 +54,7 @@ class StepSegments:
     offsets: list[int] = field(default_factory=list)
     rows: torch.Tensor | None = None
     native: Any = field(init=False, default=None)  # kernels.LoRAStep
-    _host_rows: torch.Tensor | None = field(init=False, default=None)  # `rows` on the host, for the kernels
+    _device_rows: torch.Tensor | None = field(init=False, default=None)  # `rows` on the device
 
     def __post_init__(self) -> None:
         if self.kernels is not None:
@@ -79,10 +81,10 @@ class StepSegments:
     def set_step(self, seqs: list[ScheduledSeq]) -> None:
         self._group(seqs)
         if self.native is not None:
-            self.native.set(self._host_rows, self.offsets, self.slots)
+            self.native.set(self.rows, self.offsets, self.slots)
 
     def _group(self, seqs: list[ScheduledSeq]) -> None:
-        self.rows = self._host_rows = None
+        self.rows = self._device_rows = None
         distinct = {s.lora_slot for s in seqs}
         if distinct == {0} or not distinct:
             self.slots, self.offsets = [], []
@@ -102,14 +104,16 @@ class StepSegments:
         for slot in self.slots:
             index += by_slot[slot]
             self.offsets.append(len(index))
-        self._host_rows = torch.tensor(index, dtype=torch.long)
-        self.rows = self._host_rows.to(self.device)
+        self.rows = torch.tensor(index, dtype=torch.long)
 
     def segments(self) -> list[tuple[int, torch.Tensor | None]]:
         """(slot, its rows of the step, or None for every row) per segment."""
         if self.rows is None:
             return [(slot, None) for slot in self.slots]
-        return [(slot, self.rows[self.offsets[i] : self.offsets[i + 1]]) for i, slot in enumerate(self.slots)]
+        if self._device_rows is None:
+            self._device_rows = self.rows.to(self.device)
+        rows = self._device_rows
+        return [(slot, rows[self.offsets[i] : self.offsets[i + 1]]) for i, slot in enumerate(self.slots)]
 
 
 @dataclass
