@@ -53,7 +53,9 @@ class LoRAStep:
         self.row_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self._host = torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._host_view = self._host.numpy()
-        self.shrunk = torch.zeros(max_tokens * MAX_PROJECTIONS * bank_rank(max_rank), device=device)
+        self.shrunk = torch.zeros(
+            max_tokens * MAX_PROJECTIONS * bank_rank(max_rank), dtype=torch.float32, device=device
+        )
         self.highest_slot = 0  # the highest slot of the step's rows (0: none)
         self._written = 0  # the leading entries of row_slots that may hold a slot
         # The last upload's end: the host copy is free again after it.
