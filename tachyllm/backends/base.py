@@ -215,10 +215,12 @@ class Backend(ABC):
         return None
 
     def lora_kernels(self) -> ModuleType | None:
-        """Kernels for LoRA adapters in segment form (rows grouped by adapter), with LoRAStep and
-        LoRASlots as kernels/csrc/lora.h declares them, whose fused decoder layers take adapters
-        through `set_lora`; or None: the wrapped linears (tachyllm/lora/layers.py) use PyTorch matmuls
-        and the fused layers are off with adapters."""
+        """Kernels for LoRA adapters, with LoRAStep and LoRASlots as kernels/csrc/lora.h declares them
+        (the step's rows grouped by adapter; one wrapped linear's adapters by slot), which the wrapped
+        linears (tachyllm/lora/layers.py) call and the backend's fused decoder layers, if it has any,
+        take through `set_lora`; a module with `FIXED_SIZE` builds them with sizes, for buffers of fixed
+        size (kernels/triton/lora_buffers.py). Or None: the wrapped linears use PyTorch matmuls and the
+        fused layers are off with adapters."""
         return None
 
     def fused_decoder_layer(self, layer, rotary) -> FusedLayer | None:

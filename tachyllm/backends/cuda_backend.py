@@ -5,7 +5,8 @@ the block tables by one kernel launch per layer; int8 / fp8 caches are read in p
 of a step is four device tensors (block tables, query offsets, context lengths, cache slots). For
 CUDA graphs, a decode-only step's metadata can instead be written into persistent buffers padded to
 a batch-size bucket (`CudaMetadataBuilder.allocate_graph_buffers`, `prepare(batch, pad_to=...)`).
-The layers' elementwise ops are still the portable ones.
+The layers' elementwise ops are still the portable ones. LoRA adapters run on the Triton shrink and
+expand (kernels/triton/lora_buffers.py).
 
 The backend runs on a CUDA device. With TRITON_INTERPRET=1 it may also be built on the CPU, where
 the kernels run in Triton's interpreter: that exists for the tests, and is far too slow for anything else.
@@ -208,15 +209,19 @@ class CudaBackend(Backend):
         super().__init__(device)
         # These import triton: only once the backend is chosen.
         from tachyllm.backends.triton_ops import TritonOps
-        from tachyllm.kernels.triton import paged_attention, quant_matmul
+        from tachyllm.kernels.triton import lora_buffers, paged_attention, quant_matmul
 
         self.ops = TritonOps()
         self._quant_matmul = quant_matmul
+        self._lora = lora_buffers
         self._write_kv = paged_attention.write_kv
         self._paged_attention = paged_attention.paged_attention
 
     def quantized_matmul_kernels(self) -> ModuleType:
         return self._quant_matmul
+
+    def lora_kernels(self) -> ModuleType:
+        return self._lora
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:

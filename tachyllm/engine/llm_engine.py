@@ -217,9 +217,11 @@ class LLMEngine:
         # kernels, and are off where it has none (they would bypass the wrappers).
         if config.enable_lora:
             max_cpu_loras = config.max_cpu_loras or config.max_loras
+            max_tokens = config.max_num_batched_tokens
+            assert max_tokens is not None, "EngineConfig.__post_init__ sets it"
             self.lora = LoRAManager(
                 self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras,
-                kernels=self.backend.lora_kernels(), dtype=self.dtype,
+                kernels=self.backend.lora_kernels(), dtype=self.dtype, max_tokens=max_tokens,
             )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
             logger.info(

@@ -33,24 +33,43 @@ FUSED_PROJECTIONS = {
 @dataclass
 class StepSegments:
     """The current step's rows grouped by adapter slot, computed once per step for every wrapped linear:
-    `slots` in order, segment i holding rows[offsets[i]:offsets[i + 1]] of the step (`rows` None when one
-    slot holds every row). Base-model rows (slot 0) are left out. `kernels`: the backend's segment
-    kernels (Backend.lora_kernels; None: PyTorch matmuls), chosen when the engine is built; `native`,
-    their copy of the step, which the wrapped linears and the fused decoder layers read. `activations`:
-    the model's activation dtype; with kernels and bf16 activations the adapters' weights are stored
-    bf16 (`weight_dtype`; the kernels widen them to fp32 as they load them), else fp32."""
+    `slots` in order, segment i holding rows[offsets[i]:offsets[i + 1]] of the step (`rows` on the host,
+    None when one slot holds every row; the PyTorch path copies them to the device at its first
+    segments() of the step, which kernels reading the step on the device do not need). Base-model
+    rows (slot 0) are left out. `kernels`: the backend's LoRA kernels (Backend.lora_kernels; None:
+    PyTorch matmuls), chosen when the engine is built; `native`, their copy of the step, which the
+    wrapped linears and the fused decoder layers read. `activations`: the model's activation dtype;
+    with kernels and bf16 activations the adapters' weights are stored bf16 (`weight_dtype`; the
+    kernels widen them to fp32 as they load them), else fp32. Kernels whose
+    buffers have a fixed size (`FIXED_SIZE`: the Triton ones) are built for steps of up to `max_tokens`
+    rows, adapters of up to `max_rank` and `num_slots` adapters loaded."""
 
     device: torch.device
     kernels: ModuleType | None = None
     activations: torch.dtype = torch.float32
+    max_tokens: int = 0
+    max_rank: int = 0
+    num_slots: int = 0
     slots: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     rows: torch.Tensor | None = None
     native: Any = field(init=False, default=None)  # kernels.LoRAStep
+    _device_rows: torch.Tensor | None = field(init=False, default=None)  # `rows` on the device
 
     def __post_init__(self) -> None:
         if self.kernels is not None:
-            self.native = self.kernels.LoRAStep()
+            fixed_size = getattr(self.kernels, "FIXED_SIZE", False)
+            args = (self.max_tokens, self.max_rank, self.device) if fixed_size else ()
+            self.native = self.kernels.LoRAStep(*args)
+
+    def kernel_slots(self, in_features: int, out_sizes: list[int]) -> Any:
+        """The kernels' LoRASlots for a wrapped linear of `in_features` and projections of `out_sizes`."""
+        assert self.kernels is not None, "only with kernels"
+        if getattr(self.kernels, "FIXED_SIZE", False):
+            return self.kernels.LoRASlots(
+                in_features, out_sizes, self.max_rank, self.num_slots, self.weight_dtype, self.device
+            )
+        return self.kernels.LoRASlots()
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -65,7 +84,7 @@ class StepSegments:
             self.native.set(self.rows, self.offsets, self.slots)
 
     def _group(self, seqs: list[ScheduledSeq]) -> None:
-        self.rows = None
+        self.rows = self._device_rows = None
         distinct = {s.lora_slot for s in seqs}
         if distinct == {0} or not distinct:
             self.slots, self.offsets = [], []
@@ -85,13 +104,16 @@ class StepSegments:
         for slot in self.slots:
             index += by_slot[slot]
             self.offsets.append(len(index))
-        self.rows = torch.tensor(index, dtype=torch.long, device=self.device)
+        self.rows = torch.tensor(index, dtype=torch.long)
 
     def segments(self) -> list[tuple[int, torch.Tensor | None]]:
         """(slot, its rows of the step, or None for every row) per segment."""
         if self.rows is None:
             return [(slot, None) for slot in self.slots]
-        return [(slot, self.rows[self.offsets[i] : self.offsets[i + 1]]) for i, slot in enumerate(self.slots)]
+        if self._device_rows is None:
+            self._device_rows = self.rows.to(self.device)
+        rows = self._device_rows
+        return [(slot, rows[self.offsets[i] : self.offsets[i + 1]]) for i, slot in enumerate(self.slots)]
 
 
 @dataclass
@@ -111,7 +133,14 @@ class _SlotWeights:
 class LoRALinear(nn.Module):
     """A base linear plus the adapters loaded into it, each in a slot; applies the step's segments."""
 
-    def __init__(self, base: nn.Module, projections: tuple[str, ...], out_sizes: list[int], segments: StepSegments):
+    def __init__(
+        self,
+        base: nn.Module,
+        projections: tuple[str, ...],
+        in_features: int,
+        out_sizes: list[int],
+        segments: StepSegments,
+    ):
         super().__init__()
         self.base = base
         self.projections = projections
@@ -120,7 +149,7 @@ class LoRALinear(nn.Module):
         self.segments = segments
         self.slots: dict[int, _SlotWeights] = {}
         # The backend kernels' copy of the slots (the same tensors), where it has them.
-        self.native = segments.kernels.LoRASlots() if segments.kernels is not None else None
+        self.native = segments.kernel_slots(in_features, out_sizes) if segments.kernels is not None else None
 
     def set_adapter(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Loads an adapter's (A, B) of some of this linear's projections into `slot` (none: clears it)."""
@@ -182,16 +211,17 @@ class LoRALinear(nn.Module):
         return out
 
 
-def attach_lora(model: LlamaForCausalLM, out_sizes: dict[str, int], segments: StepSegments) -> list[dict]:
+def attach_lora(model: LlamaForCausalLM, shapes: dict[str, tuple[int, int]], segments: StepSegments) -> list[dict]:
     """Wraps every targetable linear of the model's decoder layers; returns, per layer, its wrappers by
-    the PEFT projection names they hold. `out_sizes`: each projection's output features."""
+    the PEFT projection names they hold. `shapes`: each projection's (input, output) features."""
     per_layer = []
     for layer in model.layers:
         wrapped = {}
         for path, projections in FUSED_PROJECTIONS.items():
             owner_name, attr = path.split(".")
             owner = getattr(layer, owner_name)
-            wrapper = LoRALinear(getattr(owner, attr), projections, [out_sizes[p] for p in projections], segments)
+            in_features, out_sizes = shapes[projections[0]][0], [shapes[p][1] for p in projections]
+            wrapper = LoRALinear(getattr(owner, attr), projections, in_features, out_sizes, segments)
             setattr(owner, attr, wrapper)
             wrapped.update({p: wrapper for p in projections})
         per_layer.append(wrapped)

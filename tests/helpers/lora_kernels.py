@@ -21,7 +21,7 @@ def lora_linear(
     gen = torch.Generator().manual_seed(seed)
     base = nn.Linear(in_features, sum(out_sizes), bias=False)
     base.weight.data = (torch.randn(sum(out_sizes), in_features, generator=gen) * in_features**-0.5).to(dtype)
-    linear = LoRALinear(base, PROJECTIONS, out_sizes, segments)
+    linear = LoRALinear(base, PROJECTIONS, in_features, out_sizes, segments)
     for slot, (rank, scale, targets) in ADAPTERS.items():
         pieces = {
             p: (torch.randn(rank, in_features, generator=gen) * 0.3, torch.randn(size, rank, generator=gen) * 0.3)
