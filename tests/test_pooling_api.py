@@ -280,6 +280,20 @@ def test_the_server_serves_on_after_bad_inputs(http):
     assert after[e2e] - before.get(e2e, 0) == 3
 
 
+def test_an_encoders_input_is_bounded_by_its_positions_not_a_kv_cache(http, embedder):
+    """An encoder keeps no KV cache (its engine holds one placeholder block): a text longer than that block
+    could spell is refused only beyond the model's own input limit, before tokenizing too."""
+    tokenizer = embedder.engine.tokenizer
+    placeholder = embedder.engine.input_processor.limits.context_limit
+    word = max((t for t in tokenizer.get_vocab() if t.isalpha()), key=len)
+    count = placeholder * tokenizer.max_token_chars // (len(word) + 1) + 1
+    text = " ".join([word] * count)
+    assert len(text) > placeholder * tokenizer.max_token_chars and count + 2 <= 64  # the tiny BERT's positions
+    response = http.post("/v1/embeddings", json={"input": text}).json()
+    assert response["usage"]["prompt_tokens"] == count + 2  # [CLS] ... [SEP]
+    assert response["data"][0]["embedding"] == pytest.approx(offline_embeddings(embedder, [text])[0], abs=1e-5)
+
+
 def test_small_requests_are_tokenized_and_encoded_on_the_event_loop(http, embedder, monkeypatch):
     """A few short texts cost less to tokenize and their answer less to encode than a hop to a worker
     thread and back; bigger requests (here: the bounds lowered under this one) go to a worker thread."""
