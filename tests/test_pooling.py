@@ -379,6 +379,40 @@ def test_the_async_engine_streams_one_final_pooling_output(bert_dir):
         engine.shutdown()
 
 
+def test_a_pooling_request_wakes_its_event_loop_once(bert_dir):
+    """Its acceptance comes with its output, in one call from the engine thread: not a wake-up before the
+    step and another after it. A refused request is still answered with its error."""
+    import asyncio
+
+    from tachyllm.server.async_engine import AsyncEngine
+
+    engine = AsyncEngine(lambda: LLMEngine(EngineConfig(model=str(bert_dir), dtype="float32")))
+
+    async def embed(requests: list) -> tuple[list, int]:
+        loop = asyncio.get_running_loop()
+        wakes = []
+        schedule = loop.call_soon_threadsafe
+
+        def counted(*args):
+            wakes.append(args)
+            return schedule(*args)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        streams = await engine.add_requests(requests)
+        return [[out async for out in stream] for stream in streams], len(wakes)
+
+    try:
+        for count in (1, 3):
+            processed = [engine.input_processor.process_pooling(text, PoolingParams()) for text in TEXTS[:count]]
+            results, wakes = asyncio.run(embed([(f"r{count}-{i}", r, r.params) for i, r in enumerate(processed)]))
+            assert [len(outs) for outs in results] == [1] * count and all(outs[0].finished for outs in results)
+            assert wakes == 1
+        with pytest.raises(RequestError, match="vocabulary|token"):
+            asyncio.run(embed([("bad", [10**6], PoolingParams())]))
+    finally:
+        engine.shutdown()
+
+
 def causal_embedder(llama_dir: Path, **options) -> LLM:
     defaults = dict(dtype="float32", convert="embed", block_size=4, kv_cache_memory=4 << 20, max_model_len=256)
     return LLM(str(llama_dir), **{**defaults, **options})

@@ -280,6 +280,60 @@ def test_the_server_serves_on_after_bad_inputs(http):
     assert after[e2e] - before.get(e2e, 0) == 3
 
 
+def test_an_encoders_input_is_bounded_by_its_positions_not_a_kv_cache(http, embedder):
+    """An encoder keeps no KV cache (its engine holds one placeholder block): a text longer than that block
+    could spell is refused only beyond the model's own input limit, before tokenizing too."""
+    tokenizer = embedder.engine.tokenizer
+    placeholder = embedder.engine.input_processor.limits.context_limit
+    word = max((t for t in tokenizer.get_vocab() if t.isalpha()), key=len)
+    count = placeholder * tokenizer.max_token_chars // (len(word) + 1) + 1
+    text = " ".join([word] * count)
+    assert len(text) > placeholder * tokenizer.max_token_chars and count + 2 <= 64  # the tiny BERT's positions
+    response = http.post("/v1/embeddings", json={"input": text}).json()
+    assert response["usage"]["prompt_tokens"] == count + 2  # [CLS] ... [SEP]
+    assert response["data"][0]["embedding"] == pytest.approx(offline_embeddings(embedder, [text])[0], abs=1e-5)
+
+
+def test_small_requests_are_tokenized_and_encoded_on_the_event_loop(http, embedder, monkeypatch):
+    """A few short texts cost less to tokenize and their answer less to encode than a hop to a worker
+    thread and back; bigger requests (here: the bounds lowered under this one) go to a worker thread."""
+    import asyncio
+
+    from tachyllm.engine.input_processor import InputProcessor
+    from tachyllm.server import pooling
+    from tachyllm.server.routes import embeddings
+
+    def on_event_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    seen: list[tuple[str, bool]] = []
+    process, encode = InputProcessor.process_pooling, embeddings.encode_embedding
+
+    def recording_process(self, *args, **kwargs):
+        seen.append(("tokenize", on_event_loop()))
+        return process(self, *args, **kwargs)
+
+    def recording_encode(*args):
+        seen.append(("encode", on_event_loop()))
+        return encode(*args)
+
+    monkeypatch.setattr(InputProcessor, "process_pooling", recording_process)
+    monkeypatch.setattr(embeddings, "encode_embedding", recording_encode)
+    expected = offline_embeddings(embedder, TEXTS)
+    for inline in (True, False):
+        if not inline:
+            monkeypatch.setattr(pooling, "INLINE_MAX_CHARS", 10)
+            monkeypatch.setattr(embeddings, "INLINE_MAX_FLOATS", 10)
+        seen.clear()
+        response = http.post("/v1/embeddings", json={"input": TEXTS}).json()
+        assert [d["embedding"] for d in response["data"]] == [pytest.approx(e, abs=1e-5) for e in expected]
+        assert seen == [("tokenize", inline)] * 3 + [("encode", inline)] * 3
+
+
 def test_an_engine_failure_is_a_500_and_the_server_serves_on(http):
     def fail_the_second_input(stage: str, request_ids: list[str]) -> None:
         if stage == "forward" and any(rid.endswith("-1") for rid in request_ids):

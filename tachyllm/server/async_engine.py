@@ -184,6 +184,14 @@ class _Outbox:
         self._calls = {}
 
 
+def _answered_with_output(op: _Add | _Abort) -> bool:
+    """A pooling request's add: its caller waits for its one output, which the step now starting computes,
+    so its acceptance goes out with the step's outputs, one wake-up of the caller's event loop instead of
+    two, and the loop does not compete with the compute threads for the cores and the GIL during the step
+    (docs/design_measurements.md#served-embedding-latency)."""
+    return isinstance(op, _Add) and isinstance(op.params, PoolingParams)
+
+
 def _run_calls(calls: list[tuple[Callable, tuple]]) -> None:
     for fn, args in calls:
         fn(*args)
@@ -445,7 +453,8 @@ class AsyncEngine:
                 elif ops:
                     self._publish(applied_adds)
                     applied_adds = []
-                    outbox.flush()  # acceptances go out before the step, not after it
+                    if not all(_answered_with_output(op) for op in ops):
+                        outbox.flush()  # acceptances go out before the step, not after it
                 if not stopping and engine.has_unfinished_requests():
                     outputs += engine.step()
                 if (failure := engine.check_health()) is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from fastapi import Request
 
+from tachyllm.engine.input_processor import ProcessedRequest
 from tachyllm.errors import RequestError
 from tachyllm.outputs import PoolingRequestOutput, ScoringRequestOutput
 from tachyllm.pooling_params import PoolingParams
@@ -65,10 +66,14 @@ async def run_pooling(
                 if isinstance(text, str):
                     model.check_prompt_chars(len(text), param)
     processor = model.processor
+
+    def process() -> list[ProcessedRequest]:
+        return [processor.process_pooling(i.prompt, params, text_pair=i.text_pair) for i in inputs]
+
     try:
-        processed = await asyncio.to_thread(
-            lambda: [processor.process_pooling(i.prompt, params, text_pair=i.text_pair) for i in inputs]
-        )
+        # A few short texts tokenize in tens of microseconds, less than a hop to a worker thread and back
+        # costs: those are tokenized on the event loop; anything bigger in a thread.
+        processed = process() if inline_sized(inputs) else await asyncio.to_thread(process)
         num_tokens = sum(len(req.prompt_token_ids) for req in processed)
         if num_tokens > state.limits.max_request_tokens:
             raise bad_request(
@@ -115,6 +120,22 @@ async def collect_outputs(streams: Sequence[OutputStream]) -> list[PoolingReques
             task.cancel()
         for stream in streams:
             stream.close()
+
+
+# Work small enough to do on the event loop rather than in a worker thread: the hop (a thread wake-up,
+# and the GIL handed over and back) costs more than the work (docs/design_measurements.md#served-embedding-latency).
+INLINE_MAX_CHARS = 4096  # of a request's texts (and token ids), to tokenize
+INLINE_MAX_FLOATS = 8192  # of a request's embeddings, to encode as JSON
+
+
+def inline_sized(inputs: Sequence[PoolingInput]) -> bool:
+    """Whether tokenizing `inputs` is cheap enough for the event loop."""
+    size = 0
+    for item in inputs:
+        size += len(item.prompt) + (len(item.text_pair) if item.text_pair is not None else 0)
+        if size > INLINE_MAX_CHARS:
+            return False
+    return True
 
 
 def usage(outputs: list[PoolingRequestOutput]) -> p.PoolingUsage:

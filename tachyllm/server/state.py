@@ -150,13 +150,21 @@ class ServedModel:
         """Prompt and output tokens together: what the context and the KV cache both hold."""
         return self.processor.limits.context_limit
 
+    @property
+    def prompt_token_limit(self) -> int:
+        """The most tokens one prompt may have: a pooling model's input limit (an encoder keeps no KV
+        cache, so its positions and a step's budget bound its inputs, not the cache), else the context."""
+        pooling = self.processor.pooling
+        return self.context_limit if pooling is None else pooling.max_input_tokens
+
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         """Refuses, before tokenizing, a prompt whose length alone proves it cannot fit: no token
         spells more than max_token_chars characters."""
         per_token = self.engine.tokenizer.max_token_chars
-        if num_chars > self.context_limit * per_token:
+        limit = self.prompt_token_limit
+        if num_chars > limit * per_token:
             raise bad_request(
-                f"the prompt has {num_chars} characters, more than the {self.context_limit} tokens of this "
+                f"the prompt has {num_chars} characters, more than the {limit} tokens of this "
                 f"server's context limit can hold (at most {per_token} characters per token); shorten the prompt",
                 param=param,
                 code="context_length_exceeded",

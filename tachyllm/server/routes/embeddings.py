@@ -12,7 +12,15 @@ from tachyllm.pooling_params import PoolingParams
 from tachyllm.server import protocol as p
 from tachyllm.server.openapi import route_doc
 from tachyllm.server.parsing import parse_body
-from tachyllm.server.pooling import ClientGone, PoolingInput, check_input_count, encode_embedding, run_pooling, usage
+from tachyllm.server.pooling import (
+    INLINE_MAX_FLOATS,
+    ClientGone,
+    PoolingInput,
+    check_input_count,
+    encode_embedding,
+    run_pooling,
+    usage,
+)
 from tachyllm.server.responses import json_response
 from tachyllm.server.state import ServerState, server_state
 
@@ -38,13 +46,16 @@ async def embeddings(request: Request, state: ServerState = Depends(server_state
     except ClientGone:
         return Response(status_code=499)  # nobody is listening
 
-    def respond() -> Response:  # thousands of floats per input: off the event loop
+    def respond() -> Response:
         data = [
             p.EmbeddingData(index=i, embedding=encode_embedding(out.outputs.data, body.encoding_format))
             for i, out in enumerate(outputs)
         ]
         return json_response(p.EmbeddingResponse(id=request_id, model=model.name, data=data, usage=usage(outputs)))
 
+    # Thousands of floats per input: off the event loop, unless there are only a few.
+    if sum(out.outputs.data.numel() for out in outputs) <= INLINE_MAX_FLOATS:
+        return respond()
     return await asyncio.to_thread(respond)
 
 
