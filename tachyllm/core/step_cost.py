@@ -54,7 +54,7 @@ class StepShape:
 
 def _buckets(sizes: np.ndarray) -> np.ndarray:
     """Exact up to 16 tokens, then four buckets per doubling."""
-    return np.where(sizes <= 16, sizes, 16 + np.round(4 * np.log2(np.maximum(sizes, 16) / 16))).astype(np.int64)
+    return np.where(sizes <= 16, sizes, 16 + np.rint(4 * np.log2(np.maximum(sizes, 16) / 16))).astype(np.int64)
 
 
 @dataclass
@@ -97,12 +97,13 @@ class CostBySize:
         ys = np.array([p[1] for p in measured])
         sizes = np.asarray(sizes)
         # Interpolated between the nearest measured sizes on either side ...
-        below = np.searchsorted(xs, sizes, side="right") - 1
-        above = np.searchsorted(xs, sizes, side="left")
-        lo, hi = np.clip(below, 0, len(xs) - 1), np.clip(above, 0, len(xs) - 1)
+        # (ndarray methods and ufuncs throughout: numpy's function wrappers cost more calls than the work.)
+        below = xs.searchsorted(sizes, side="right") - 1
+        above = xs.searchsorted(sizes, side="left")
+        lo, hi = np.maximum(below, 0), np.minimum(above, len(xs) - 1)
         span = xs[hi] - xs[lo]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            out = np.where(span > 0, ys[lo] + (ys[hi] - ys[lo]) * (sizes - xs[lo]) / span, ys[lo])
+        rise = (ys[hi] - ys[lo]) * (sizes - xs[lo])
+        out = ys[lo] + np.divide(rise, span, out=np.zeros(rise.shape), where=span > 0)
         # ... or bounded outside the measured range.
         smaller = below < 0
         larger = above >= len(xs)
@@ -110,7 +111,7 @@ class CostBySize:
         out = np.where(larger, ys[-1] * sizes / xs[-1] if high else ys[-1], out)
         # A size whose bucket was measured takes that bucket's time.
         b = _buckets(sizes)
-        at = np.clip(np.searchsorted(buckets, b), 0, len(buckets) - 1)
+        at = np.minimum(buckets.searchsorted(b), len(buckets) - 1)
         result: np.ndarray = np.where(buckets[at] == b, bucket_seconds[at], out)
         return result
 
