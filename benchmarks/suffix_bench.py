@@ -210,17 +210,17 @@ def measure(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int, in
     cap = scheduler.max_num_seqs
     # One engine per configuration serves every batch size: the scheduler reads its cap each step.
     scheduler.max_num_seqs = batch
-    for group in groups:
-        t0 = time.perf_counter()
-        try:
+    try:
+        for group in groups:
+            t0 = time.perf_counter()
             outs = llm.chat(group, params, use_tqdm=False)
-        finally:
-            scheduler.max_num_seqs = cap
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        out.tokens += tokens
-        out.seconds += seconds
-        out.per_request_rate.append(tokens / seconds)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            out.tokens += tokens
+            out.seconds += seconds
+            out.per_request_rate.append(tokens / seconds)
+    finally:
+        scheduler.max_num_seqs = cap
     after = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
     out.drafts, out.draft_tokens, out.accepted = (a - b for a, b in zip(after, before))
     # spec_draft_tokens_per_pos[i]: drafts longer than i tokens, so consecutive differences count
