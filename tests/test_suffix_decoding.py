@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.call_counts import count_calls
 from helpers.engine import GREEDY, random_prompts, run, tiny_llm, token_ids
 from helpers.lora_files import write_adapter
 from helpers.spec_decode import SUFFIX
@@ -19,7 +20,7 @@ from tachyllm.lora.request import LoRARequest
 from tachyllm.runner import kv_cache
 from tachyllm.server.metrics import ServerMetrics
 from tachyllm.spec_decode.suffix import SuffixProposer
-from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree
+from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree, propose_drafts
 from tachyllm.speculative_config import SpeculativeConfig
 
 # The trees are C++: every test here needs the kernels (tests/test_suffix_config.py does not).
@@ -194,9 +195,56 @@ def test_proposer_prefers_the_better_scored_tree():
             self.request = SimpleNamespace(lora_digest=b"")
 
     # Its own text followed "3 4" by 9 once and 5 once; the global tree by 5 6 7 8 every time.
-    assert proposer.draft(Seq(1, [3, 4, 9, 3, 4, 5, 0, 3, 4]), 8) == [5, 6, 7, 8]
     # Its own text repeats a longer span exactly: its candidate scores higher.
-    assert proposer.draft(Seq(2, [3, 4, 1, 1, 1, 1, 1, 2, 0, 3, 4]), 8) == [1, 1, 1, 1, 1, 2, 0, 3]
+    drafts = proposer.propose([Seq(1, [3, 4, 9, 3, 4, 5, 0, 3, 4]), Seq(2, [3, 4, 1, 1, 1, 1, 1, 2, 0, 3, 4])], [8, 8])
+    assert [d.token_ids for d in drafts] == [[5, 6, 7, 8], [1, 1, 1, 1, 1, 2, 0, 3]]
+
+
+def test_one_native_call_proposes_for_the_whole_batch_as_row_by_row():
+    """The proposer extends every row's tree and drafts for every row in one call: the same drafts
+    as extending each tree and taking the better scored of its own draft and the shared tree's for
+    the text's last tokens, step after step as tokens are accepted, with and without a shared tree."""
+    depth, factor, min_prob = 6, 2.0, 0.1
+    config = SpeculativeConfig.from_dict(
+        {**SUFFIX, "suffix_decoding_max_tree_depth": depth, "suffix_decoding_max_spec_factor": factor,
+         "suffix_decoding_min_token_prob": min_prob}
+    )  # fmt: skip
+    proposer = SuffixProposer(config)
+    rng = random.Random(11)
+    for seq_id in range(4):  # finished outputs for the base model only
+        proposer.global_trees.add(seq_id, [rng.randrange(5) for _ in range(20)], key=b"")
+
+    class Seq:
+        def __init__(self, seq_id, digest):
+            self.seq_id, self.token_ids = seq_id, [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
+            self.request = SimpleNamespace(lora_digest=digest)
+
+    seqs = [Seq(10 + i, b"" if i % 3 else b"adapter") for i in range(7)]
+    references = {seq.seq_id: SuffixTree(depth) for seq in seqs}
+    shared_drafts = 0
+    for _ in range(12):
+        ks = [rng.randrange(1, 9) for _ in seqs]
+        drafts = proposer.propose(seqs, ks)
+        for seq, k, draft in zip(seqs, ks, drafts):
+            reference = references[seq.seq_id]
+            reference.extend(seq.token_ids[reference.num_tokens :])
+            assert reference.recent() == seq.token_ids[-depth:]
+            own = reference.speculate_own(k, factor, min_prob)
+            shared = proposer.global_trees.speculate(
+                seq.token_ids[-depth:], k, factor, min_prob, key=seq.request.lora_digest
+            )
+            assert draft.token_ids == (own if own.score >= shared.score else shared).token_ids
+            shared_drafts += shared.score > own.score
+            seq.token_ids += [rng.randrange(5) for _ in range(rng.randrange(1, 4))]  # accepted this step
+    assert shared_drafts > 0  # both kinds of draft were compared
+
+
+def test_batched_proposal_refuses_mismatched_rows():
+    own = SuffixTree(4)
+    with pytest.raises(ValueError, match="one entry per row"):
+        propose_drafts([own, SuffixTree(4)], [[1, 2]], [None, None], [4, 4], 2.0, 0.1)
+    with pytest.raises(ValueError, match="bad token id"):
+        propose_drafts([own], [[1, -2]], [None], [4], 2.0, 0.1)
 
 
 # -- in the engine ---------------------------------------------------------------------------------
@@ -303,6 +351,44 @@ def test_greedy_identity_under_preemption(tiny_model_factory):
     assert all(seq.is_finished for seq, _ in proposer._trees.values())
     proposer.release_finished([])
     assert not proposer._trees and proposer.global_trees.num_sequences == 2 * len(prompts)
+
+
+def decode_step_calls(llm, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """Python calls of each engine step in which every prompt decoded one token and none had drafts."""
+    engine = llm.engine
+    step, execute = engine._step, engine.runner.execute
+    plain_decode = []
+
+    def recording_execute(batch):
+        plain_decode.append(batch.num_tokens == len(batch.seqs) == len(prompts))
+        return execute(batch)
+
+    calls = []
+
+    def counting_step():
+        plain_decode.clear()
+        outputs, count = count_calls(step)
+        if plain_decode == [True]:
+            calls.append(count)
+        return outputs
+
+    engine.runner.execute, engine._step = recording_execute, counting_step
+    run(llm, prompts, params)
+    return calls
+
+
+def test_a_step_without_drafts_costs_what_a_plain_step_costs(tiny_model_factory):
+    """Where no row has a draft the step runs the plain path, and what speculation adds to it (the
+    switch's decision, and where it proposes, one native call for every row's tree update and draft)
+    is a few calls per row: counted, since counts do not move with load on the machine."""
+    path = tiny_model_factory("llama")
+    prompts = random_prompts(21, 8, shared=0, tail=(6, 12))
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    plain = decode_step_calls(tiny_llm(path), prompts, params)
+    suffix = decode_step_calls(tiny_llm(path, speculative_config={"method": "suffix"}), prompts, params)
+    assert len(plain) > 30 and len(suffix) > 10
+    # The plain engine's own steps vary by about 200 calls (what the step emits, its stats).
+    assert max(suffix) <= max(plain) + 150 + 25 * len(prompts)
 
 
 # -- adapters ---------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ switch reads: one model, fed once per step, for both.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import astuple, dataclass, field
 
@@ -53,9 +52,9 @@ class StepShape:
         return StepShape(self.tokens + other.tokens, self.pairs + other.pairs, self.context + other.context)
 
 
-def _bucket(n: int) -> int:
+def _buckets(sizes: np.ndarray) -> np.ndarray:
     """Exact up to 16 tokens, then four buckets per doubling."""
-    return n if n <= 16 else 16 + round(4 * math.log2(n / 16))
+    return np.where(sizes <= 16, sizes, 16 + np.rint(4 * np.log2(np.maximum(sizes, 16) / 16))).astype(np.int64)
 
 
 @dataclass
@@ -67,7 +66,7 @@ class CostBySize:
     points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean size, seconds)
 
     def record(self, size: int, seconds: float) -> None:
-        b = _bucket(size)
+        b = int(_buckets(np.array([size]))[0])
         old = self.points.get(b)
         self.points[b] = (size, seconds) if old is None else (
             old[0] + COST_EMA * (size - old[0]), old[1] + COST_EMA * (seconds - old[1])
@@ -81,21 +80,40 @@ class CostBySize:
         Outside the measured range the estimate leans the cautious way: high=True gives an upper
         bound (cost grows at most linearly past the largest size, and a smaller step costs at most
         what the smallest measured did), high=False a lower bound. None before any measurement."""
+        found = self.estimates(np.array([size]), high)
+        return None if found is None else float(found[0])
+
+    def estimates(self, sizes: np.ndarray, high: bool) -> np.ndarray | None:
+        """estimate() of every size at once (any shape): the speculation switch weighs every draft
+        length for several numbers of drafting sequences each step, which one size at a time in
+        Python took milliseconds (docs/design_measurements.md#adaptive-switch-cost)."""
         if not self.points:
             return None
-        exact = self.points.get(_bucket(size))
-        if exact is not None:
-            return exact[1]
-        below = max((p for p in self.points.values() if p[0] <= size), default=None)
-        above = min((p for p in self.points.values() if p[0] >= size), default=None)
-        if below is None:
-            assert above is not None, "self.points is not empty"
-            return above[1] if high else above[1] * size / above[0]
-        if above is None:
-            return below[1] * size / below[0] if high else below[1]
-        if above[0] == below[0]:
-            return below[1]
-        return below[1] + (above[1] - below[1]) * (size - below[0]) / (above[0] - below[0])
+        buckets = np.array(sorted(self.points))
+        bucket_seconds = np.array([self.points[b][1] for b in buckets.tolist()])
+        # Measured points by mean size (on a tie the larger time is "below", the smaller "above").
+        measured = sorted(self.points.values())
+        xs = np.array([p[0] for p in measured], dtype=float)
+        ys = np.array([p[1] for p in measured])
+        sizes = np.asarray(sizes)
+        # Interpolated between the nearest measured sizes on either side ...
+        # (ndarray methods and ufuncs throughout: numpy's function wrappers cost more calls than the work.)
+        below = xs.searchsorted(sizes, side="right") - 1
+        above = xs.searchsorted(sizes, side="left")
+        lo, hi = np.maximum(below, 0), np.minimum(above, len(xs) - 1)
+        span = xs[hi] - xs[lo]
+        rise = (ys[hi] - ys[lo]) * (sizes - xs[lo])
+        out = ys[lo] + np.divide(rise, span, out=np.zeros(rise.shape), where=span > 0)
+        # ... or bounded outside the measured range.
+        smaller = below < 0
+        larger = above >= len(xs)
+        out = np.where(smaller, ys[0] if high else ys[0] * sizes / xs[0], out)
+        out = np.where(larger, ys[-1] * sizes / xs[-1] if high else ys[-1], out)
+        # A size whose bucket was measured takes that bucket's time.
+        b = _buckets(sizes)
+        at = np.minimum(buckets.searchsorted(b), len(buckets) - 1)
+        result: np.ndarray = np.where(buckets[at] == b, bucket_seconds[at], out)
+        return result
 
 
 class StepCostModel:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tachyllm.core.step_cost import CostBySize, StepCostModel
 
 PROBE_INTERVAL = 64  # while off: a probe after this many steps, doubling after each probe that
@@ -59,19 +61,22 @@ class AdaptiveController:
         self.accepted = [0.0] * self.max_k
         self.attempted = [0.0] * self.max_k
 
-    def acceptance(self, position: int) -> float:
-        """P(draft at 0-based position is accepted | the earlier ones were). A position seldom
+    def acceptances(self) -> list[float]:
+        """P(draft at each 0-based position is accepted | the earlier ones were). A position seldom
         reached (probes draft only two tokens) leans on the one before it rather than on a fixed
         prior: acceptance hardly depends on the position once the earlier drafts were right."""
-        prior = ACCEPT_PRIOR if position == 0 else self.acceptance(position - 1)
-        return (self.accepted[position] + prior * PRIOR_WEIGHT) / (self.attempted[position] + PRIOR_WEIGHT)
+        out, prior = [], ACCEPT_PRIOR
+        for accepted, attempted in zip(self.accepted, self.attempted):
+            prior = (accepted + prior * PRIOR_WEIGHT) / (attempted + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
 
-    def expected_tokens(self, k: int) -> float:
-        total, reach = 1.0, 1.0
-        for i in range(k):
-            reach *= self.acceptance(i)
-            total += reach
-        return total
+    def expected_tokens(self) -> np.ndarray:
+        """[k - 1]: the tokens a sequence is expected to gain from a step verifying k drafts, for k in
+        1..max_k (the accepted ones and the token sampled after them)."""
+        # Summed from the 1 up, in the order a running total would add them.
+        expected: np.ndarray = np.cumsum(np.concatenate([[1.0], np.cumprod(self.acceptances())]))[1:]
+        return expected
 
     def choose(self, num_spec: int, num_decodes: int, base_tokens: int, num_running: int) -> int:
         """k for this step: num_spec sequences could speculate, num_decodes sequences decode, and the
@@ -108,15 +113,21 @@ class AdaptiveController:
     def _best_k(self, num_spec: int, num_decodes: int, base_tokens: int, base: float) -> int:
         """The k with the best expected tokens per second, or 0 unless it beats plain decoding
         (`base` seconds) by MIN_GAIN."""
-        best_k, best_rate = 0, 0.0
-        for k in range(1, self.max_k + 1):
-            step = self.step_costs.by_size.estimate(base_tokens + num_spec * k, high=True)
-            assert step is not None, "the callers measured `base`: the table has points"
-            cost = step + self.proposal_seconds(num_spec, k)
-            rate = (num_decodes + num_spec * (self.expected_tokens(k) - 1)) / cost
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k if best_rate >= MIN_GAIN * num_decodes / base else 0
+        return int(self._best_ks([num_spec], num_decodes, base_tokens, base)[0])
+
+    def _best_ks(self, num_specs: list[int], num_decodes: int, base_tokens: int, base: float) -> np.ndarray:
+        """_best_k for each of num_specs, every k judged at once: one step-cost lookup over all of
+        them (one k at a time in Python cost milliseconds per step at max_k 24;
+        docs/design_measurements.md#adaptive-switch-cost)."""
+        spec = np.array(num_specs)[:, None]
+        ks = np.arange(1, self.max_k + 1)
+        steps = self.step_costs.by_size.estimates(base_tokens + spec * ks, high=True)
+        assert steps is not None, "the callers measured `base`: the table has points"
+        rates = (num_decodes + spec * (self.expected_tokens() - 1)) / (steps + self.proposal_seconds(spec, ks))
+        best = rates.argmax(axis=1)  # the smallest k on a tie
+        pays = rates[np.arange(len(num_specs)), best] >= MIN_GAIN * num_decodes / base
+        chosen: np.ndarray = np.where(pays, best + 1, 0)
+        return chosen
 
     def can_skip_proposals(self, num_candidates: int, num_decodes: int, base_tokens: int) -> bool:
         """Whether this step will not speculate even if all num_candidates sequences had drafts
@@ -131,7 +142,7 @@ class AdaptiveController:
         # Fewer sequences with drafts can pay where all of them would not (a step that stays small
         # enough for the fused kernels), so check every power of two up to all of them.
         counts = {min(num_candidates, 1 << i) for i in range(num_candidates.bit_length() + 1)}
-        if any(self._best_k(n, num_decodes, base_tokens, base) for n in counts):
+        if self._best_ks(sorted(counts), num_decodes, base_tokens, base).any():
             return False
         self.steps += 1
         self._no_spec()
@@ -144,15 +155,17 @@ class AdaptiveController:
     def _steps_between_probes(self) -> int:
         return EARLY_PROBE_INTERVAL if self._early() else self.probe_interval
 
-    def proposal_seconds(self, num_spec: int, k: int) -> float:
+    def proposal_seconds(self, num_spec: np.ndarray, k: np.ndarray) -> np.ndarray | float:
         """A draft model's round: a catch-up forward over what the target accepted last time
-        (about two tokens per sequence) then k - 1 one-token forwards."""
+        (about two tokens per sequence) then k - 1 one-token forwards (elementwise over num_spec
+        and k; 0 for a lookup)."""
         if not self.has_draft_model:
             return 0.0
-        first = self.proposal_cost.estimate(2 * num_spec, high=True)
-        later = self.proposal_cost.estimate(num_spec, high=True)
+        first = self.proposal_cost.estimates(2 * num_spec, high=True)
+        later = self.proposal_cost.estimates(num_spec, high=True)
         assert first is not None and later is not None, "choose() measures the proposer before judging it"
-        return first + (k - 1) * later
+        seconds: np.ndarray = first + (k - 1) * later
+        return seconds
 
     def _spec(self, k: int) -> int:
         self.steps_without_spec = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tachyllm.core.sequence import Sequence
 from tachyllm.spec_decode.proposer import Draft, Proposer
-from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree, require_native_trees
+from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree, propose_drafts, require_native_trees
 from tachyllm.speculative_config import SpeculativeConfig
 
 
@@ -31,25 +31,19 @@ class SuffixProposer(Proposer):
         self._trees: dict[int, tuple[Sequence, SuffixTree]] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        return [Draft(self.draft(seq, k)) for seq, k in zip(seqs, ks)]
-
-    def draft(self, seq: Sequence, k: int) -> list[int]:
-        tree = self._tree(seq)
-        context = seq.token_ids[-self.max_depth :]
-        own = tree.speculate_own(k, self.max_spec_factor, self.min_token_prob)
-        shared = self.global_trees.speculate(
-            context, k, self.max_spec_factor, self.min_token_prob, key=seq.request.lora_digest
-        )
-        return (own if own.score >= shared.score else shared).token_ids
-
-    def _tree(self, seq: Sequence) -> SuffixTree:
-        """seq's tree, extended by the tokens accepted since the last proposal."""
-        entry = self._trees.get(seq.seq_id)
-        if entry is None:
-            entry = self._trees[seq.seq_id] = (seq, SuffixTree(self.max_depth))
-        tree = entry[1]
-        tree.extend(seq.token_ids[tree.num_tokens :])
-        return tree
+        """Each sequence's tree is brought up to date with the tokens accepted since its last
+        proposal (never rebuilt) and drafts from it or from the tree of finished outputs, all rows
+        in one native call."""
+        trees, new_tokens = [], []
+        for seq in seqs:
+            entry = self._trees.get(seq.seq_id)
+            if entry is None:
+                entry = self._trees[seq.seq_id] = (seq, SuffixTree(self.max_depth))
+            trees.append(entry[1])
+            new_tokens.append(seq.token_ids[entry[1].num_tokens :])
+        shared = [self.global_trees.trees.get(seq.request.lora_digest) for seq in seqs]
+        drafts = propose_drafts(trees, new_tokens, shared, ks, self.max_spec_factor, self.min_token_prob)
+        return [Draft(draft) for draft in drafts]
 
     def release_finished(self, running: list[Sequence]) -> None:
         """Finished sequences' outputs go into the global tree and their own trees are dropped."""

@@ -98,6 +98,10 @@ class SuffixTree:
         token_ids, match_length, score = self._tree.speculate_own(max_tokens, max_spec_factor, min_token_prob)
         return Candidate(token_ids, match_length, score)
 
+    def recent(self) -> list[int]:
+        """The last max_depth tokens of the text since start_text(): what its drafts follow."""
+        return list(self._tree.recent())
+
     def lookup(self, path: list[int]) -> tuple[int, int] | None:
         """(occurrences, occurrences followed by another token) of path, None where it is absent."""
         found = self._tree.lookup(path)
@@ -106,6 +110,29 @@ class SuffixTree:
     def entries(self) -> list[tuple[list[int], int, int]]:
         """Every node but the root as (path, count, continued), in path order: the whole content."""
         return [(list(path), int(count), int(continued)) for path, count, continued in self._tree.entries()]
+
+
+def propose_drafts(
+    own: list[SuffixTree],
+    new_tokens: list[list[int]],
+    shared: list[SuffixTree | None],
+    max_tokens: list[int],
+    max_spec_factor: float,
+    min_token_prob: float,
+) -> list[list[int]]:
+    """A step's drafts in one native call: own[i] extended by new_tokens[i], then the better scored
+    of own[i].speculate_own() and shared[i].speculate(own[i].recent()) (own[i]'s on a tie; shared[i]
+    None: its own). Per row and step the separate calls cost a share of a large batch's step
+    (docs/design_measurements.md#adaptive-switch-cost)."""
+    drafts: list[list[int]] = require_native_trees().suffix_propose(
+        [tree._tree for tree in own],
+        new_tokens,
+        [None if tree is None else tree._tree for tree in shared],
+        max_tokens,
+        max_spec_factor,
+        min_token_prob,
+    )
+    return drafts
 
 
 class GlobalSuffixTrees:

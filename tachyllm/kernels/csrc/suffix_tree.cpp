@@ -52,7 +52,10 @@ class SuffixTree {
   int64_t num_tokens() const { return num_tokens_; }
 
   // Begins another text in the same tree: no substring spans the texts' boundary.
-  void start_text() { open_.clear(); }
+  void start_text() {
+    open_.clear();
+    recent_.clear();
+  }
 
   void extend(const Tokens& tokens) {
     std::vector<int32_t> extended;
@@ -69,10 +72,20 @@ class SuffixTree {
         extended.push_back(child);
       }
       num_tokens_ += 1;
+      recent_.push_back(token);
       // The suffixes that reached max_depth are extended no further.
       const size_t keep = std::min<size_t>(extended.size(), static_cast<size_t>(max_depth_ - 1));
       open_.assign(extended.end() - keep, extended.end());
     }
+    // Trimmed now and then rather than per token: amortized O(1).
+    if (recent_.size() > static_cast<size_t>(2 * max_depth_))
+      recent_.erase(recent_.begin(), recent_.end() - max_depth_);
+  }
+
+  // The last max_depth tokens of the text since start_text(): the context a draft follows.
+  Tokens recent() const {
+    const size_t keep = std::min(recent_.size(), static_cast<size_t>(max_depth_));
+    return Tokens(recent_.end() - keep, recent_.end());
   }
 
   // Takes away the counts that extend(tokens) added as a text of its own (after start_text()).
@@ -156,6 +169,7 @@ class SuffixTree {
   // The nodes of the suffixes of the text so far shorter than max_depth (those the next token
   // extends), longest first.
   std::vector<int32_t> open_;
+  Tokens recent_;  // the text's last tokens since start_text(): at least max_depth of them where it has them
 
   std::vector<Child>::const_iterator child_position(int32_t node, int64_t token) const {
     const auto& children = nodes_[node].children;
@@ -237,6 +251,32 @@ class SuffixTree {
   }
 };
 
+// One step's drafts in one call (a few native calls and a dozen Python ones per row and step were a
+// share of a large batch's step): row i's tree is first extended by new_tokens[i], the tokens
+// accepted since its last proposal; its draft is then the better scored of its own and the one
+// shared[i] (the tree of finished outputs its row may draft from; None: none) gives for the last
+// max_depth tokens of its text, its own on a tie.
+std::vector<Tokens> propose(const std::vector<SuffixTree*>& own, const std::vector<Tokens>& new_tokens,
+                            const std::vector<SuffixTree*>& shared, const std::vector<int64_t>& max_tokens,
+                            double max_spec_factor, double min_token_prob) {
+  const size_t rows = own.size();
+  if (new_tokens.size() != rows || shared.size() != rows || max_tokens.size() != rows)
+    throw std::invalid_argument("suffix_propose: own, new_tokens, shared and max_tokens must have one entry per row");
+  std::vector<Tokens> drafts;
+  drafts.reserve(rows);
+  for (size_t i = 0; i < rows; ++i) {
+    if (own[i] == nullptr) throw std::invalid_argument("suffix_propose: every row needs its own tree");
+    own[i]->extend(new_tokens[i]);
+    Candidate best = own[i]->speculate_own(max_tokens[i], max_spec_factor, min_token_prob);
+    if (shared[i] != nullptr) {
+      Candidate other = shared[i]->speculate(own[i]->recent(), max_tokens[i], max_spec_factor, min_token_prob);
+      if (std::get<2>(other) > std::get<2>(best)) best = std::move(other);
+    }
+    drafts.push_back(std::move(std::get<0>(best)));
+  }
+  return drafts;
+}
+
 }  // namespace
 
 void register_suffix_tree(pybind11::module_& m) {
@@ -254,5 +294,8 @@ void register_suffix_tree(pybind11::module_& m) {
       .def("speculate_own", &SuffixTree::speculate_own, py::arg("max_tokens"), py::arg("max_spec_factor"),
            py::arg("min_token_prob"))
       .def("lookup", &SuffixTree::lookup, py::arg("path"))
+      .def("recent", &SuffixTree::recent)
       .def("entries", &SuffixTree::entries);
+  m.def("suffix_propose", &propose, py::arg("own"), py::arg("new_tokens"), py::arg("shared"), py::arg("max_tokens"),
+        py::arg("max_spec_factor"), py::arg("min_token_prob"));
 }
