@@ -67,7 +67,8 @@ class EncoderMetadata(AttentionMetadata):
     # Attention runs over inputs padded to a multiple of ENCODER_PAD_MULTIPLE tokens, one call per padded
     # length: `padded_rows` gathers the step's rows into that layout (padding repeats an input's last
     # row, masked out as a key), `buckets` are its (padded length, inputs) in order with each one's key
-    # mask [inputs, 1, 1, length], and `unpadded_rows` picks every real row back out, in row order.
+    # mask [inputs, 1, 1, length], and `unpadded_rows` picks every row of the step back out, in row order
+    # (the step's rows: its inputs', then padding up to a multiple of ENCODER_STEP_ROW_MULTIPLE).
     padded_rows: torch.Tensor
     buckets: list[tuple[int, int, torch.Tensor]]
     unpadded_rows: torch.Tensor
@@ -77,6 +78,11 @@ class EncoderMetadata(AttentionMetadata):
 # input alone (so its result does not depend on the step's other inputs): one attention call per 16
 # lengths instead of one per length (docs/design_measurements.md#encoder-attention).
 ENCODER_PAD_MULTIPLE = 16
+# An encoder step's rows are padded to a multiple of this many (rows that belong to no input, dropped
+# before pooling), so its linears and GELU see one of few row counts: oneDNN builds a kernel for each
+# new row count it meets, ~3 ms on a MiniLM-sized step, which would otherwise fall on the first request
+# of each input length (docs/design_measurements.md#served-embedding-latency).
+ENCODER_STEP_ROW_MULTIPLE = 16
 
 
 class LayerOps:
@@ -298,7 +304,8 @@ class Backend(ABC):
 
     def prepare_encoder(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, EncoderMetadata]:
         """(input ids, positions, token type ids, metadata) of an encoder step: every sequence is a whole
-        input, computed from its first token (ScheduledSeq.pooling carries its token types)."""
+        input, computed from its first token (ScheduledSeq.pooling carries its token types); rows after
+        the inputs' pad the step to a multiple of ENCODER_STEP_ROW_MULTIPLE."""
         input_ids: list[int] = []
         positions: list[int] = []
         token_types: list[int] = []
@@ -315,7 +322,10 @@ class Backend(ABC):
             token_types += types if types is not None else [0] * n
             seq_lens.append(n)
         padded_rows: list[int] = []
-        unpadded_rows = [0] * len(input_ids)
+        # The step's padding rows after the last input (token 0 at position 0) take attention row 0's
+        # output: any row will do, nothing reads them.
+        step_padding = -len(input_ids) % ENCODER_STEP_ROW_MULTIPLE
+        unpadded_rows = [0] * (len(input_ids) + step_padding)
         buckets = []
         for padded, inputs in sorted(by_padded_length.items()):
             for first, n in inputs:
@@ -326,6 +336,9 @@ class Backend(ABC):
             lengths = torch.tensor([n for _, n in inputs])
             mask = (torch.arange(padded) < lengths.unsqueeze(1)).view(len(inputs), 1, 1, padded)
             buckets.append((padded, len(inputs), mask.to(self.device)))
+        input_ids += [0] * step_padding
+        positions += [0] * step_padding
+        token_types += [0] * step_padding
         device = self.device
         meta = EncoderMetadata(
             backend=self,

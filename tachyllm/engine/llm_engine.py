@@ -57,6 +57,10 @@ logger = logging.getLogger("tachyllm")
 
 # After this many failed steps in a row, a failing step fails every request, not only its own.
 MAX_FAILED_STEPS = 3
+# An encoder warms up the step sizes of single inputs up to this many tokens at start (EncoderRunner.warm_up):
+# the short queries a latency-bound caller sends. Longer steps take tens of milliseconds, against which the
+# few milliseconds of building their kernels on first use are small.
+ENCODER_WARM_UP_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,7 @@ class LLMEngine:
         # One placeholder block that no sequence takes: an encoder's inputs hold no K/V.
         self._build_scheduling(config, num_blocks=1, window_blocks=0, prefix_caching=False)
         self.runner = EncoderRunner(encoder, self.backend)
+        self.runner.warm_up(min(self.max_model_len, ENCODER_WARM_UP_ROWS))
         logger.info("encoder: no KV cache; inputs of up to %d tokens, each whole in one step", self.max_model_len)
 
     def _build_decoder(self, config: EngineConfig, ckpt: Checkpoint) -> None:

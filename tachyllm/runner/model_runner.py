@@ -12,7 +12,7 @@ import logging
 import torch
 
 from tachyllm import faults, tracing
-from tachyllm.backends.base import AttentionMetadata, Backend, LayerKV
+from tachyllm.backends.base import ENCODER_STEP_ROW_MULTIPLE, AttentionMetadata, Backend, LayerKV
 from tachyllm.lora.layers import StepSegments
 from tachyllm.models.bert import BertModel
 from tachyllm.models.llama import LlamaForCausalLM
@@ -48,6 +48,17 @@ class EncoderRunner:
             hidden = self.model(input_ids, positions, token_types, meta)
         faults.check("sample", batch.seqs)
         return StepResult([], pooled=self.pooling.pool(hidden, batch, self.model))
+
+    @torch.inference_mode()
+    def warm_up(self, max_rows: int) -> None:
+        """Runs one input of each padded step size up to `max_rows` tokens, so that oneDNN's kernels for
+        those row counts are built before the first request rather than during it."""
+        for rows in range(ENCODER_STEP_ROW_MULTIPLE, max_rows + 1, ENCODER_STEP_ROW_MULTIPLE):
+            seq = ScheduledSeq(
+                seq_id=-1, request_id="warm-up", start=0, token_ids=[0] * rows, num_draft_tokens=0,
+                block_table=[], seq_len=rows, completes=True,
+            )  # fmt: skip
+            self.model(*self.backend.prepare_encoder(StepBatch([seq])))
 
 
 class PoolingRows:
