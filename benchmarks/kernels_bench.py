@@ -24,6 +24,12 @@ kquant:    the C++ block kernels on each GGUF block type a Q4_K_M file holds (Q4
         --threads 2 --kquant-types Q4_K,Q6_K --kquant-rows 1,5,64 --kquant-no-bf16 kquant
 sampling:  drawing a token per row from 64 x 49,152 probabilities: the sampler's CDF inversion vs
            the exponential race it replaced.
+lora:      the LoRA segment kernel (kernels/csrc/lora.cpp, LoRASlots.apply) at the default model's four
+           wrapped linears (q/k/v, o, gate/up, down), rank 16 on all seven projections, bf16 weights and
+           activations: one decode row of one adapter, and 64 rows over 8 adapters, each call on the
+           next linear of 30 layers as in a decode step (the adapter weights from L3, not L1/L2).
+           GB/s = adapter bytes read / time. To time two checkouts' kernels against each other, run
+           it from each as for kquant.
 bf16:      the C++ bf16 matrix-vector kernel (kernels/csrc/bf16_gemv.cpp) vs the oneDNN-prepacked
            weight vs F.linear, at the default model's shapes and 1 / 4 / 16 / 64 / 512 rows (the
            LM head up to 64), weights from DRAM as in quant. GB/s = weight bytes / time.
@@ -287,6 +293,53 @@ def bench_bf16() -> None:
             print(f"| {out_f}x{in_f} | {rows} | {tn:.0f}{gbs} | {tp:.0f} | {tf:.0f} | {ratios} |")
 
 
+LORA_RANK, LORA_LAYERS = 16, 30
+# The default model's wrapped linears: (input features, output columns of each fused projection).
+LORA_LINEARS = {"qkv": (576, [576, 192, 192]), "o": (576, [576]), "gate_up": (576, [1536, 1536]), "down": (1536, [576])}
+
+
+def _lora_slots(ops, in_f: int, outs: list[int], adapters: int) -> tuple[object, int]:
+    """One linear's LoRASlots with `adapters` random rank-16 bf16 adapters in slots 1.., and the bytes
+    of one adapter's A and B."""
+    slots = ops.LoRASlots()
+    layout = torch.tensor([[sum(outs[:p]), n, p * LORA_RANK, LORA_RANK] for p, n in enumerate(outs)])
+    for slot in range(1, adapters + 1):
+        a = torch.randn(LORA_RANK * len(outs), in_f).bfloat16()
+        bt = (torch.randn(LORA_RANK * sum(outs)) * 0.01).bfloat16()
+        slots.set(slot, a, bt, layout)
+    return slots, 2 * LORA_RANK * (len(outs) * in_f + sum(outs))
+
+
+def bench_lora() -> None:
+    ops = native_ops()
+    if ops is None:
+        print("\nlora: C++ kernels unavailable, skipped")
+        return
+    print(
+        f"\nLoRA kernel, rank {LORA_RANK} bf16, each call on the next of {len(LORA_LINEARS)} x {LORA_LAYERS} linears\n"
+        "| step | linear | µs per call | GB/s |\n|---|---|---|---|"
+    )  # fmt: skip
+    torch.manual_seed(0)
+    for rows, adapters in ((1, 1), (64, 8)):
+        step = ops.LoRAStep()
+        if adapters == 1:
+            step.set(None, [0, rows], [1])
+        else:  # rows interleaved over the adapters, as a batch of requests arrives; grouped by slot
+            per = rows // adapters
+            order = [r for slot in range(adapters) for r in range(slot, rows, adapters)]
+            step.set(torch.tensor(order), [i * per for i in range(adapters + 1)], list(range(1, adapters + 1)))
+        total_us = 0.0
+        for name, (in_f, outs) in LORA_LINEARS.items():
+            layers = [_lora_slots(ops, in_f, outs, adapters) for _ in range(LORA_LAYERS)]
+            x = torch.randn(rows, in_f).bfloat16()
+            out = torch.zeros(rows, sum(outs)).bfloat16()
+            us = best_us([lambda s=s: s.apply(out, x, step) for s, _ in layers], 4 * LORA_LAYERS)
+            total_us += us
+            gbs = layers[0][1] * adapters / us / 1e3
+            print(f"| {rows} rows, {adapters} adapters | {name} | {us:.1f} | {gbs:.0f} |")
+        print(f"| {rows} rows, {adapters} adapters | a step ({LORA_LAYERS} layers) | {total_us * LORA_LAYERS:.0f} | |")
+
+
 def bench_sampling() -> None:
     """Drawing one token per row from a [64, 49152] distribution: the sampler's CDF inversion (one
     uniform per row) against the exponential race it replaced (argmax of p / E, E ~ Exp(1) for
@@ -313,9 +366,9 @@ def main() -> None:
     ap.add_argument("--kquant-types", default=",".join(k.name for k in KQUANT_TYPES), help="kquant: block types")
     ap.add_argument("--kquant-rows", default=",".join(map(str, KQUANT_ROWS)), help="kquant: activation row counts")
     ap.add_argument("--kquant-no-bf16", action="store_true", help="kquant: skip the bf16 linear column")
-    ap.add_argument("sections", nargs="*", help="linear, attention, quant, kquant, bf16 and/or sampling (default: all)")
+    ap.add_argument("sections", nargs="*", help="linear, attention, quant, kquant, bf16, lora, sampling (default: all)")
     args = ap.parse_args()
-    args.sections = args.sections or ["linear", "attention", "quant", "kquant", "bf16", "sampling"]
+    args.sections = args.sections or ["linear", "attention", "quant", "kquant", "bf16", "lora", "sampling"]
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads")
     with torch.inference_mode():
@@ -330,6 +383,8 @@ def main() -> None:
             bench_kquant(kinds, tuple(int(r) for r in args.kquant_rows.split(",")), not args.kquant_no_bf16)
         if "bf16" in args.sections:
             bench_bf16()
+        if "lora" in args.sections:
+            bench_lora()
         if "sampling" in args.sections:
             bench_sampling()
 

@@ -173,3 +173,63 @@ def test_bf16_weights_refused_on_fp32_activations():
     step.set(None, [0, 2], [1])
     with pytest.raises(RuntimeError, match="bf16 adapter weights need bf16 activations"):
         slots.apply(torch.zeros(2, 8), torch.randn(2, IN), step)
+
+
+def _odd_adapters(dtype: torch.dtype, in_features: int, cols: list[int], ranks: dict[int, int]):
+    """LoRASlots with, per slot, one adapter of the given rank on every projection of `cols` columns
+    (stored in `dtype`), and each slot's fp64 (A, [(first column, Bt [rank, columns])])."""
+    gen = torch.Generator().manual_seed(5)
+    slots, reference = ops.LoRASlots(), {}
+    for slot, rank in ranks.items():
+        a = torch.randn(rank * len(cols), in_features, generator=gen).to(dtype)
+        bts = [torch.randn(rank, n, generator=gen).to(dtype) for n in cols]
+        layout = torch.tensor([[sum(cols[:p]), n, p * rank, rank] for p, n in enumerate(cols)])
+        slots.set(slot, a, torch.cat([bt.flatten() for bt in bts]), layout)
+        reference[slot] = (a.double(), [(sum(cols[:p]), bt.double()) for p, bt in enumerate(bts)])
+    return slots, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_tiles_and_threads_leave_every_output_alone(dtype):
+    """Shapes off every tile of the kernel (input features not a multiple of 16, ranks off the 4- and
+    8-rank shrink tiles, segments of 1 to 9 rows off the 4-row tiles, columns off the 16- and 64-column
+    expand chunks): each row's output is the fp64 result to fp32 rounding, and the same bits whether
+    the row is alone on one thread or among the others on two."""
+    in_features, cols = 100, [70, 33]
+    slots, reference = _odd_adapters(dtype, in_features, cols, {1: 5, 2: 3, 3: 9})
+    sizes = [(1, 9), (2, 1), (3, 6), (2, 2), (1, 3)]  # (slot, rows): slots 1 and 2 twice, grouped apart
+    order = list(range(sum(n for _, n in sizes)))
+    slot_of = [slot for slot, n in sizes for _ in range(n)]
+    grouped = sorted(order, key=lambda r: slot_of[r])
+    distinct = sorted(set(slot_of))
+    offsets = [0] + [sum(slot_of.count(s) for s in distinct[: i + 1]) for i in range(len(distinct))]
+    x = torch.randn(len(order), in_features).to(dtype)
+    base = torch.randn(len(order), sum(cols)).to(dtype)
+    step = ops.LoRAStep()
+    step.set(torch.tensor(grouped), offsets, distinct)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(base.clone())
+            slots.apply(outs[-1], x, step)
+        torch.set_num_threads(1)
+        for row in order:
+            alone = base[row : row + 1].clone()
+            step.set(None, [0, 1], [slot_of[row]])
+            slots.apply(alone, x[row : row + 1], step)
+            assert torch.equal(alone[0], outs[0][row]) and torch.equal(alone[0], outs[1][row]), row
+    finally:
+        torch.set_num_threads(threads)
+    want = base.double()
+    for row in order:
+        a, expands = reference[slot_of[row]]
+        shrunk = x[row].double() @ a.T
+        rank = expands[0][1].shape[0]
+        for p, (col0, bt) in enumerate(expands):
+            want[row, col0 : col0 + bt.shape[1]] += shrunk[p * rank : (p + 1) * rank] @ bt
+    # fp32 sums of ~100 terms of up to ~30: a few fp32 ulps of the largest; bf16 output: one bf16 ulp.
+    err = (outs[0].double() - want).abs()
+    bound = want.abs() * (1e-5 if dtype == torch.float32 else 2**-7) + 1e-4
+    assert (err <= bound).all(), f"max error {err.max()}"

@@ -11,13 +11,18 @@
 // expands: ranks in order), whatever the other rows of the call and the threads: a row's result does
 // not depend on the batch (batch invariance, docs/determinism.md).
 //
-// The rows' shrunk vectors are small ([rows, R] fp32); the shrink's threads take rows (or, for one row,
-// ranks), the expand's take column ranges, so one decode row still spreads over the threads; all the
-// segments of a call share those two parallel regions. AVX-512 where the build
-// has it; a scalar loop of the same order elsewhere.
+// A call of several rows runs in one parallel region (a region costs a thread wake-up, which a step
+// pays per linear): each thread shrinks its share of (rows, ranks), a barrier, then each expands its
+// range of output columns for every segment; a call of one row runs on the calling thread. The shrink computes several
+// dot products at once (independent accumulators: one FMA chain per dot product is latency bound) from the activations
+// as they are, without a widened copy; the expand several column chunks or rows at once for the same reason.
+// Measurements: docs/design_measurements.md#lora-kernel. AVX-512 where the build has it; a scalar loop
+// of the same order elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +31,6 @@
 
 #include "lora.h"
 #include "ops.h"
-#include "vec_math.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,42 +40,28 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-// The least columns of an expand and ranks of a one-row shrink a thread takes, so that the default
-// model's smallest ones (576 columns, 16 ranks) still go to two threads (not tuned).
+// Calls of up to kSerialRows rows run on the calling thread; larger ones split over up to one thread
+// per kExpandGrain output columns times rows (not tuned).
+constexpr int64_t kSerialRows = 1;
 constexpr int64_t kExpandGrain = 256;
-constexpr int64_t kShrinkGrain = 8;
+// A shrink work item: up to kShrinkRows rows of one segment by up to kShrinkRanks ranks. One row takes
+// 8 ranks at once (8 independent FMA chains), more rows 4 ranks at a time (4 x 4 accumulators, each
+// load of A serving 4 rows).
+constexpr int64_t kShrinkRows = 4;
+constexpr int64_t kShrinkRanks = 8;
+constexpr int64_t kExpandRows = 4;  // rows per tile of the expand: each load of Bt serves 4 rows
 
 template <typename T>
 inline float to_float(T v) {
   return static_cast<float>(v);
 }
 
-// One row of activations widened to fp32.
-template <typename T>
-void widen(float* dst, const T* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-}
-
-// x . a over n, for fp32 x and a row of A in fp32 (vec_math.h's dot) or bf16, in the same order:
-// 16 fp32 lanes, then the lanes, then the tail.
-inline float dot_row(const float* x, const float* a, int64_t n) { return dot(x, a, n); }
-inline float dot_row(const float* x, const bf16* a, int64_t n) {
-  int64_t i = 0;
-  float sum = 0;
 #if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 w = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i))), 16));
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), w, acc);
-  }
-  sum = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < n; ++i) sum += x[i] * static_cast<float>(a[i]);
-  return sum;
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-
-#if defined(__AVX512F__)
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
@@ -89,14 +79,80 @@ inline void store16(bf16* p, __m512 v, __mmask16 m) {
 }
 #endif
 
-// out[rows[i], c0 + c] for c in [begin, end) += shrunk[i] . Bt[:, c] over `rank` ranks, for R rows
-// at once: each load of Bt serves every row, and each row's sum runs over the ranks in order from
-// zero, as it would alone (R = 1), so the bits do not depend on the tile.
-template <int R, typename T, typename W>
+// s[i][k0 + k] = x[i] . A[k] over n, for R rows and K ranks (A's rows n apart), each summed as one dot
+// product alone would be: 16 fp32 lanes over the whole 16-wide chunks, then the lanes, then the tail
+// in order, by explicit FMAs (a product and a sum left to the compiler might be fused in one tile's
+// code and not in another's); bf16 values are widened exactly.
+template <int R, int K, typename T, typename W>
+void shrink_tile(const T* const* x, const W* a, int64_t n, float* const* s, int64_t k0) {
+  int64_t i = 0;
+  float sum[R][K] = {};
+#if defined(__AVX512F__)
+  __m512 acc[R][K];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) acc[r][k] = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 w[K];
+    for (int k = 0; k < K; ++k) w[k] = load16(a + k * n + i);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = load16(x[r] + i);
+      for (int k = 0; k < K; ++k) acc[r][k] = _mm512_fmadd_ps(xv, w[k], acc[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) sum[r][k] = _mm512_reduce_add_ps(acc[r][k]);
+#endif
+  for (; i < n; ++i)
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < K; ++k) sum[r][k] = std::fma(to_float(x[r][i]), to_float(a[k * n + i]), sum[r][k]);
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < K; ++k) s[r][k0 + k] = sum[r][k];
+}
+
+// shrink_tile over `ranks` ranks for R rows: K ranks at a time, then one by one.
+template <int R, int K, typename T, typename W>
+void shrink_ranks(const T* const* x, const W* a, int64_t n, float* const* s, int64_t ranks) {
+  int64_t k = 0;
+  for (; k + K <= ranks; k += K) shrink_tile<R, K>(x, a + k * n, n, s, k);
+  for (; k < ranks; ++k) shrink_tile<R, 1>(x, a + k * n, n, s, k);
+}
+
+template <typename T, typename W>
+void shrink_rows(int64_t rows, const T* const* x, const W* a, int64_t n, float* const* s, int64_t ranks) {
+  switch (rows) {
+    case 4: return shrink_ranks<4, 4>(x, a, n, s, ranks);
+    case 3: return shrink_ranks<3, 4>(x, a, n, s, ranks);
+    case 2: return shrink_ranks<2, 4>(x, a, n, s, ranks);
+    default: return shrink_ranks<1, 8>(x, a, n, s, ranks);
+  }
+}
+
+// out[rows[i], c0 + c] for c in [begin, end) += shrunk[i] . Bt[:, c] over `rank` ranks, for R rows and
+// C 16-column chunks at once (R * C accumulators; each load of Bt serves every row): each output's sum
+// runs over the ranks in order from zero, as it would alone, so the bits do not depend on the tile.
+template <int R, int C, typename T, typename W>
 void expand_rows(T* const* out_rows, const float* const* shrunk, const W* bt, int64_t cols, int64_t rank, int64_t begin,
                  int64_t end) {
   int64_t c = begin;
 #if defined(__AVX512F__)
+  for (; c + 16 * C <= end; c += 16 * C) {
+    __m512 acc[R][C];
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < C; ++h) acc[i][h] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < rank; ++j) {
+      __m512 b[C];
+      for (int h = 0; h < C; ++h) b[h] = load16(bt + j * cols + c + 16 * h);
+      for (int i = 0; i < R; ++i) {
+        const __m512 sj = _mm512_set1_ps(shrunk[i][j]);
+        for (int h = 0; h < C; ++h) acc[i][h] = _mm512_fmadd_ps(sj, b[h], acc[i][h]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < C; ++h) {
+        T* o = out_rows[i] + c + 16 * h;
+        store16(o, _mm512_add_ps(load16(o, 0xFFFF), acc[i][h]), 0xFFFF);
+      }
+  }
   for (; c < end; c += 16) {
     const __mmask16 m = end - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (end - c)) - 1);
     __m512 acc[R];
@@ -117,80 +173,107 @@ void expand_rows(T* const* out_rows, const float* const* shrunk, const W* bt, in
   }
 }
 
-constexpr int kExpandRows = 4;  // rows per tile of the expand: 4 accumulators and one load per rank
-
-// One segment of a call: its rows (None: the call's rows 0..count) and its adapter's weights (W: their
-// stored dtype).
-template <typename W>
+// One segment of a call: its rows (None: the call's rows 0..count) and its adapter's weights, in
+// their stored dtype (W of apply_segments).
 struct Segment {
   const int64_t* rows;
   int64_t count;
   int64_t first;  // its first row among the call's segments' rows, in order (its rows of `shrunk`)
-  const W* a;
+  const void* a;
   int64_t ranks;
-  const W* bt;
+  const void* bt;
   const int64_t* layout;
   int64_t parts;
+
+  int64_t row(int64_t m) const { return rows ? rows[m] : m; }
+  int64_t rank_chunks() const { return (ranks + kShrinkRanks - 1) / kShrinkRanks; }
+  int64_t shrink_items() const { return (count + kShrinkRows - 1) / kShrinkRows * rank_chunks(); }
 };
 
-// Every segment of the call in two parallel regions (a region costs a thread wake-up, which a decode
-// step pays per linear): the shrink of every row, then the expand of every column range.
+// The shrink's work items [first, last) of the call (each segment's row tiles by rank chunks, in
+// order) into shrunk [rows, max_ranks].
+template <typename T, typename W>
+void shrink_items(const T* x, int64_t x_stride, int64_t in, const std::vector<Segment>& segments, float* shrunk,
+                  int64_t max_ranks, int64_t first, int64_t last) {
+  int64_t base = 0;
+  for (const Segment& seg : segments) {
+    const int64_t chunks = seg.rank_chunks(), end = base + seg.shrink_items();
+    for (int64_t item = std::max(first, base); item < std::min(last, end); ++item) {
+      const int64_t m0 = (item - base) / chunks * kShrinkRows, k0 = (item - base) % chunks * kShrinkRanks;
+      const int64_t rows = std::min(kShrinkRows, seg.count - m0), ranks = std::min(kShrinkRanks, seg.ranks - k0);
+      const T* xs[kShrinkRows];
+      float* sums[kShrinkRows];
+      for (int64_t i = 0; i < rows; ++i) {
+        xs[i] = x + seg.row(m0 + i) * x_stride;
+        sums[i] = shrunk + (seg.first + m0 + i) * max_ranks + k0;
+      }
+      shrink_rows(rows, xs, static_cast<const W*>(seg.a) + k0 * in, in, sums, ranks);
+    }
+    base = end;
+  }
+}
+
+// Every segment's projections over the output columns [begin, end), from the shrunk rows.
+template <typename T, typename W>
+void expand_columns(T* out, int64_t out_stride, const std::vector<Segment>& segments, const float* shrunk,
+                    int64_t max_ranks, int64_t begin, int64_t end) {
+  for (const Segment& seg : segments) {
+    const W* bt = static_cast<const W*>(seg.bt);  // each projection's scale * B^T follows the previous one's
+    for (int64_t p = 0; p < seg.parts; ++p) {
+      const int64_t* lay = seg.layout + 4 * p;
+      const int64_t col0 = lay[0], cols = lay[1], rank0 = lay[2], rank = lay[3];
+      const int64_t from = std::max(begin, col0) - col0, to = std::min(end, col0 + cols) - col0;
+      T* rows[kExpandRows];
+      const float* sums[kExpandRows];
+      for (int64_t m = 0; from < to && m < seg.count; m += kExpandRows) {
+        const int64_t n = std::min<int64_t>(kExpandRows, seg.count - m);
+        for (int64_t i = 0; i < n; ++i) {
+          rows[i] = out + seg.row(m + i) * out_stride + col0;
+          sums[i] = shrunk + (seg.first + m + i) * max_ranks + rank0;
+        }
+        if (n == kExpandRows)
+          expand_rows<kExpandRows, 2>(rows, sums, bt, cols, rank, from, to);
+        else
+          for (int64_t i = 0; i < n; ++i) expand_rows<1, 4>(rows + i, sums + i, bt, cols, rank, from, to);
+      }
+      bt += rank * cols;
+    }
+  }
+}
+
+// Every segment of the call in one parallel region: each thread's share of the shrink's items, a
+// barrier, then its share of the output columns (whole 16-column chunks).
 template <typename T, typename W>
 void apply_segments(T* out, int64_t out_stride, int64_t out_cols, const T* x, int64_t x_stride, int64_t in,
-                    const std::vector<Segment<W>>& segments, int64_t total_rows, int64_t max_ranks) {
-  std::vector<float> shrunk(total_rows * max_ranks);
-  std::vector<int64_t> segment_of(total_rows);
-  for (size_t s = 0; s < segments.size(); ++s)
-    for (int64_t m = 0; m < segments[s].count; ++m) segment_of[segments[s].first + m] = static_cast<int64_t>(s);
-  auto row_of = [&](const Segment<W>& seg, int64_t m) { return seg.rows ? seg.rows[m] : m; };
-
-  // The shrink: a thread takes rows (each widened to fp32 once, A staying in cache), or for one row
-  // ranks; every s[m, j] is the same dot product either way.
-  if (total_rows == 1) {
-    const Segment<W>& seg = segments[0];
-    std::vector<float> xs(in);
-    widen(xs.data(), x + row_of(seg, 0) * x_stride, in);
-    at::parallel_for(0, seg.ranks, kShrinkGrain, [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) shrunk[j] = dot_row(xs.data(), seg.a + j * in, in);
-    });
-  } else {
-    at::parallel_for(0, total_rows, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> xs(in);
-      for (int64_t g = begin; g < end; ++g) {
-        const Segment<W>& seg = segments[segment_of[g]];
-        widen(xs.data(), x + row_of(seg, g - seg.first) * x_stride, in);
-        for (int64_t j = 0; j < seg.ranks; ++j) shrunk[g * max_ranks + j] = dot_row(xs.data(), seg.a + j * in, in);
-      }
-    });
+                    const std::vector<Segment>& segments, int64_t total_rows, int64_t max_ranks, float* shrunk) {
+  int64_t items = 0;
+  for (const Segment& seg : segments) items += seg.shrink_items();
+  const int64_t chunks = (out_cols + 15) / 16;
+  auto shrink_share = [&](int64_t t, int64_t n) {
+    shrink_items<T, W>(x, x_stride, in, segments, shrunk, max_ranks, items * t / n, items * (t + 1) / n);
+  };
+  auto expand_share = [&](int64_t t, int64_t n) {
+    expand_columns<T, W>(out, out_stride, segments, shrunk, max_ranks, std::min(out_cols, chunks * t / n * 16),
+                         std::min(out_cols, chunks * (t + 1) / n * 16));
+  };
+  // One row (a single stream's decode step) stays on the calling thread: its adapter bytes take about
+  // as long to read as a region's wake-up and barrier cost (docs/design_measurements.md#lora-kernel).
+  const int64_t threads =
+      total_rows <= kSerialRows || at::in_parallel_region() || omp_in_parallel()
+          ? 1
+          : std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, total_rows * out_cols / kExpandGrain));
+  if (threads <= 1) {
+    shrink_share(0, 1);
+    expand_share(0, 1);
+    return;
   }
-  // The expand: a thread takes a range of output columns, for every segment's projections there; each
-  // projection's scale * B^T follows the previous one's in bt.
-  at::parallel_for(0, out_cols, kExpandGrain, [&](int64_t begin, int64_t end) {
-    for (const Segment<W>& seg : segments) {
-      int64_t bt_offset = 0;
-      for (int64_t p = 0; p < seg.parts; ++p) {
-        const int64_t* lay = seg.layout + 4 * p;
-        const int64_t col0 = lay[0], cols = lay[1], rank0 = lay[2], rank = lay[3];
-        const int64_t from = std::max(begin, col0), to = std::min(end, col0 + cols);
-        T* rows[kExpandRows];
-        const float* sums[kExpandRows];
-        for (int64_t m = 0; from < to && m < seg.count; m += kExpandRows) {
-          const int64_t n = std::min<int64_t>(kExpandRows, seg.count - m);
-          for (int64_t i = 0; i < n; ++i) {
-            rows[i] = out + row_of(seg, m + i) * out_stride + col0;
-            sums[i] = shrunk.data() + (seg.first + m + i) * max_ranks + rank0;
-          }
-          const W* proj_bt = seg.bt + bt_offset;
-          if (n == kExpandRows)
-            expand_rows<kExpandRows>(rows, sums, proj_bt, cols, rank, from - col0, to - col0);
-          else
-            for (int64_t i = 0; i < n; ++i)
-              expand_rows<1>(rows + i, sums + i, proj_bt, cols, rank, from - col0, to - col0);
-        }
-        bt_offset += rank * cols;
-      }
-    }
-  });
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    shrink_share(t, n);
+#pragma omp barrier
+    expand_share(t, n);
+  }
 }
 
 }  // namespace
@@ -253,12 +336,13 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
   } else {
     TORCH_CHECK(step.offsets[1] == x.size(0), "the step's one segment must hold every row");
   }
-  // The adapters of the step here: (its first segment's begin, count, slot's weights); one weight dtype.
-  struct Found {
-    int64_t begin, count, first;
-    const Weights* w;
-  };
-  std::vector<Found> found;
+  // The segments of the step with weights here, in the step's order; one weight dtype. The scratch
+  // (segments, shrunk rows) is the calling thread's, reused from call to call: a decode step makes
+  // ~120 calls.
+  thread_local std::vector<Segment> segments;
+  thread_local std::vector<float> shrunk;
+  segments.clear();
+  c10::ScalarType weight_dtype = at::kFloat;
   int64_t total_rows = 0, max_ranks = 0;
   for (size_t s = 0; s < step.slots.size(); ++s) {
     const int64_t slot = step.slots[s], begin = step.offsets[s], count = step.offsets[s + 1] - begin;
@@ -267,36 +351,32 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
     TORCH_CHECK(w.a.size(1) == x.size(1), "the adapter's A has ", w.a.size(1), " input features, x ", x.size(1));
     TORCH_CHECK(w.a.scalar_type() == at::kFloat || w.a.scalar_type() == x.scalar_type(),
                 "bf16 adapter weights need bf16 activations");
-    TORCH_CHECK(found.empty() || w.a.scalar_type() == found[0].w->a.scalar_type(),
+    TORCH_CHECK(segments.empty() || w.a.scalar_type() == weight_dtype,
                 "the adapters of one linear must share one weight dtype");
     const int64_t* lay = w.layout.data_ptr<int64_t>();
     for (int64_t p = 0; p < w.layout.size(0); ++p)
       TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out.size(1), "a projection's columns exceed out");
-    found.push_back(Found{begin, count, total_rows, &w});
+    weight_dtype = w.a.scalar_type();
+    segments.push_back(Segment{row_index ? row_index + begin : nullptr, count, total_rows, w.a.data_ptr(), w.a.size(0),
+                               w.bt.data_ptr(), lay, w.layout.size(0)});
     total_rows += count;
     max_ranks = std::max(max_ranks, w.a.size(0));
   }
-  if (found.empty()) return;
-  auto segments_of = [&](auto tag) {
-    using W = decltype(tag);
-    std::vector<Segment<W>> segments;
-    for (const Found& f : found)
-      segments.push_back(Segment<W>{row_index ? row_index + f.begin : nullptr, f.count, f.first,
-                                    f.w->a.template data_ptr<W>(), f.w->a.size(0), f.w->bt.template data_ptr<W>(),
-                                    f.w->layout.template data_ptr<int64_t>(), f.w->layout.size(0)});
-    return segments;
-  };
-  const bool bf16_weights = found[0].w->a.scalar_type() == at::kBFloat16;
+  if (segments.empty()) return;
+  if (static_cast<int64_t>(shrunk.size()) < total_rows * max_ranks) shrunk.resize(total_rows * max_ranks);
+  const int64_t in = x.size(1);
   if (x.scalar_type() == at::kBFloat16) {
-    if (bf16_weights)
-      apply_segments(out.data_ptr<bf16>(), out.stride(0), out.size(1), x.data_ptr<bf16>(), x.stride(0), x.size(1),
-                     segments_of(bf16{}), total_rows, max_ranks);
+    bf16* o = out.data_ptr<bf16>();
+    const bf16* xs = x.data_ptr<bf16>();
+    if (weight_dtype == at::kBFloat16)
+      apply_segments<bf16, bf16>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
+                                 shrunk.data());
     else
-      apply_segments(out.data_ptr<bf16>(), out.stride(0), out.size(1), x.data_ptr<bf16>(), x.stride(0), x.size(1),
-                     segments_of(float{}), total_rows, max_ranks);
+      apply_segments<bf16, float>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
+                                  shrunk.data());
   } else {
-    apply_segments(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0), x.size(1),
-                   segments_of(float{}), total_rows, max_ranks);
+    apply_segments<float, float>(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0),
+                                 in, segments, total_rows, max_ranks, shrunk.data());
   }
 }
 
