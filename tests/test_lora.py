@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers.engine import tiny_llm, token_ids
+from helpers.engine import assert_all_free, tiny_llm, token_ids
 from helpers.lora_files import ALL_TARGETS, adapter_key, merge_adapter, write_adapter
 from helpers.lora_kernels import seqs
 
@@ -23,9 +23,8 @@ PROMPTS = [[5, 17, 42, 99, 120, 7, 33], [200, 11, 8, 64, 150], [9, 9, 300, 71, 4
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
     assert not llm.engine.has_unfinished_requests()
-    assert bm.num_free_blocks == bm.num_blocks
+    assert_all_free(llm)
 
 
 @pytest.fixture(scope="module")
