@@ -61,14 +61,21 @@ class AttentionMetadata:
 @dataclass(kw_only=True, eq=False)
 class EncoderMetadata(AttentionMetadata):
     """An encoder step's attention inputs (MetadataBuilder.prepare_encoder): the step's inputs packed one
-    after another, each attending to itself only, bidirectionally; nothing is written to a KV cache."""
+    after another, each attending to itself only, bidirectionally; nothing is written to a KV cache. The
+    step's rows are its inputs', then padding up to a multiple of ENCODER_STEP_ROW_MULTIPLE. A backend
+    with a packed encoder kernel subclasses it (Backend.encoder_metadata)."""
 
     seq_lens: list[int]  # tokens of each input, in row order
-    # Attention runs over inputs padded to a multiple of ENCODER_PAD_MULTIPLE tokens, one call per padded
-    # length: `padded_rows` gathers the step's rows into that layout (padding repeats an input's last
-    # row, masked out as a key), `buckets` are its (padded length, inputs) in order with each one's key
-    # mask [inputs, 1, 1, length], and `unpadded_rows` picks every row of the step back out, in row order
-    # (the step's rows: its inputs', then padding up to a multiple of ENCODER_STEP_ROW_MULTIPLE).
+
+
+@dataclass(kw_only=True, eq=False)
+class PaddedEncoderMetadata(EncoderMetadata):
+    """The portable encoder attention's layout: inputs padded to a multiple of ENCODER_PAD_MULTIPLE tokens,
+    one SDPA call per padded length. `padded_rows` gathers the step's rows into that layout (padding
+    repeats an input's last row, masked out as a key), `buckets` are its (padded length, inputs) in order
+    with each one's key mask [inputs, 1, 1, length], and `unpadded_rows` picks every row of the step back
+    out, in row order."""
+
     padded_rows: torch.Tensor
     buckets: list[tuple[int, int, torch.Tensor]]
     unpadded_rows: torch.Tensor
@@ -310,22 +317,39 @@ class Backend(ABC):
         positions: list[int] = []
         token_types: list[int] = []
         seq_lens: list[int] = []
-        by_padded_length: dict[int, list[tuple[int, int]]] = {}  # padded length -> (first row, length)
         for s in batch.seqs:
             n = len(s.token_ids)
             assert s.start == 0 and s.completes, "an encoder computes each input whole, in one step"
-            padded = -(-n // ENCODER_PAD_MULTIPLE) * ENCODER_PAD_MULTIPLE
-            by_padded_length.setdefault(padded, []).append((len(input_ids), n))
             input_ids += s.token_ids
             positions += range(n)
             types = s.pooling.token_type_ids if s.pooling is not None else None
             token_types += types if types is not None else [0] * n
             seq_lens.append(n)
-        padded_rows: list[int] = []
-        # The step's padding rows after the last input (token 0 at position 0) take attention row 0's
-        # output: any row will do, nothing reads them.
+        # The step's padding rows after the last input: token 0 at position 0, their outputs unread.
         step_padding = -len(input_ids) % ENCODER_STEP_ROW_MULTIPLE
-        unpadded_rows = [0] * (len(input_ids) + step_padding)
+        input_ids += [0] * step_padding
+        positions += [0] * step_padding
+        token_types += [0] * step_padding
+        device = self.device
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            torch.tensor(token_types, dtype=torch.long, device=device),
+            self.encoder_metadata(seq_lens, len(input_ids)),
+        )
+
+    def encoder_metadata(self, seq_lens: list[int], rows: int) -> EncoderMetadata:
+        """The attention metadata of an encoder step of these inputs (in row order) and `rows` rows in all
+        (the inputs', then the step's padding): the portable attention's padded layout."""
+        padded_rows: list[int] = []
+        # The step's padding rows take attention row 0's output: any row will do, nothing reads them.
+        unpadded_rows = [0] * rows
+        by_padded_length: dict[int, list[tuple[int, int]]] = {}  # padded length -> (first row, length)
+        first = 0
+        for n in seq_lens:
+            padded = -(-n // ENCODER_PAD_MULTIPLE) * ENCODER_PAD_MULTIPLE
+            by_padded_length.setdefault(padded, []).append((first, n))
+            first += n
         buckets = []
         for padded, inputs in sorted(by_padded_length.items()):
             for first, n in inputs:
@@ -336,23 +360,14 @@ class Backend(ABC):
             lengths = torch.tensor([n for _, n in inputs])
             mask = (torch.arange(padded) < lengths.unsqueeze(1)).view(len(inputs), 1, 1, padded)
             buckets.append((padded, len(inputs), mask.to(self.device)))
-        input_ids += [0] * step_padding
-        positions += [0] * step_padding
-        token_types += [0] * step_padding
         device = self.device
-        meta = EncoderMetadata(
+        return PaddedEncoderMetadata(
             backend=self,
             slot_mapping=torch.empty(0, dtype=torch.long, device=device),
             seq_lens=seq_lens,
             padded_rows=torch.tensor(padded_rows, dtype=torch.long, device=device),
             buckets=buckets,
             unpadded_rows=torch.tensor(unpadded_rows, dtype=torch.long, device=device),
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            torch.tensor(token_types, dtype=torch.long, device=device),
-            meta,
         )
 
     def encoder_attention(
@@ -367,6 +382,7 @@ class Backend(ABC):
         [tokens, heads, head_dim]. Portable form: the inputs padded to one length attend together in one
         SDPA call over [inputs, heads, length, head_dim], their padding masked out as keys, so none sees
         another; an input's padded length is its own, so its result does not depend on the others."""
+        assert isinstance(meta, PaddedEncoderMetadata), "the metadata of this backend's encoder_metadata"
         heads, head_dim = q.shape[1], q.shape[2]
         qp, kp, vp = (t.index_select(0, meta.padded_rows) for t in (q, k, v))
         outputs = []

@@ -5,7 +5,9 @@ block tables (one (first row, queries, first position) row per sequence), and wr
 fp8 cache included (with its per-head scales). Where a decoder layer's parts all have kernels, the
 layer runs as one C++ call (decode_layer.cpp: norms, linears, rotary, attention, activation), its
 linears picking their kernel by row count as the modules do. The layers' norms, rotary and
-activation, the bf16 matrix-vector product and the GGUF-style block products are kernels too.
+activation, the bf16 matrix-vector product and the GGUF-style block products are kernels too. An
+encoder's attention (BERT) runs over the step's packed inputs where they lie, unpadded
+(encoder_attention.cpp).
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from types import ModuleType
 
 import torch
 
-from tachyllm.backends.base import AttentionMetadata, Backend, FusedLayer, LayerKV, LayerOps, MetadataBuilder
+from tachyllm.backends.base import (
+    AttentionMetadata,
+    Backend,
+    EncoderMetadata,
+    FusedLayer,
+    LayerKV,
+    LayerOps,
+    MetadataBuilder,
+)
 from tachyllm.backends.registry import register_backend
 from tachyllm.kernels import native
 from tachyllm.kernels.kv_quant import QuantizedKV
@@ -28,6 +38,11 @@ class CpuMetadata(AttentionMetadata):
     # queries, position of the first query), and int32 block tables [num_seqs, longest table].
     seq_info: torch.Tensor
     block_tables: torch.Tensor
+
+
+@dataclass(kw_only=True, eq=False)
+class CpuEncoderMetadata(EncoderMetadata):
+    seq_starts: torch.Tensor  # int64 [inputs + 1]: each input's first row, then the end of the last
 
 
 class CpuMetadataBuilder(MetadataBuilder):
@@ -202,4 +217,25 @@ class CpuBackend(Backend):
         self._write_kv(k, v, kc, vc, meta.slot_mapping, ks, vs)
         out = torch.empty_like(q)
         self._paged_attention(out, q, kc, vc, meta.block_tables, meta.seq_info, scale, ks, vs, window or 0)
+        return out
+
+    def encoder_metadata(self, seq_lens: list[int], rows: int) -> CpuEncoderMetadata:
+        starts = torch.zeros(len(seq_lens) + 1, dtype=torch.long)
+        torch.cumsum(torch.tensor(seq_lens, dtype=torch.long), 0, out=starts[1:])
+        return CpuEncoderMetadata(
+            backend=self, slot_mapping=torch.empty(0, dtype=torch.long), seq_lens=seq_lens, seq_starts=starts
+        )
+
+    def encoder_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: CpuEncoderMetadata,  # type: ignore[override]  # a backend gets the metadata it made
+        scale: float,
+    ) -> torch.Tensor:
+        """One kernel call over the packed inputs, read where they lie (q, k and v may be views of one
+        fused projection), nothing padded or gathered (docs/design_measurements.md#encoder-attention)."""
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.kernels.encoder_attention(out, q, k, v, meta.seq_starts, scale)
         return out

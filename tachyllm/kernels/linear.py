@@ -63,6 +63,8 @@ class PackedLinear(nn.Module):
         self.max_kernel_rows = None if every_row else NATIVE_MAX_ROWS
         self.weight: torch.Tensor | None
         self.packed_weight: torch.Tensor | None
+        # oneDNN's post-op on the output of a packed weight: "none", or "gelu" (fuse_gelu).
+        self.post_op = "none"
         if self.ops is not None:
             self.weight, self.packed_weight = weight, None
         else:
@@ -79,13 +81,42 @@ class PackedLinear(nn.Module):
         if self.packed_weight is not None:
             if x.numel() == self.in_features:  # one row: computed as two (see the module's docstring)
                 pair = x.reshape(1, -1).expand(2, -1).contiguous()
-                y = torch.ops.mkldnn._linear_pointwise(pair, self.packed_weight, self.bias, "none", [], "")
+                y = torch.ops.mkldnn._linear_pointwise(pair, self.packed_weight, self.bias, self.post_op, [], "none")
                 return y[:1].view(*x.shape[:-1], self.out_features)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, self.post_op, [], "none")
+        assert self.post_op == "none", "fuse_gelu fuses only into a oneDNN-packed weight"
         assert self.ops is not None and self.weight is not None, "unpacked: the kernel's own weight"
         if self.max_kernel_rows is None or x.numel() <= self.max_kernel_rows * self.in_features:
             return self.ops.bf16_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """self(x) + residual; on a oneDNN-packed weight the sum is the GEMM's own post-op (one pass over
+        the output instead of two)."""
+        if self.packed_weight is None or self.post_op != "none":
+            return self(x) + residual
+        if x.numel() == self.in_features:  # one row: computed as two, as forward does
+            pair = x.reshape(1, -1).expand(2, -1).contiguous()
+            other = residual.reshape(1, -1).expand(2, -1).contiguous()
+            y = torch.ops.mkldnn._linear_pointwise.binary(pair, other, self.packed_weight, self.bias, "add")
+            return y[:1].view(*x.shape[:-1], self.out_features)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed_weight, self.bias, "add")
+
+
+def fuse_gelu(linear: nn.Module) -> bool:
+    """Makes a oneDNN-packed linear apply GELU (erf) to its output in the GEMM itself; whether it did (a
+    linear of another kind is left as it is, its caller applies GELU)."""
+    if not isinstance(linear, PackedLinear) or linear.packed_weight is None:
+        return False
+    linear.post_op = "gelu"
+    return True
+
+
+def linear_add(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """linear(x) + residual, fused into the GEMM where the linear is packed for oneDNN."""
+    if isinstance(linear, PackedLinear):
+        return linear.forward_add(x, residual)
+    return linear(x) + residual
 
 
 def pack_linears(model: nn.Module, kernels: ModuleType | None = None, batch_invariant: bool = False) -> int:

@@ -4,7 +4,8 @@ and BertForSequenceClassification (cross-encoder rerankers).
 Each input attends to itself bidirectionally, whole, in one step, with no KV cache (the backend's
 `encoder_attention` over the step's packed inputs); absolute position and token-type embeddings,
 post-LayerNorm layers with a GELU (erf) MLP. `BertModel.forward` is the whole encoder forward, the one
-place to make it faster. Linears are plain nn.Linear, so that the CPU's bf16 packing applies."""
+place to make it faster. Linears are plain nn.Linear, so that the CPU's bf16 packing applies; packed for
+oneDNN, a residual add and the MLP's GELU run inside their GEMMs (kernels/linear.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from collections.abc import Iterable
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tachyllm import tracing
 from tachyllm.backends.base import PORTABLE_OPS, EncoderMetadata, LayerOps
 from tachyllm.errors import ModelLoadError
+from tachyllm.kernels.linear import linear_add
 from tachyllm.model_config import ModelConfig
 
 
@@ -31,6 +32,8 @@ class BertLayer(nn.Module):
         self.o_proj = nn.Linear(hidden, hidden)
         self.attention_norm = nn.LayerNorm(hidden, eps=eps)
         self.up_proj = nn.Linear(hidden, cfg.intermediate_size)
+        # GELU (erf); nn.Identity where the loader fused it into up_proj's GEMM (kernels/linear.fuse_gelu).
+        self.activation: nn.Module = nn.GELU()
         self.down_proj = nn.Linear(cfg.intermediate_size, hidden)
         self.output_norm = nn.LayerNorm(hidden, eps=eps)
 
@@ -39,8 +42,8 @@ class BertLayer(nn.Module):
         q, k, v = self.qkv_proj(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         with tracing.span("attention"):
             o = meta.backend.encoder_attention(q, k, v, meta, self.scale)
-        x = self.attention_norm(self.o_proj(o.reshape(n, -1)) + x)
-        return self.output_norm(self.down_proj(F.gelu(self.up_proj(x))) + x)
+        x = self.attention_norm(linear_add(self.o_proj, o.reshape(n, -1), x))
+        return self.output_norm(linear_add(self.down_proj, self.activation(self.up_proj(x)), x))
 
 
 class BertModel(nn.Module):

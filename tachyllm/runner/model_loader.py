@@ -4,6 +4,8 @@ bytes a decode step streams."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -11,10 +13,10 @@ from tachyllm import huge_pages
 from tachyllm.backends.base import Backend
 from tachyllm.config import QuantConfig
 from tachyllm.errors import ConfigError
-from tachyllm.kernels.linear import onednn_packing_available, pack_linears, packing_available
+from tachyllm.kernels.linear import fuse_gelu, onednn_packing_available, pack_linears, packing_available
 from tachyllm.loading import Checkpoint
 from tachyllm.models import model_class
-from tachyllm.models.bert import BertModel, encoder_class
+from tachyllm.models.bert import BertLayer, BertModel, encoder_class
 from tachyllm.models.llama import LlamaForCausalLM
 from tachyllm.quantization import quantize_model, quantized_weight_bytes
 from tachyllm.quantization.activation_bits import resolve_activation_bits
@@ -118,6 +120,9 @@ def build_encoder(
         bf16_kernels = None if onednn_packing_available(dtype) else backend.bf16_linear_kernels()
         if packing_available(dtype, bf16_kernels):
             pack_linears(model, bf16_kernels, batch_invariant)
+            for layer in cast("list[BertLayer]", model.layers):
+                if fuse_gelu(layer.up_proj):  # GELU as the GEMM's post-op: one pass less over the MLP's rows
+                    layer.activation = nn.Identity()
     return model.eval(), weight_bytes
 
 

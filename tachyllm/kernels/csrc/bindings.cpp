@@ -20,6 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("block_tables"), pybind11::arg("seq_info"), pybind11::arg("scale"),
         pybind11::arg("k_scale") = pybind11::none(), pybind11::arg("v_scale") = pybind11::none(),
         pybind11::arg("window") = 0, ReleaseGil());
+  m.def("encoder_attention", &encoder_attention,
+        "bidirectional attention of each packed input of an encoder step over itself (rows seq_starts[b] .. "
+        "seq_starts[b + 1]), no KV cache",
+        pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("seq_starts"),
+        pybind11::arg("scale"), ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
   register_decode_layer(m);

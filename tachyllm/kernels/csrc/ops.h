@@ -27,6 +27,11 @@ void paged_attention(torch::Tensor out, const torch::Tensor& q, const torch::Ten
                      double scale, const c10::optional<torch::Tensor>& k_scale = c10::nullopt,
                      const c10::optional<torch::Tensor>& v_scale = c10::nullopt, int64_t window = 0);
 
+// encoder_attention.cpp: each input of a packed encoder step (rows [seq_starts[b], seq_starts[b + 1]))
+// attending to itself bidirectionally; out's rows after the last input are zeroed.
+void encoder_attention(torch::Tensor out, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& seq_starts, double scale);
+
 // quant_gemv.cpp: layout int64 [parts, 2] of (GGML block type, out_features), the matrices stacked in `packed`.
 torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
                          int64_t activation_bits);
