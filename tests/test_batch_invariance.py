@@ -121,6 +121,32 @@ def test_attention_rows_do_not_depend_on_the_batch(dtype):
         assert torch.equal(alone, batch[firsts[b] : firsts[b] + n]), b
 
 
+@pytest.mark.native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 40])
+def test_encoder_attention_rows_do_not_depend_on_the_step(dtype, head_dim):
+    """An encoder input's attention alone, packed with inputs of other lengths (longer and shorter than
+    the kernel's 8-query blocks and 16-key vectors), and with another thread count."""
+    lengths = [5, 1, 16, 17, 40, 3, 130]
+    heads, rows = 3, sum(lengths) + 9  # 9 rows of step padding after the inputs
+    q, k, v = torch.randn(rows, 3, heads, head_dim).to(dtype).unbind(1)  # views of one fused projection
+    starts = torch.tensor([0, *lengths]).cumsum(0)
+    packed = torch.empty(q.shape, dtype=dtype)
+    ops.encoder_attention(packed, q, k, v, starts, 0.2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        again = torch.empty_like(packed)
+        ops.encoder_attention(again, q, k, v, starts, 0.2)
+        assert torch.equal(again, packed)
+    finally:
+        torch.set_num_threads(threads)
+    for first, n in zip(starts.tolist(), lengths):
+        alone = torch.empty(n, heads, head_dim, dtype=dtype)
+        ops.encoder_attention(alone, *(t[first : first + n] for t in (q, k, v)), torch.tensor([0, n]), 0.2)
+        assert torch.equal(alone, packed[first : first + n]), n
+
+
 def _linear_rows_invariant(layer: torch.nn.Module, in_features: int, dtype: torch.dtype) -> None:
     x = torch.randn(300, in_features, dtype=dtype)
     whole = layer(x)

@@ -1,6 +1,7 @@
 """An encoder step's attention on the CPU backend (kernels/csrc/encoder_attention.cpp): each packed input
 attends to itself bidirectionally, read where it lies, unpadded; against a plain per-input reference and
-the portable backend's padded SDPA, batch invariant, and refusing malformed inputs."""
+the portable backend's padded SDPA, and refusing malformed inputs (its batch invariance:
+tests/test_batch_invariance.py)."""
 
 from __future__ import annotations
 
@@ -71,24 +72,6 @@ def test_encoder_attention_matches_a_reference_and_the_portable_backend(dtype, t
     assert not got[tokens:].any()  # the step's padding rows: zeros, not garbage
     padded = portable.encoder_attention(q, k, v, encoder_step(portable, LENGTHS), scale)
     torch.testing.assert_close(got[:tokens], padded[:tokens], rtol=tolerance, atol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_inputs_attention_is_the_same_alone_packed_and_with_more_threads(dtype):
-    cpu = CpuBackend(torch.device("cpu"))
-    q, k, v = packed_qkv(LENGTHS, dtype, seed=1)
-    packed = cpu.encoder_attention(q, k, v, encoder_step(cpu, LENGTHS), 0.2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert torch.equal(cpu.encoder_attention(q, k, v, encoder_step(cpu, LENGTHS), 0.2), packed)
-    finally:
-        torch.set_num_threads(threads)
-    first = 0
-    for n in LENGTHS:
-        alone = [t[first : first + n] for t in (q, k, v)]
-        assert torch.equal(cpu.encoder_attention(*alone, encoder_step(cpu, [n]), 0.2), packed[first : first + n])
-        first += n
 
 
 def test_malformed_encoder_attention_inputs_are_refused():
