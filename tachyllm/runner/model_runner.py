@@ -44,6 +44,9 @@ class EncoderRunner:
         with tracing.span("prepare_inputs"):
             input_ids, positions, token_types, meta = self.backend.prepare_encoder(batch)
         faults.check("forward", batch.seqs)
+        # On all the engine's threads, a lone short query's step too: one thread would leave a core to the
+        # server's event loop and its client, but made served single queries slower at the median and no
+        # faster at p99 (docs/design_measurements.md#served-embedding-latency).
         with tracing.span("forward"):
             hidden = self.model(input_ids, positions, token_types, meta)
         faults.check("sample", batch.seqs)
