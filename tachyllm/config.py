@@ -20,6 +20,7 @@ from tachyllm.option_values import (
     DTYPE_ALIASES,
     DTYPES,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
     POOLING_TYPES,
     QUANT_ACTIVATION_BITS,
     QUANT_GROUP_SIZES,
@@ -279,6 +280,12 @@ class EngineConfig:
     max_cpu_loras: int | None = option(
         None, "LoRA adapters kept loaded, the least recently used unused one evicted first (default: max_loras)"
     )
+    lora_dtype: str = option(
+        "auto",
+        "how LoRA adapters' weights are stored: auto = int8 with a scale per rank over quantized base linears (the"
+        " CPU kernels), else bfloat16 for bf16 activations with the backend's LoRA kernels, else float32",
+        choices=LORA_DTYPES,
+    )
 
     # Pooling (docs/pooling.md), vLLM's names: embeddings, scores, classification instead of generation.
     runner: str = option(
@@ -471,6 +478,8 @@ class EngineConfig:
         return {"pooling": True, "generate": False}.get(self.runner)
 
     def _check_lora(self) -> None:
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ConfigError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_loras < 1:
             raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.max_lora_rank < 1:

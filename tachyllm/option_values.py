@@ -13,6 +13,8 @@ QUANTIZATION_METHODS = ("int8", "int4", "awq", "gguf", "fp8", "gptq", "compresse
 QUANT_GROUP_SIZES = (32, 64, 128)
 QUANT_ACTIVATION_BITS = (8, 16)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# How LoRA adapters' weights are stored (tachyllm/lora/layers.py, StepSegments.weight_dtype_for).
+LORA_DTYPES = ("auto", "int8", "bfloat16", "float32")
 # How CPU tensor-parallel ranks sum their partial results (docs/tensor_parallel.md).
 TP_ALL_REDUCES = ("shm", "gloo")
 # Execution backends (tachyllm/backends): auto = cuda on a GPU, cpu where the C++ kernels run, else torch.

@@ -88,8 +88,14 @@ def _weights(rank: int = 4, in_features: int = IN, cols: int = 8):
         (lambda w: w | {"layout": torch.tensor([[-1, 8, 0, 4]])}, "columns must be non-negative"),
         (lambda w: w | {"layout": torch.tensor([0, 8, 0, 4])}, "layout is int64"),
         (lambda w: w | {"slot": -1}, "non-negative"),
+        (lambda w: w | {"scale": torch.ones(4)}, "a scale goes with int8 weights only"),
+        (lambda w: w | {"a": w["a"].to(torch.int8), "bt": w["bt"].to(torch.int8)}, "need their fp32 scale per rank"),
+        (lambda w: w | {"a": w["a"].to(torch.int8), "bt": w["bt"].to(torch.int8), "scale": torch.ones(3)},
+         "need their fp32 scale per rank"),
+        (lambda w: w | {"a": w["a"].to(torch.int8), "bt": w["bt"].to(torch.int8), "scale": torch.ones(4).double()},
+         "need their fp32 scale per rank"),
     ],
-)
+)  # fmt: skip
 def test_bad_adapter_weights_refused(change, message):
     a, bt, layout = _weights()
     args = {"slot": 1, "a": a, "bt": bt, "layout": layout}
@@ -175,28 +181,41 @@ def test_bf16_weights_refused_on_fp32_activations():
         slots.apply(torch.zeros(2, 8), torch.randn(2, IN), step)
 
 
-def _odd_adapters(dtype: torch.dtype, in_features: int, cols: list[int], ranks: dict[int, int]):
+def _odd_adapters(weight_dtype: torch.dtype, in_features: int, cols: list[int], ranks: dict[int, int]):
     """LoRASlots with, per slot, one adapter of the given rank on every projection of `cols` columns
-    (stored in `dtype`), and each slot's fp64 (A, [(first column, Bt [rank, columns])])."""
+    (stored in `weight_dtype`; int8: codes in ±127 with a scale per rank), and each slot's fp64 (A,
+    [(first column, Bt [rank, columns])], the scale per rank)."""
     gen = torch.Generator().manual_seed(5)
     slots, reference = ops.LoRASlots(), {}
     for slot, rank in ranks.items():
-        a = torch.randn(rank * len(cols), in_features, generator=gen).to(dtype)
-        bts = [torch.randn(rank, n, generator=gen).to(dtype) for n in cols]
+        ranks_total = rank * len(cols)
+        if weight_dtype == torch.int8:
+            a = torch.randint(-127, 128, (ranks_total, in_features), generator=gen, dtype=torch.int8)
+            bts = [torch.randint(-127, 128, (rank, n), generator=gen, dtype=torch.int8) for n in cols]
+            scale = torch.rand(ranks_total, generator=gen) * 1e-3
+        else:
+            a = torch.randn(ranks_total, in_features, generator=gen).to(weight_dtype)
+            bts = [torch.randn(rank, n, generator=gen).to(weight_dtype) for n in cols]
+            scale = None
         layout = torch.tensor([[sum(cols[:p]), n, p * rank, rank] for p, n in enumerate(cols)])
-        slots.set(slot, a, torch.cat([bt.flatten() for bt in bts]), layout)
-        reference[slot] = (a.double(), [(sum(cols[:p]), bt.double()) for p, bt in enumerate(bts)])
+        slots.set(slot, a, torch.cat([bt.flatten() for bt in bts]), layout, scale)
+        rank_scale = torch.ones(ranks_total, dtype=torch.float64) if scale is None else scale.double()
+        reference[slot] = (a.double(), [(sum(cols[:p]), bt.double()) for p, bt in enumerate(bts)], rank_scale)
     return slots, reference
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_tiles_and_threads_leave_every_output_alone(dtype):
+@pytest.mark.parametrize(
+    "dtype, weight_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.int8),
+     (torch.float32, torch.int8)],
+)  # fmt: skip
+def test_kernel_tiles_and_threads_leave_every_output_alone(dtype, weight_dtype):
     """Shapes off every tile of the kernel (input features not a multiple of 16, ranks off the 4- and
     8-rank shrink tiles, segments of 1 to 9 rows off the 4-row tiles, columns off the 16- and 64-column
     expand chunks): each row's output is the fp64 result to fp32 rounding, and the same bits whether
     the row is alone on one thread or among the others on two."""
     in_features, cols = 100, [70, 33]
-    slots, reference = _odd_adapters(dtype, in_features, cols, {1: 5, 2: 3, 3: 9})
+    slots, reference = _odd_adapters(weight_dtype, in_features, cols, {1: 5, 2: 3, 3: 9})
     sizes = [(1, 9), (2, 1), (3, 6), (2, 2), (1, 3)]  # (slot, rows): slots 1 and 2 twice, grouped apart
     order = list(range(sum(n for _, n in sizes)))
     slot_of = [slot for slot, n in sizes for _ in range(n)]
@@ -224,8 +243,8 @@ def test_kernel_tiles_and_threads_leave_every_output_alone(dtype):
         torch.set_num_threads(threads)
     want = base.double()
     for row in order:
-        a, expands = reference[slot_of[row]]
-        shrunk = x[row].double() @ a.T
+        a, expands, rank_scale = reference[slot_of[row]]
+        shrunk = (x[row].double() @ a.T) * rank_scale
         rank = expands[0][1].shape[0]
         for p, (col0, bt) in enumerate(expands):
             want[row, col0 : col0 + bt.shape[1]] += shrunk[p * rank : (p + 1) * rank] @ bt
@@ -233,3 +252,62 @@ def test_kernel_tiles_and_threads_leave_every_output_alone(dtype):
     err = (outs[0].double() - want).abs()
     bound = want.abs() * (1e-5 if dtype == torch.float32 else 2**-7) + 1e-4
     assert (err <= bound).all(), f"max error {err.max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", [[(1, 1)], [(1, 3), (0, 2), (3, 1), (2, 4), (1, 1)]])
+def test_int8_stored_weights_match_pytorch_path_on_dequantized_weights(dtype, step):
+    """lora_dtype int8: A and scale · Bᵀ stored as int8 codes with a scale per row, each rank's two
+    scales multiplied into its shrunk sum. The PyTorch path with the dequantized weights in fp32 gives
+    the same outputs (to fp32 rounding, or one bf16 ulp), and the int8 adapters' update differs from
+    the fp32 adapters' by about the codes' rounding (a percent at most here)."""
+    int8_path = lora_linear(IN, OUTS, dtype, StepSegments(torch.device("cpu"), ops, dtype, lora_dtype="int8"))
+    torch_path = lora_linear(IN, OUTS, dtype, StepSegments(torch.device("cpu")))
+    for slot, weights in int8_path.slots.items():
+        assert weights.stacked_a.dtype == weights.bt.dtype == torch.int8 and weights.rank_scale is not None
+        reference = torch_path.slots[slot]
+        fp32_update = (reference.stacked_a.clone(), reference.bt.clone())
+        # The codes dequantized: A's scale per row, Bᵀ's per row of each projection's [rank, columns].
+        a_scale = reference.stacked_a.abs().amax(dim=1) / 127
+        reference.stacked_a.copy_(weights.stacked_a.float() * a_scale[:, None])
+        for (_, ranks, bt), (_, _, codes) in zip(reference.expands, weights.expands):
+            bt.copy_(codes.float() * (weights.rank_scale[ranks] / a_scale[ranks])[:, None])
+        assert (reference.stacked_a - fp32_update[0]).abs().max() <= a_scale.max() / 2 + 1e-7
+        assert (reference.bt - fp32_update[1]).abs().max() <= fp32_update[1].abs().max() / 254 + 1e-7
+    x = torch.randn(sum(n for _, n in step), IN).to(dtype)
+    for path in (torch_path, int8_path):
+        path.segments.set_step(seqs(step))
+    want, got = torch_path(x), int8_path(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        _ulp_close(got, want)
+    base = int8_path.base(x)
+    fp32_path = lora_linear(IN, OUTS, dtype, StepSegments(torch.device("cpu"), ops, dtype, lora_dtype="float32"))
+    fp32_path.segments.set_step(seqs(step))
+    update, fp32_update_out = (got.float() - base.float()), (fp32_path(x).float() - base.float())
+    assert (update - fp32_update_out).norm() <= 0.01 * fp32_update_out.norm()
+
+
+def test_weight_dtype_follows_the_base_linear_and_lora_dtype():
+    """auto: int8 over a quantized base linear (the kernels take it), the activations' rule elsewhere;
+    an explicit lora_dtype everywhere; one the kernels or activations cannot run is refused at start."""
+    from torch import nn
+
+    from tachyllm.errors import ConfigError
+    from tachyllm.quantization.int8 import Int8Linear, quantize_int8
+
+    dense = nn.Linear(IN, 8, bias=False)
+    quantized = Int8Linear(*quantize_int8(dense.weight.detach()), None)
+    cpu = torch.device("cpu")
+    auto = StepSegments(cpu, ops, torch.bfloat16)
+    assert auto.weight_dtype_for(quantized) == torch.int8
+    assert auto.weight_dtype_for(dense) == torch.bfloat16
+    assert StepSegments(cpu, ops, torch.float32).weight_dtype_for(dense) == torch.float32
+    assert StepSegments(cpu, None, torch.bfloat16).weight_dtype_for(quantized) == torch.float32  # PyTorch path
+    assert StepSegments(cpu, ops, torch.bfloat16, lora_dtype="bfloat16").weight_dtype_for(quantized) == torch.bfloat16
+    assert StepSegments(cpu, ops, torch.float32, lora_dtype="int8").weight_dtype_for(dense) == torch.int8
+    with pytest.raises(ConfigError, match="lora_dtype int8 needs the CPU backend's LoRA kernels"):
+        StepSegments(cpu, None, torch.bfloat16, lora_dtype="int8")
+    with pytest.raises(ConfigError, match="lora_dtype bfloat16 needs bf16 activations"):
+        StepSegments(cpu, ops, torch.float32, lora_dtype="bfloat16")

@@ -227,6 +227,7 @@ class LLMEngine:
             self.lora = LoRAManager(
                 self.model, self.model_config, self.device, config.max_lora_rank, max_cpu_loras,
                 kernels=self.backend.lora_kernels(), dtype=self.dtype, max_tokens=max_tokens,
+                lora_dtype=config.lora_dtype,
             )  # fmt: skip
         if config.deterministic and self.backend.name != "cpu":
             logger.info(

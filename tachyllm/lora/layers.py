@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from tachyllm.errors import ConfigError
 from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.quantization.apply import QUANTIZED_LINEARS
+from tachyllm.quantization.int8 import quantize_int8
 from tachyllm.step import ScheduledSeq
 
 # The activations the kernels' LoRASlots.apply takes; others (fp16) run the PyTorch path.
@@ -39,8 +42,8 @@ class StepSegments:
     rows (slot 0) are left out. `kernels`: the backend's LoRA kernels (Backend.lora_kernels; None:
     PyTorch matmuls), chosen when the engine is built; `native`, their copy of the step, which the
     wrapped linears and the fused decoder layers read. `activations`: the model's activation dtype;
-    with kernels and bf16 activations the adapters' weights are stored bf16 (`weight_dtype`; the
-    kernels widen them to fp32 as they load them), else fp32. Kernels whose
+    `lora_dtype`: how the adapters' weights are stored (EngineConfig.lora_dtype; weight_dtype_for has
+    the rule). Kernels whose
     buffers have a fixed size (`FIXED_SIZE`: the Triton ones) are built for steps of up to `max_tokens`
     rows, adapters of up to `max_rank` and `num_slots` adapters loaded."""
 
@@ -50,6 +53,7 @@ class StepSegments:
     max_tokens: int = 0
     max_rank: int = 0
     num_slots: int = 0
+    lora_dtype: str = "auto"
     slots: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     rows: torch.Tensor | None = None
@@ -57,23 +61,38 @@ class StepSegments:
     _device_rows: torch.Tensor | None = field(init=False, default=None)  # `rows` on the device
 
     def __post_init__(self) -> None:
+        if self.lora_dtype == "int8" and not getattr(self.kernels, "LORA_INT8_WEIGHTS", False):
+            raise ConfigError("lora_dtype int8 needs the CPU backend's LoRA kernels (--backend cpu)")
+        if self.lora_dtype == "bfloat16" and (self.kernels is None or self.activations != torch.bfloat16):
+            raise ConfigError(
+                "lora_dtype bfloat16 needs bf16 activations (--dtype bfloat16) and the backend's LoRA kernels"
+            )
         if self.kernels is not None:
             fixed_size = getattr(self.kernels, "FIXED_SIZE", False)
             args = (self.max_tokens, self.max_rank, self.device) if fixed_size else ()
             self.native = self.kernels.LoRAStep(*args)
 
-    def kernel_slots(self, in_features: int, out_sizes: list[int]) -> Any:
+    def kernel_slots(self, in_features: int, out_sizes: list[int], weight_dtype: torch.dtype) -> Any:
         """The kernels' LoRASlots for a wrapped linear of `in_features` and projections of `out_sizes`."""
         assert self.kernels is not None, "only with kernels"
         if getattr(self.kernels, "FIXED_SIZE", False):
             return self.kernels.LoRASlots(
-                in_features, out_sizes, self.max_rank, self.num_slots, self.weight_dtype, self.device
+                in_features, out_sizes, self.max_rank, self.num_slots, weight_dtype, self.device
             )
         return self.kernels.LoRASlots()
 
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """The dtype the wrapped linears store their adapters' A and scale · Bᵀ in."""
+    def weight_dtype_for(self, base: nn.Module) -> torch.dtype:
+        """The dtype a wrapped linear over `base` stores its adapters' A and scale · Bᵀ in. Over a
+        quantized base (auto), int8 with a scale per rank where the kernels take it: a decode step
+        reads every adapter's weights from memory beside the packed base weights', and bf16 adapters
+        cost a quantized model's step several times their share of its bytes
+        (docs/design_measurements.md#lora-adapters-over-quantized-weights); their rounding error is
+        a small fraction of the base's 4-8-bit one. Otherwise bf16 for bf16 activations with kernels
+        (the kernels widen them to fp32 as they load them), else fp32."""
+        if self.lora_dtype != "auto":
+            return {"int8": torch.int8, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.lora_dtype]
+        if isinstance(base, QUANTIZED_LINEARS) and getattr(self.kernels, "LORA_INT8_WEIGHTS", False):
+            return torch.int8
         if self.kernels is not None and self.activations == torch.bfloat16:
             return torch.bfloat16
         return torch.float32
@@ -118,16 +137,18 @@ class StepSegments:
 
 @dataclass
 class _SlotWeights:
-    """One adapter's share of a wrapped linear, in the step's weight_dtype (fp32, or bf16 for the
-    kernels on bf16 activations): the stacked A of its projections [sum of ranks, in];
-    `bt`, each projection's scale · Bᵀ [rank, columns] one after the other, flat; `layout`, int64
-    [projections, 4] rows of (first output column, columns, first rank, rank); and per projection
-    (output columns, ranks of the shrunk rows, its scale · Bᵀ as a view of `bt`)."""
+    """One adapter's share of a wrapped linear, in the linear's weight dtype: the stacked A of its
+    projections [sum of ranks, in]; `bt`, each projection's scale · Bᵀ [rank, columns] one after the
+    other, flat; `layout`, int64 [projections, 4] rows of (first output column, columns, first rank,
+    rank); per projection (output columns, ranks of the shrunk rows, its scale · Bᵀ as a view of
+    `bt`); and for int8 weights `rank_scale`, fp32 [sum of ranks]: each rank's A row scale times its
+    Bᵀ row scale (a projection's ranks are its own), by which the shrunk rows are multiplied."""
 
     stacked_a: torch.Tensor
     bt: torch.Tensor
     layout: torch.Tensor
     expands: list[tuple[slice, slice, torch.Tensor]]
+    rank_scale: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
@@ -148,8 +169,11 @@ class LoRALinear(nn.Module):
         self.columns = {p: slice(s, s + n) for p, s, n in zip(projections, starts, out_sizes)}
         self.segments = segments
         self.slots: dict[int, _SlotWeights] = {}
+        self.weight_dtype = segments.weight_dtype_for(base)
         # The backend kernels' copy of the slots (the same tensors), where it has them.
-        self.native = segments.kernel_slots(in_features, out_sizes) if segments.kernels is not None else None
+        self.native = (
+            segments.kernel_slots(in_features, out_sizes, self.weight_dtype) if segments.kernels is not None else None
+        )
 
     def set_adapter(self, slot: int, pieces: dict[str, tuple[torch.Tensor, torch.Tensor]], scale: float) -> None:
         """Loads an adapter's (A, B) of some of this linear's projections into `slot` (none: clears it)."""
@@ -162,13 +186,17 @@ class LoRALinear(nn.Module):
             if proj not in pieces:
                 continue
             a, b = pieces[proj]
-            a_parts.append(a)
-            bt_parts.append((b * scale).T.contiguous().flatten())
+            a_parts.append(a.float())
+            bt_parts.append((b.float() * scale).T.contiguous())  # B is scaled in fp32, then rounded once
             columns = self.columns[proj]
             layout.append((columns.start, columns.stop - columns.start, rank_start, a.shape[0]))
             rank_start += a.shape[0]
-        dtype = self.segments.weight_dtype  # B is scaled in fp32, then rounded once
-        bt = torch.cat(bt_parts).to(device=device, dtype=dtype)
+        dtype, rank_scale = self.weight_dtype, None
+        if dtype == torch.int8:
+            (a_codes, a_scale), bt_quantized = quantize_int8(torch.cat(a_parts)), [quantize_int8(p) for p in bt_parts]
+            a_parts, bt_parts = [a_codes], [codes for codes, _ in bt_quantized]
+            rank_scale = (a_scale * torch.cat([s for _, s in bt_quantized])).to(device)
+        bt = torch.cat([p.flatten() for p in bt_parts]).to(device=device, dtype=dtype)
         expands, offset = [], 0
         for (col0, cols, rank0, rank), proj in zip(layout, (p for p in self.projections if p in pieces)):
             view = bt[offset : offset + rank * cols].view(rank, cols)
@@ -179,10 +207,14 @@ class LoRALinear(nn.Module):
             bt,
             torch.tensor(layout, dtype=torch.long),
             expands,
+            rank_scale,
         )
         self.slots[slot] = weights
         if self.native is not None:
-            self.native.set(slot, weights.stacked_a, weights.bt, weights.layout)
+            if rank_scale is None:
+                self.native.set(slot, weights.stacked_a, weights.bt, weights.layout)
+            else:
+                self.native.set(slot, weights.stacked_a, weights.bt, weights.layout, rank_scale)
 
     def clear_adapter(self, slot: int) -> None:
         self.slots.pop(slot, None)
@@ -203,6 +235,8 @@ class LoRALinear(nn.Module):
                 continue
             xs = x if rows is None else x.index_select(0, rows)
             shrunk = xs.float() @ weights.stacked_a.float().T
+            if weights.rank_scale is not None:
+                shrunk *= weights.rank_scale
             target = out if rows is None else out.index_select(0, rows)
             for columns, ranks, bt in weights.expands:
                 target[:, columns] = (target[:, columns].float() + shrunk[:, ranks] @ bt.float()).to(out.dtype)

@@ -62,16 +62,17 @@ class LoRAManager:
         kernels: ModuleType | None = None,
         dtype: torch.dtype = torch.float32,
         max_tokens: int = 0,
+        lora_dtype: str = "auto",
     ):
         """`kernels`: the backend's LoRA segment kernels (Backend.lora_kernels; None: PyTorch matmuls).
         The model's fused decoder layers run the adapters through them; without them, or where a fused
-        layer cannot take adapters, the layer runs as modules. `dtype`: the model's activations (bf16:
-        the kernels' adapter weights are stored bf16). `max_tokens`: the most rows a step has, which
-        kernels of fixed-size buffers are built for."""
+        layer cannot take adapters, the layer runs as modules. `dtype`: the model's activations;
+        `lora_dtype`: how the adapters' weights are stored (StepSegments.weight_dtype_for).
+        `max_tokens`: the most rows a step has, which kernels of fixed-size buffers are built for."""
         self.model_config = cfg
         self.max_lora_rank = max_lora_rank
         self.capacity = max_cpu_loras
-        self.segments = StepSegments(device, kernels, dtype, max_tokens, max_lora_rank, max_cpu_loras)
+        self.segments = StepSegments(device, kernels, dtype, max_tokens, max_lora_rank, max_cpu_loras, lora_dtype)
         self.layers = attach_lora(model, projection_shapes(cfg), self.segments)
         for layer, wrappers in zip(model.layers, self.layers):
             fused = getattr(layer, "fused", None)  # the backend's fused form of the layer (models/llama.py)

@@ -477,11 +477,15 @@ def _summarise(names: list[str]) -> str:
     return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} ... ({len(names)} layers)"
 
 
+# The linears whose weights are stored quantized (the modules the functions above put in place).
+QUANTIZED_LINEARS = (Int4Linear, Int8Linear, GGUFLinear, Fp8Linear)
+
+
 def quantized_weight_bytes(model: nn.Module) -> int:
     """Parameters plus the quantized modules' buffers (build_model leaves out an embedding table
     that is only gathered from)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, Int4Linear | Int8Linear | GGUFLinear | Fp8Linear):
+        if isinstance(m, QUANTIZED_LINEARS):
             total += module_bytes(m) - sum(p.numel() * p.element_size() for p in m.parameters())
     return total

@@ -5,8 +5,9 @@
 // share the input: q/k/v, gate/up) and, per projection, scale * B transposed [r, cols]:
 //   shrink  s[m, j] = x[m] . A[j]                     (fp32, for every row m and rank j < R)
 //   expand  out[m, c] = round(out[m, c] + sum_j s[m, r0 + j] * Bt[j, c])   over the projection's ranks
-// Both in fp32 whatever the activations (bf16 or fp32) and the stored weights (fp32, or bf16 for bf16
-// activations: widened to fp32 as they are loaded); out is rounded once, as the PyTorch path rounds.
+// Both in fp32 whatever the activations (bf16 or fp32) and the stored weights (fp32; bf16 for bf16
+// activations; or int8 with a scale per rank, multiplied into s: widened to fp32 as they are loaded);
+// out is rounded once, as the PyTorch path rounds.
 // Each output is summed in one order fixed by the build (dot products: 16 fp32 lanes, then the lanes;
 // expands: ranks in order), whatever the other rows of the call and the threads: a row's result does
 // not depend on the batch (batch invariance, docs/determinism.md).
@@ -67,6 +68,12 @@ inline __m512 load16(const bf16* p, __mmask16 m) {
   const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 // Rounded to nearest even as c10::BFloat16 does (NaN kept as a quiet NaN).
 inline void store16(bf16* p, __m512 v, __mmask16 m) {
@@ -84,7 +91,7 @@ inline void store16(bf16* p, __m512 v, __mmask16 m) {
 // in order, by explicit FMAs (a product and a sum left to the compiler might be fused in one tile's
 // code and not in another's); bf16 values are widened exactly.
 template <int R, int K, typename T, typename W>
-void shrink_tile(const T* const* x, const W* a, int64_t n, float* const* s, int64_t k0) {
+void shrink_tile(const T* const* x, const W* a, int64_t n, float* const* s, int64_t k0, const float* scale) {
   int64_t i = 0;
   float sum[R][K] = {};
 #if defined(__AVX512F__)
@@ -106,24 +113,27 @@ void shrink_tile(const T* const* x, const W* a, int64_t n, float* const* s, int6
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < K; ++k) sum[r][k] = std::fma(to_float(x[r][i]), to_float(a[k * n + i]), sum[r][k]);
   for (int r = 0; r < R; ++r)
-    for (int k = 0; k < K; ++k) s[r][k0 + k] = sum[r][k];
+    for (int k = 0; k < K; ++k) s[r][k0 + k] = scale ? sum[r][k] * scale[k0 + k] : sum[r][k];
 }
 
 // shrink_tile over `ranks` ranks for R rows: K ranks at a time, then one by one.
 template <int R, int K, typename T, typename W>
-void shrink_ranks(const T* const* x, const W* a, int64_t n, float* const* s, int64_t ranks) {
+void shrink_ranks(const T* const* x, const W* a, int64_t n, float* const* s, int64_t ranks, const float* scale) {
   int64_t k = 0;
-  for (; k + K <= ranks; k += K) shrink_tile<R, K>(x, a + k * n, n, s, k);
-  for (; k < ranks; ++k) shrink_tile<R, 1>(x, a + k * n, n, s, k);
+  for (; k + K <= ranks; k += K) shrink_tile<R, K>(x, a + k * n, n, s, k, scale);
+  for (; k < ranks; ++k) shrink_tile<R, 1>(x, a + k * n, n, s, k, scale);
 }
 
+// `scale`: int8 weights' scale of each rank (its A row's times its Bt row's), multiplied into the
+// shrunk sums; null for fp32 / bf16 weights.
 template <typename T, typename W>
-void shrink_rows(int64_t rows, const T* const* x, const W* a, int64_t n, float* const* s, int64_t ranks) {
+void shrink_rows(int64_t rows, const T* const* x, const W* a, int64_t n, float* const* s, int64_t ranks,
+                 const float* scale) {
   switch (rows) {
-    case 4: return shrink_ranks<4, 4>(x, a, n, s, ranks);
-    case 3: return shrink_ranks<3, 4>(x, a, n, s, ranks);
-    case 2: return shrink_ranks<2, 4>(x, a, n, s, ranks);
-    default: return shrink_ranks<1, 8>(x, a, n, s, ranks);
+    case 4: return shrink_ranks<4, 4>(x, a, n, s, ranks, scale);
+    case 3: return shrink_ranks<3, 4>(x, a, n, s, ranks, scale);
+    case 2: return shrink_ranks<2, 4>(x, a, n, s, ranks, scale);
+    default: return shrink_ranks<1, 8>(x, a, n, s, ranks, scale);
   }
 }
 
@@ -184,6 +194,7 @@ struct Segment {
   const void* bt;
   const int64_t* layout;
   int64_t parts;
+  const float* scale;  // int8 weights: per rank; else null
 
   int64_t row(int64_t m) const { return rows ? rows[m] : m; }
   int64_t rank_chunks() const { return (ranks + kShrinkRanks - 1) / kShrinkRanks; }
@@ -207,7 +218,8 @@ void shrink_items(const T* x, int64_t x_stride, int64_t in, const std::vector<Se
         xs[i] = x + seg.row(m0 + i) * x_stride;
         sums[i] = shrunk + (seg.first + m0 + i) * max_ranks + k0;
       }
-      shrink_rows(rows, xs, static_cast<const W*>(seg.a) + k0 * in, in, sums, ranks);
+      shrink_rows(rows, xs, static_cast<const W*>(seg.a) + k0 * in, in, sums, ranks,
+                  seg.scale ? seg.scale + k0 : nullptr);
     }
     base = end;
   }
@@ -296,12 +308,22 @@ void LoRAStep::set(const c10::optional<torch::Tensor>& rows_, const std::vector<
   slots = slots_;
 }
 
-void LoRASlots::set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout) {
+void LoRASlots::set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout,
+                    const c10::optional<torch::Tensor>& scale) {
   TORCH_CHECK(slot >= 0, "a slot is a non-negative index");
-  TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) && a.dim() == 2 && a.is_contiguous(),
-              "A must be contiguous fp32 or bf16 [ranks, in]");
-  TORCH_CHECK(bt.scalar_type() == a.scalar_type() && bt.dim() == 1 && bt.is_contiguous(),
+  const c10::ScalarType dtype = a.scalar_type();
+  TORCH_CHECK(
+      (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kChar) && a.dim() == 2 && a.is_contiguous(),
+      "A must be contiguous fp32, bf16 or int8 [ranks, in]");
+  TORCH_CHECK(bt.scalar_type() == dtype && bt.dim() == 1 && bt.is_contiguous(),
               "Bt must be contiguous flat, in A's dtype");
+  if (dtype == at::kChar) {
+    TORCH_CHECK(scale && scale->scalar_type() == at::kFloat && scale->dim() == 1 && scale->is_contiguous() &&
+                    scale->numel() == a.size(0),
+                "int8 weights need their fp32 scale per rank [ranks]");
+  } else {
+    TORCH_CHECK(!scale, "a scale goes with int8 weights only");
+  }
   TORCH_CHECK(layout.scalar_type() == at::kLong && layout.dim() == 2 && layout.size(1) == 4 && layout.is_contiguous(),
               "a layout is int64 [projections, 4]");
   const int64_t* lay = layout.data_ptr<int64_t>();
@@ -314,7 +336,7 @@ void LoRASlots::set(int64_t slot, const torch::Tensor& a, const torch::Tensor& b
   }
   TORCH_CHECK(bt.numel() == bt_size, "Bt must hold each projection's [rank, columns] in turn");
   if (static_cast<int64_t>(slots_.size()) <= slot) slots_.resize(slot + 1);
-  slots_[slot] = Weights{a, bt, layout};
+  slots_[slot] = Weights{a, bt, layout, scale};
 }
 
 void LoRASlots::clear(int64_t slot) {
@@ -349,7 +371,7 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
     if (count == 0 || slot < 0 || slot >= static_cast<int64_t>(slots_.size()) || !slots_[slot]) continue;
     const Weights& w = *slots_[slot];
     TORCH_CHECK(w.a.size(1) == x.size(1), "the adapter's A has ", w.a.size(1), " input features, x ", x.size(1));
-    TORCH_CHECK(w.a.scalar_type() == at::kFloat || w.a.scalar_type() == x.scalar_type(),
+    TORCH_CHECK(w.a.scalar_type() != at::kBFloat16 || x.scalar_type() == at::kBFloat16,
                 "bf16 adapter weights need bf16 activations");
     TORCH_CHECK(segments.empty() || w.a.scalar_type() == weight_dtype,
                 "the adapters of one linear must share one weight dtype");
@@ -358,7 +380,7 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
       TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out.size(1), "a projection's columns exceed out");
     weight_dtype = w.a.scalar_type();
     segments.push_back(Segment{row_index ? row_index + begin : nullptr, count, total_rows, w.a.data_ptr(), w.a.size(0),
-                               w.bt.data_ptr(), lay, w.layout.size(0)});
+                               w.bt.data_ptr(), lay, w.layout.size(0), w.scale ? w.scale->data_ptr<float>() : nullptr});
     total_rows += count;
     max_ranks = std::max(max_ranks, w.a.size(0));
   }
@@ -371,9 +393,15 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
     if (weight_dtype == at::kBFloat16)
       apply_segments<bf16, bf16>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
                                  shrunk.data());
+    else if (weight_dtype == at::kChar)
+      apply_segments<bf16, int8_t>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
+                                   shrunk.data());
     else
       apply_segments<bf16, float>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
                                   shrunk.data());
+  } else if (weight_dtype == at::kChar) {
+    apply_segments<float, int8_t>(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0),
+                                  in, segments, total_rows, max_ranks, shrunk.data());
   } else {
     apply_segments<float, float>(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0),
                                  in, segments, total_rows, max_ranks, shrunk.data());
@@ -381,13 +409,14 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
 }
 
 void register_lora(pybind11::module_& m) {
+  m.attr("LORA_INT8_WEIGHTS") = true;  // LoRASlots take int8 weights with a scale per rank
   pybind11::class_<LoRAStep, std::shared_ptr<LoRAStep>>(m, "LoRAStep", "the step's rows grouped by adapter slot")
       .def(pybind11::init<>())
       .def("set", &LoRAStep::set, pybind11::arg("rows"), pybind11::arg("offsets"), pybind11::arg("slots"));
   pybind11::class_<LoRASlots, std::shared_ptr<LoRASlots>>(m, "LoRASlots", "the adapters loaded into one linear")
       .def(pybind11::init<>())
       .def("set", &LoRASlots::set, pybind11::arg("slot"), pybind11::arg("a"), pybind11::arg("bt"),
-           pybind11::arg("layout"))
+           pybind11::arg("layout"), pybind11::arg("scale") = pybind11::none())
       .def("clear", &LoRASlots::clear, pybind11::arg("slot"))
       .def("apply", &LoRASlots::apply,
            "out[rows] += scale * (x[rows] A^T) B^T per adapter segment of the step, in place (fp32 accumulation)",

@@ -19,12 +19,14 @@ struct LoRAStep {
 };
 
 // The adapters loaded into one linear, by slot: the stacked A [ranks, in]; Bt, each projection's
-// scale * B^T [rank, cols] one after the other (flat), both fp32, or both bf16 for bf16 activations (one
-// dtype for every slot of the linear); the layout int64 [projections, 4] of (first output column,
-// columns, first rank, rank).
+// scale * B^T [rank, cols] one after the other (flat), both fp32, both bf16 (for bf16 activations), or
+// both int8 with an fp32 scale per rank (its A row's scale times its Bt row's: each projection's ranks
+// are its own), one dtype for every slot of the linear; the layout int64 [projections, 4] of (first
+// output column, columns, first rank, rank).
 class LoRASlots {
  public:
-  void set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout);
+  void set(int64_t slot, const torch::Tensor& a, const torch::Tensor& bt, const torch::Tensor& layout,
+           const c10::optional<torch::Tensor>& scale);
   void clear(int64_t slot);
   // out[rows] += each segment's adapter update of x[rows], in place; slots without weights here are skipped.
   void apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep& step) const;
@@ -32,6 +34,7 @@ class LoRASlots {
  private:
   struct Weights {
     torch::Tensor a, bt, layout;
+    c10::optional<torch::Tensor> scale;
   };
   std::vector<c10::optional<Weights>> slots_;
 };
