@@ -612,6 +612,64 @@ def test_adaptive_switch_decision_costs_no_more_at_long_drafts_and_large_batches
     assert k == 0 and calls < 1000
 
 
+def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():
+    """A verification runs the LM head and the sampler over every draft position, so it costs more
+    than a plain step (a prefill chunk) of the same token count: judged by plain steps' costs, drafts
+    accepted about half the time pass at batch 8 where they lose. Cheap verifications still pass."""
+
+    def controller(spec_seconds_per_token: float) -> AdaptiveController:
+        c = AdaptiveController(max_k=4, has_draft_model=False)
+        for n in range(8, 41):
+            c.step_costs.observe(StepShape(n), 0.010 + 0.0001 * (n - 8))  # plain steps: memory bound
+            c.step_costs.observe(StepShape(n), 0.010 + spec_seconds_per_token * (n - 8), speculative=True)
+        for i in range(40):
+            c.record_acceptance(2, i % 2)  # the first draft token accepted half the time, the second never
+        return c
+
+    cheap = controller(0.0001)
+    assert cheap.choose(8, 8, 8, 8) == 1 and not cheap.can_skip_proposals(8, 8, 8)
+    dear = controller(0.001)
+    assert dear.step_costs.by_size.estimate(12, high=True) == pytest.approx(0.0104)  # the plain table unchanged
+    assert dear.choose(8, 8, 8, 8) == 0
+    assert dear.can_skip_proposals(8, 8, 8)  # no number of drafting rows pays: not even a lookup
+    # Before any verification was measured, plain steps' costs stand in.
+    fresh = AdaptiveController(max_k=4, has_draft_model=False)
+    for n in range(8, 41):
+        fresh.step_costs.observe(StepShape(n), 0.010 + 0.0001 * (n - 8))
+    for i in range(40):
+        fresh.record_acceptance(2, i % 2)
+    assert fresh.choose(8, 8, 8, 8) == 1
+
+
+def test_engine_feeds_verifying_steps_to_their_own_cost_table(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    llm = tiny_llm(path, speculative_config={**NGRAM, "adaptive": False})
+    llm.engine.speculator.proposer.lookup = lambda seq, k: [7] * k
+    step_cost = llm.engine.scheduler.step_cost
+    seen: list[tuple[int, bool]] = []
+    observe = step_cost.observe
+
+    def recording(shape: StepShape, seconds: float, speculative: bool = False) -> None:
+        seen.append((shape.tokens, speculative))
+        observe(shape, seconds, speculative)
+
+    step_cost.observe = recording
+    runner = llm.engine.runner
+    execute = runner.execute
+    verifying: list[bool] = []
+
+    def watched(batch):
+        verifying.append(any(s.num_draft_tokens for s in batch.seqs))
+        return execute(batch)
+
+    runner.execute = watched
+    prompts = random_prompts(3, 6, shared=0, tail=(4, 9))
+    run(llm, prompts, [SamplingParams(max_tokens=6, **GREEDY) for _ in prompts])
+    assert any(verifying) and not all(verifying)
+    assert [spec for _, spec in seen] == verifying
+    assert step_cost.spec_by_size.points and step_cost.by_size.points
+
+
 @pytest.mark.slow
 def test_real_model_greedy_identity(default_model_path):
     prompt = [
