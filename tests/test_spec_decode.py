@@ -639,6 +639,18 @@ def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():
     for i in range(40):
         fresh.record_acceptance(2, i % 2)
     assert fresh.choose(8, 8, 8, 8) == 1
+    # Verifications measured at a large batch only do not price a batch of one's: below them a
+    # plain step's cost stands in, plus what they cost beyond plain steps of their size.
+    alone = AdaptiveController(max_k=4, has_draft_model=False)
+    for n in range(1, 6):
+        alone.step_costs.observe(StepShape(n), 0.010)  # memory bound: 5 tokens cost what 1 does
+    for n in (33, 40):
+        alone.step_costs.observe(StepShape(n), 0.002 * n, speculative=True)
+    for _ in range(20):
+        alone.record_acceptance(4, 4)
+    assert alone.choose(1, 1, 1, 1) == 4
+    alone.step_costs.observe(StepShape(33), 0.5, speculative=True)  # verifications far dearer than plain steps
+    assert alone.choose(1, 1, 1, 1) == 0
 
 
 def test_engine_feeds_verifying_steps_to_their_own_cost_table(tiny_model_factory):

@@ -163,8 +163,21 @@ class StepCostModel:
 
     def speculative_estimates(self, sizes: np.ndarray) -> np.ndarray | None:
         """Upper bounds on the seconds of steps of `sizes` tokens that verify drafts: from the
-        verifying steps measured, or, before the first, from the plain steps."""
-        return (self.spec_by_size if self.spec_by_size.points else self.by_size).estimates(sizes, high=True)
+        verifying steps measured, or, before the first, from the plain steps. Below the smallest
+        verifying step measured (verifications seen at a larger batch only), a plain step's cost
+        plus what that smallest verification cost beyond a plain step of its size: the flat bound
+        a table gives there would price a batch of one like a batch of 32."""
+        plain = self.by_size.estimates(sizes, high=True)
+        if plain is None or not self.spec_by_size.points:
+            return plain
+        spec = self.spec_by_size.estimates(sizes, high=True)
+        assert spec is not None, "the table has points"
+        smallest, seconds = min(self.spec_by_size.points.values())
+        plain_there = self.by_size.estimates(np.array([smallest]), high=True)
+        assert plain_there is not None, "the plain table has points"
+        excess = max(seconds - float(plain_there[0]), 0.0)
+        estimates: np.ndarray = np.where(np.asarray(sizes) < smallest, plain + excess, spec)
+        return estimates
 
     def _fitted(self, shape: StepShape) -> float | None:
         c = self.coefficients()
