@@ -640,7 +640,7 @@ def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():
         fresh.record_acceptance(2, i % 2)
     assert fresh.choose(8, 8, 8, 8) == 1
     # Verifications measured at a large batch only do not price a batch of one's: below them a
-    # plain step's cost stands in, plus what they cost beyond plain steps of their size.
+    # plain step's cost stands in, times what they cost over plain steps of their size.
     alone = AdaptiveController(max_k=4, has_draft_model=False)
     for n in range(1, 6):
         alone.step_costs.observe(StepShape(n), 0.010)  # memory bound: 5 tokens cost what 1 does
@@ -649,8 +649,29 @@ def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():
     for _ in range(20):
         alone.record_acceptance(4, 4)
     assert alone.choose(1, 1, 1, 1) == 4
-    alone.step_costs.observe(StepShape(33), 0.5, speculative=True)  # verifications far dearer than plain steps
+    for _ in range(20):
+        alone.step_costs.observe(StepShape(33), 0.5, speculative=True)  # 7.6x a plain step of 33 tokens
     assert alone.choose(1, 1, 1, 1) == 0
+
+
+def test_long_drafts_are_priced_from_plain_steps_above_the_verifications_measured():
+    """A batch of one whose first verifications were short: above them a verification is priced as
+    a plain step (interpolated up to a measured prefill) times the largest verification's cost over a
+    plain step of its size, not by the table's linear bound, which held the drafts to a few tokens."""
+    c = AdaptiveController(max_k=24, has_draft_model=False)
+    c.step_costs.observe(StepShape(1), 0.040)
+    c.step_costs.observe(StepShape(481), 1.5)  # a prompt's prefill
+    for n in (2, 3, 4, 5):
+        c.step_costs.observe(StepShape(n), 0.042, speculative=True)
+    for _ in range(40):
+        c.record_acceptance(24, 24)
+    # 0.042 * 25 / 5 = 0.21 s by the linear bound; about 0.04 + 24 * 0.003 = 0.11 s from the prefill.
+    assert c.step_costs.speculative_estimates(np.array([25]))[0] == pytest.approx(0.112, rel=0.05)
+    assert c.choose(1, 1, 1, 1) == 24
+    # Verifications far dearer than plain steps of their size scale the estimate above them too.
+    for _ in range(20):
+        c.step_costs.observe(StepShape(5), 0.4, speculative=True)
+    assert c.step_costs.speculative_estimates(np.array([25]))[0] > 0.5
 
 
 def test_engine_feeds_verifying_steps_to_their_own_cost_table(tiny_model_factory):

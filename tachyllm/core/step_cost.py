@@ -163,20 +163,26 @@ class StepCostModel:
 
     def speculative_estimates(self, sizes: np.ndarray) -> np.ndarray | None:
         """Upper bounds on the seconds of steps of `sizes` tokens that verify drafts: from the
-        verifying steps measured, or, before the first, from the plain steps. Below the smallest
-        verifying step measured (verifications seen at a larger batch only), a plain step's cost
-        plus what that smallest verification cost beyond a plain step of its size: the flat bound
-        a table gives there would price a batch of one like a batch of 32."""
+        verifying steps measured, or, before the first, from the plain steps. Outside the sizes of
+        the verifications measured, a plain step's cost times what the nearest measured
+        verification cost over a plain step of its size (at least 1x; above them, no more than the
+        table's linear bound): the table's own bounds alone priced a batch of one like the batch
+        of 32 its verifications were seen at, and held long drafts at a batch of one to the few
+        tokens the first verifications had (docs/design_measurements.md#speculative-step-cost)."""
         plain = self.by_size.estimates(sizes, high=True)
         if plain is None or not self.spec_by_size.points:
             return plain
         spec = self.spec_by_size.estimates(sizes, high=True)
         assert spec is not None, "the table has points"
-        smallest, seconds = min(self.spec_by_size.points.values())
-        plain_there = self.by_size.estimates(np.array([smallest]), high=True)
-        assert plain_there is not None, "the plain table has points"
-        excess = max(seconds - float(plain_there[0]), 0.0)
-        estimates: np.ndarray = np.where(np.asarray(sizes) < smallest, plain + excess, spec)
+        measured = sorted(self.spec_by_size.points.values())
+        ends = np.array([measured[0][0], measured[-1][0]])
+        plain_at_ends = self.by_size.estimates(ends, high=True)
+        assert plain_at_ends is not None, "the plain table has points"
+        below, above = np.maximum(np.array([measured[0][1], measured[-1][1]]) / plain_at_ends, 1.0).tolist()
+        sizes = np.asarray(sizes)
+        estimates: np.ndarray = np.where(
+            sizes < ends[0], plain * below, np.where(sizes > ends[1], np.minimum(spec, plain * above), spec)
+        )
         return estimates
 
     def _fitted(self, shape: StepShape) -> float | None:
