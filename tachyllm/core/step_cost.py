@@ -169,17 +169,18 @@ class StepCostModel:
         table's linear bound): the table's own bounds alone priced a batch of one like the batch
         of 32 its verifications were seen at, and held long drafts at a batch of one to the few
         tokens the first verifications had (docs/design_measurements.md#speculative-step-cost)."""
-        plain = self.by_size.estimates(sizes, high=True)
-        if plain is None or not self.spec_by_size.points:
-            return plain
-        spec = self.spec_by_size.estimates(sizes, high=True)
-        assert spec is not None, "the table has points"
+        if not self.spec_by_size.points:
+            return self.by_size.estimates(sizes, high=True)
+        sizes = np.asarray(sizes)
         measured = sorted(self.spec_by_size.points.values())
         ends = np.array([measured[0][0], measured[-1][0]])
-        plain_at_ends = self.by_size.estimates(ends, high=True)
-        assert plain_at_ends is not None, "the plain table has points"
+        # One lookup for the sizes asked and the ends (each lookup sorts its table: the decision's cost).
+        plain_all = self.by_size.estimates(np.concatenate([sizes.ravel(), ends]), high=True)
+        spec = self.spec_by_size.estimates(sizes, high=True)
+        if plain_all is None or spec is None:
+            return None
+        plain, plain_at_ends = plain_all[:-2].reshape(sizes.shape), plain_all[-2:]
         below, above = np.maximum(np.array([measured[0][1], measured[-1][1]]) / plain_at_ends, 1.0).tolist()
-        sizes = np.asarray(sizes)
         estimates: np.ndarray = np.where(
             sizes < ends[0], plain * below, np.where(sizes > ends[1], np.minimum(spec, plain * above), spec)
         )
