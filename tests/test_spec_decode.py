@@ -612,6 +612,97 @@ def test_adaptive_switch_decision_costs_no_more_at_long_drafts_and_large_batches
     assert k == 0 and calls < 1000
 
 
+def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():
+    """A verification runs the LM head and the sampler over every draft position, so it costs more
+    than a plain step (a prefill chunk) of the same token count: judged by plain steps' costs, drafts
+    accepted about half the time pass at batch 8 where they lose. Cheap verifications still pass."""
+
+    def controller(spec_seconds_per_token: float) -> AdaptiveController:
+        c = AdaptiveController(max_k=4, has_draft_model=False)
+        for n in range(8, 41):
+            c.step_costs.observe(StepShape(n), 0.010 + 0.0001 * (n - 8))  # plain steps: memory bound
+            c.step_costs.observe(StepShape(n), 0.010 + spec_seconds_per_token * (n - 8), speculative=True)
+        for i in range(40):
+            c.record_acceptance(2, i % 2)  # the first draft token accepted half the time, the second never
+        return c
+
+    cheap = controller(0.0001)
+    assert cheap.choose(8, 8, 8, 8) == 1 and not cheap.can_skip_proposals(8, 8, 8)
+    dear = controller(0.001)
+    assert dear.step_costs.by_size.estimate(12, high=True) == pytest.approx(0.0104)  # the plain table unchanged
+    assert dear.choose(8, 8, 8, 8) == 0
+    assert dear.can_skip_proposals(8, 8, 8)  # no number of drafting rows pays: not even a lookup
+    # Before any verification was measured, plain steps' costs stand in.
+    fresh = AdaptiveController(max_k=4, has_draft_model=False)
+    for n in range(8, 41):
+        fresh.step_costs.observe(StepShape(n), 0.010 + 0.0001 * (n - 8))
+    for i in range(40):
+        fresh.record_acceptance(2, i % 2)
+    assert fresh.choose(8, 8, 8, 8) == 1
+    # Verifications measured at a large batch only do not price a batch of one's: below them a
+    # plain step's cost stands in, times what they cost over plain steps of their size.
+    alone = AdaptiveController(max_k=4, has_draft_model=False)
+    for n in range(1, 6):
+        alone.step_costs.observe(StepShape(n), 0.010)  # memory bound: 5 tokens cost what 1 does
+    for n in (33, 40):
+        alone.step_costs.observe(StepShape(n), 0.002 * n, speculative=True)
+    for _ in range(20):
+        alone.record_acceptance(4, 4)
+    assert alone.choose(1, 1, 1, 1) == 4
+    for _ in range(20):
+        alone.step_costs.observe(StepShape(33), 0.5, speculative=True)  # 7.6x a plain step of 33 tokens
+    assert alone.choose(1, 1, 1, 1) == 0
+
+
+def test_long_drafts_are_priced_from_plain_steps_above_the_verifications_measured():
+    """A batch of one whose first verifications were short: above them a verification is priced as
+    a plain step (interpolated up to a measured prefill) times the largest verification's cost over a
+    plain step of its size, not by the table's linear bound, which held the drafts to a few tokens."""
+    c = AdaptiveController(max_k=24, has_draft_model=False)
+    c.step_costs.observe(StepShape(1), 0.040)
+    c.step_costs.observe(StepShape(481), 1.5)  # a prompt's prefill
+    for n in (2, 3, 4, 5):
+        c.step_costs.observe(StepShape(n), 0.042, speculative=True)
+    for _ in range(40):
+        c.record_acceptance(24, 24)
+    # 0.042 * 25 / 5 = 0.21 s by the linear bound; about 0.04 + 24 * 0.003 = 0.11 s from the prefill.
+    assert c.step_costs.speculative_estimates(np.array([25]))[0] == pytest.approx(0.112, rel=0.05)
+    assert c.choose(1, 1, 1, 1) == 24
+    # Verifications far dearer than plain steps of their size scale the estimate above them too.
+    for _ in range(20):
+        c.step_costs.observe(StepShape(5), 0.4, speculative=True)
+    assert c.step_costs.speculative_estimates(np.array([25]))[0] > 0.5
+
+
+def test_engine_feeds_verifying_steps_to_their_own_cost_table(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    llm = tiny_llm(path, speculative_config={**NGRAM, "adaptive": False})
+    llm.engine.speculator.proposer.lookup = lambda seq, k: [7] * k
+    step_cost = llm.engine.scheduler.step_cost
+    seen: list[tuple[int, bool]] = []
+    observe = step_cost.observe
+
+    def recording(shape: StepShape, seconds: float, speculative: bool = False) -> None:
+        seen.append((shape.tokens, speculative))
+        observe(shape, seconds, speculative)
+
+    step_cost.observe = recording
+    runner = llm.engine.runner
+    execute = runner.execute
+    verifying: list[bool] = []
+
+    def watched(batch):
+        verifying.append(any(s.num_draft_tokens for s in batch.seqs))
+        return execute(batch)
+
+    runner.execute = watched
+    prompts = random_prompts(3, 6, shared=0, tail=(4, 9))
+    run(llm, prompts, [SamplingParams(max_tokens=6, **GREEDY) for _ in prompts])
+    assert any(verifying) and not all(verifying)
+    assert [spec for _, spec in seen] == verifying
+    assert step_cost.spec_by_size.points and step_cost.by_size.points
+
+
 @pytest.mark.slow
 def test_real_model_greedy_identity(default_model_path):
     prompt = [

@@ -293,7 +293,11 @@ class Scheduler:
         last token was computed (with their result, StepResult.pooled). Returns what each sequence
         gained: the pooling sequences first, then the sampled ones in result order."""
         # Without the linear fit only the token count matters (the per-size table).
-        self.step_cost.observe(step_shape(batch) if self.step_cost.linear_fit else StepShape(batch.num_tokens), seconds)
+        self.step_cost.observe(
+            step_shape(batch) if self.step_cost.linear_fit else StepShape(batch.num_tokens),
+            seconds,
+            speculative=any(s.num_draft_tokens for s in batch.seqs),
+        )
         seqs = self._in_flight
         for seq_id, entries in result.prompt_logprobs.items():
             seqs[seq_id].request.prompt_logprobs += entries

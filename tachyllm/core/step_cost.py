@@ -12,8 +12,12 @@ step carrying one stays within `max_decode_slowdown` times the step the running 
 take alone (the idea of Sarathi-Serve's stall-free batching, with the budget measured rather than
 profiled offline).
 
-The same measurements also fill a per-size table (CostBySize), which the speculative-decoding
-switch reads: one model, fed once per step, for both.
+The same measurements also fill two per-size tables (CostBySize), which the speculative-decoding
+switch reads: one of the steps without draft tokens and one of the steps that verify drafts. A
+verification costs more than a plain step of the same token count (the LM head and the sampler
+run over every draft position, not only each sequence's last; docs/design_measurements.md#speculative-step-cost),
+so a switch judging drafts by plain steps' costs lets them through where they do not pay. One
+model, fed once per step, for both.
 """
 
 from __future__ import annotations
@@ -121,7 +125,8 @@ class StepCostModel:
         # The linear fit costs a least-squares solve per step; the scheduler only wants it for
         # max_decode_slowdown. The per-size table is always kept.
         self.linear_fit = linear_fit
-        self.by_size = CostBySize()
+        self.by_size = CostBySize()  # steps without draft tokens
+        self.spec_by_size = CostBySize()  # steps verifying draft tokens
         # Steps where every sequence computed one token (pairs == context), and the others. Both
         # stay in the fit: during a long prefill every step carries a chunk, and a window of those
         # alone would leave the decodes-only prediction, the cap's yardstick, extrapolated.
@@ -132,8 +137,9 @@ class StepCostModel:
         # for one of them (the kernels' costs are not exactly linear), and the machine drifts.
         self._bias = {True: 1.0, False: 1.0}
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        self.by_size.record(shape.tokens, seconds)
+    def observe(self, shape: StepShape, seconds: float, speculative: bool = False) -> None:
+        """A step of `shape` took `seconds`; `speculative`: it verified draft tokens."""
+        (self.spec_by_size if speculative else self.by_size).record(shape.tokens, seconds)
         if not self.linear_fit:
             return
         decode_only = shape.pairs == shape.context
@@ -154,6 +160,31 @@ class StepCostModel:
     def predict(self, shape: StepShape) -> float | None:
         fitted = self._fitted(shape)
         return None if fitted is None else fitted * self._bias[shape.pairs == shape.context]
+
+    def speculative_estimates(self, sizes: np.ndarray) -> np.ndarray | None:
+        """Upper bounds on the seconds of steps of `sizes` tokens that verify drafts: from the
+        verifying steps measured, or, before the first, from the plain steps. Outside the sizes of
+        the verifications measured, a plain step's cost times what the nearest measured
+        verification cost over a plain step of its size (at least 1x; above them, no more than the
+        table's linear bound): the table's own bounds alone priced a batch of one like the batch
+        of 32 its verifications were seen at, and held long drafts at a batch of one to the few
+        tokens the first verifications had (docs/design_measurements.md#speculative-step-cost)."""
+        if not self.spec_by_size.points:
+            return self.by_size.estimates(sizes, high=True)
+        sizes = np.asarray(sizes)
+        measured = sorted(self.spec_by_size.points.values())
+        ends = np.array([measured[0][0], measured[-1][0]])
+        # One lookup for the sizes asked and the ends (each lookup sorts its table: the decision's cost).
+        plain_all = self.by_size.estimates(np.concatenate([sizes.ravel(), ends]), high=True)
+        spec = self.spec_by_size.estimates(sizes, high=True)
+        if plain_all is None or spec is None:
+            return None
+        plain, plain_at_ends = plain_all[:-2].reshape(sizes.shape), plain_all[-2:]
+        below, above = np.maximum(np.array([measured[0][1], measured[-1][1]]) / plain_at_ends, 1.0).tolist()
+        estimates: np.ndarray = np.where(
+            sizes < ends[0], plain * below, np.where(sizes > ends[1], np.minimum(spec, plain * above), spec)
+        )
+        return estimates
 
     def _fitted(self, shape: StepShape) -> float | None:
         c = self.coefficients()

@@ -12,8 +12,13 @@ is high; at large batches the forward is compute bound and k falls to 0.
 
 Step costs come from the engine's own measurements, kept per step-size bucket and interpolated
 between measured sizes; outside the measured range they are bounded on the side that argues
-against speculating. While speculation is off, a probe runs after PROBE_INTERVAL steps (then
-after twice as many, and so on while probes keep finding it does not pay; every
+against speculating. Steps that verify drafts are judged by a table of their own: a verification
+runs the LM head and the sampler over every draft position, so it costs more than a plain step
+(a prefill chunk) of the same token count, and by plain steps' costs drafts accepted about half
+the time looked worth it at batch 8 where they lost
+(docs/design_measurements.md#speculative-step-cost). While speculation is off, a probe runs
+after PROBE_INTERVAL steps (then after twice as many, and so on while probes keep finding it
+does not pay; every
 EARLY_PROBE_INTERVAL steps while acceptance has hardly been measured) so acceptance estimates
 stay current; while it is on, a plain step runs every REFRESH_INTERVAL steps so the baseline
 does too, and a step at k + 1 halfway between: a verification that costs less than linearly more
@@ -121,8 +126,9 @@ class AdaptiveController:
         docs/design_measurements.md#adaptive-switch-cost)."""
         spec = np.array(num_specs)[:, None]
         ks = np.arange(1, self.max_k + 1)
-        steps = self.step_costs.by_size.estimates(base_tokens + spec * ks, high=True)
-        assert steps is not None, "the callers measured `base`: the table has points"
+        # Verifying steps by their own measured costs (StepCostModel.speculative_estimates).
+        steps = self.step_costs.speculative_estimates(base_tokens + spec * ks)
+        assert steps is not None, "the callers measured `base`: the plain table has points"
         rates = (num_decodes + spec * (self.expected_tokens() - 1)) / (steps + self.proposal_seconds(spec, ks))
         best = rates.argmax(axis=1)  # the smallest k on a tie
         pays = rates[np.arange(len(num_specs)), best] >= MIN_GAIN * num_decodes / base
