@@ -70,10 +70,7 @@ def _module_tensors(model: nn.Module) -> Iterator[torch.Tensor]:
 
 def _movable(tensor: torch.Tensor) -> bool:
     return (
-        tensor.device.type == "cpu"
-        and tensor.layout == torch.strided
-        and type(tensor) in (torch.Tensor, nn.Parameter)
-        and tensor.untyped_storage().nbytes() >= MIN_STORAGE_BYTES
+        tensor.device.type == "cpu" and tensor.layout == torch.strided and type(tensor) in (torch.Tensor, nn.Parameter)
     )
 
 
@@ -86,19 +83,28 @@ def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
     """Moves `model`'s CPU weight storages, but those of `leave` (tensors a step does not stream),
     onto huge pages; returns the bytes moved (0 where the kernel offers none). Tensors that shared a
     storage still share one."""
+    left = {_storage_key(t) for t in leave}
+    unique = {id(t): t for t in _module_tensors(model)}.values()
+    return move_tensors(
+        [t for t in unique if _movable(t) and t.untyped_storage().nbytes() >= MIN_STORAGE_BYTES
+         and _storage_key(t) not in left],
+        "weights", trim=True,
+    )  # fmt: skip
+
+
+def move_tensors(tensors: Iterable[torch.Tensor], what: str, trim: bool = False) -> int:
+    """Moves the storages of `tensors` (CPU, strided, plain tensors or parameters) into one mapping
+    on huge pages; returns the bytes moved (0 where the kernel offers none). Each tensor keeps its
+    identity; tensors that shared a storage still share one (pass every view of a storage: one left
+    out keeps the old memory). `trim`: hand the freed heap back to the kernel as storages move (before
+    an engine serves, see return_freed_memory)."""
     if not available():
         return 0
     # Keyed by address and size: two storages may start at one address (views of one numpy buffer).
     by_storage: dict[tuple[int, int], list[torch.Tensor]] = {}
-    left = {_storage_key(t) for t in leave}
-    seen: set[int] = set()
-    for tensor in _module_tensors(model):
-        if id(tensor) in seen or not _movable(tensor):
-            continue
-        seen.add(id(tensor))
-        key = _storage_key(tensor)
-        if key not in left:
-            by_storage.setdefault(key, []).append(tensor)
+    for tensor in tensors:
+        assert _movable(tensor), "a CPU tensor or parameter, strided"
+        by_storage.setdefault(_storage_key(tensor), []).append(tensor)
     if not by_storage:
         return 0
     total = sum(-(-size // ALIGNMENT) * ALIGNMENT for _, size in by_storage)
@@ -106,10 +112,10 @@ def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
         # 2 MiB of slack: only whole 2 MiB-aligned ranges of a mapping get huge pages.
         region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         region.madvise(mmap.MADV_HUGEPAGE)  # before the first write: pages are faulted in as huge pages
-    except OSError as exc:  # e.g. strict overcommit: the weights stay where they are
-        logger.info("weights left on 4 KiB pages: no huge-page mapping of %d MiB (%s)", total >> 20, exc)
+    except OSError as exc:  # e.g. strict overcommit: the tensors stay where they are
+        logger.info("%s left on 4 KiB pages: no huge-page mapping of %d MiB (%s)", what, total >> 20, exc)
         return 0
-    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while a weight uses it
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while a tensor uses it
     began = time.perf_counter()
     start = -arena.data_ptr() % HUGE_PAGE
     freed = 0
@@ -123,16 +129,17 @@ def move_weights(model: nn.Module, leave: Collection[torch.Tensor] = ()) -> int:
             )
             tensor.data = moved
         start += -(-size // ALIGNMENT) * ALIGNMENT
-        del old  # frees the old storage unless something outside the modules still holds it
+        del old  # frees the old storage unless something outside the tensors still holds it
         freed += size
-        if freed >= TRIM_EVERY_BYTES:
+        if trim and freed >= TRIM_EVERY_BYTES:
             # malloc keeps freed blocks inside its heap resident: untrimmed, the process would hold the
             # weights twice by the end.
             return_freed_memory()
             freed = 0
-    return_freed_memory()
+    if trim:
+        return_freed_memory()
     logger.info(
-        "weights on transparent huge pages: %.1f MiB in %d storages (%.1f s)",
-        total / 2**20, len(by_storage), time.perf_counter() - began,
+        "%s on transparent huge pages: %.1f MiB in %d storages (%.1f s)",
+        what, total / 2**20, len(by_storage), time.perf_counter() - began,
     )  # fmt: skip
     return total

@@ -197,3 +197,32 @@ def test_engine_weights_on_huge_pages_generate_the_same(tiny_model_factory, tie)
     for a, b in zip(got, want):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+@needs_huge_pages
+def test_lora_adapters_move_onto_huge_pages_and_generate_the_same(tiny_model_factory, tmp_path):
+    """An adapter installed into the wrapped linears is moved, every linear's share into one mapping
+    on huge pages (the kernels keep reading the moved tensors), and generates what it does unmoved."""
+    from helpers.engine import tiny_llm
+    from helpers.lora_files import ALL_TARGETS, write_adapter
+
+    from tachyllm.lora.request import LoRARequest
+
+    path = tiny_model_factory()
+    adapter = LoRARequest("all", 1, str(write_adapter(tmp_path / "all", path, ALL_TARGETS, rank=8, seed=2)))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [[5, 17, 42, 99, 7], [250, 3, 8]]
+    options = {"enable_lora": True, "max_lora_rank": 8}
+    llm = tiny_llm(path, **options)
+    got = llm.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+    with mock.patch.object(huge_pages, "available", return_value=False):
+        plain = tiny_llm(path, **options)
+        want = plain.generate(prompts, params, lora_request=adapter, use_tqdm=False)
+    slot = llm.engine.lora.loaded[adapter].slot
+    tensors = [t for layer in llm.engine.lora.layers for w in set(layer.values()) for t in w.slot_tensors(slot)]
+    assert tensors and all(on_huge_pages(t) and same_mapping(t, tensors[0]) for t in tensors)
+    unmoved = plain.engine.lora.layers[0]["q_proj"].slot_tensors(slot)[0]
+    assert not same_mapping(unmoved, tensors[0])
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -260,7 +260,7 @@ def test_int8_stored_weights_match_pytorch_path_on_dequantized_weights(dtype, st
     """lora_dtype int8: A and scale · Bᵀ stored as int8 codes with a scale per row, each rank's two
     scales multiplied into its shrunk sum. The PyTorch path with the dequantized weights in fp32 gives
     the same outputs (to fp32 rounding, or one bf16 ulp), and the int8 adapters' update differs from
-    the fp32 adapters' by about the codes' rounding (a percent at most here)."""
+    the fp32 adapters' by about the codes' rounding (a percent at most here, in fp32)."""
     int8_path = lora_linear(IN, OUTS, dtype, StepSegments(torch.device("cpu"), ops, dtype, lora_dtype="int8"))
     torch_path = lora_linear(IN, OUTS, dtype, StepSegments(torch.device("cpu")))
     for slot, weights in int8_path.slots.items():
@@ -274,7 +274,7 @@ def test_int8_stored_weights_match_pytorch_path_on_dequantized_weights(dtype, st
             bt.copy_(codes.float() * (weights.rank_scale[ranks] / a_scale[ranks])[:, None])
         assert (reference.stacked_a - fp32_update[0]).abs().max() <= a_scale.max() / 2 + 1e-7
         assert (reference.bt - fp32_update[1]).abs().max() <= fp32_update[1].abs().max() / 254 + 1e-7
-    x = torch.randn(sum(n for _, n in step), IN).to(dtype)
+    x = torch.randn(sum(n for _, n in step), IN, generator=torch.Generator().manual_seed(3)).to(dtype)
     for path in (torch_path, int8_path):
         path.segments.set_step(seqs(step))
     want, got = torch_path(x), int8_path(x)
@@ -286,7 +286,9 @@ def test_int8_stored_weights_match_pytorch_path_on_dequantized_weights(dtype, st
     fp32_path = lora_linear(IN, OUTS, dtype, StepSegments(torch.device("cpu"), ops, dtype, lora_dtype="float32"))
     fp32_path.segments.set_step(seqs(step))
     update, fp32_update_out = (got.float() - base.float()), (fp32_path(x).float() - base.float())
-    assert (update - fp32_update_out).norm() <= 0.01 * fp32_update_out.norm()
+    # bf16 outputs add their own rounding (an ulp of the output, ~0.4%, against the update's ~10% of it).
+    bound = 0.01 if dtype == torch.float32 else 0.05
+    assert (update - fp32_update_out).norm() <= bound * fp32_update_out.norm()
 
 
 def test_weight_dtype_follows_the_base_linear_and_lora_dtype():

@@ -216,6 +216,14 @@ class LoRALinear(nn.Module):
             else:
                 self.native.set(slot, weights.stacked_a, weights.bt, weights.layout, rank_scale)
 
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """The weight tensors of `slot`, with every view of their storages (none if it is empty)."""
+        weights = self.slots.get(slot)
+        if weights is None:
+            return []
+        views = [bt for _, _, bt in weights.expands]
+        return [weights.stacked_a, weights.bt, *views, *([] if weights.rank_scale is None else [weights.rank_scale])]
+
     def clear_adapter(self, slot: int) -> None:
         self.slots.pop(slot, None)
         if self.native is not None:

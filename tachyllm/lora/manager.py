@@ -14,6 +14,7 @@ from types import ModuleType
 
 import torch
 
+from tachyllm import huge_pages
 from tachyllm.errors import AdapterError
 from tachyllm.lora.adapter_files import load_adapter
 from tachyllm.lora.layers import StepSegments, attach_lora
@@ -163,7 +164,14 @@ class LoRAManager:
         logger.info("LoRA adapter %r evicted from slot %d", request.lora_name, loaded.slot)
 
     def _install(self, slot: int, adapter: LoRAAdapter) -> None:
+        tensors: list[torch.Tensor] = []
         for index, wrappers in enumerate(self.layers):
             for wrapper in set(wrappers.values()):
                 pieces = {p: adapter.weights[(index, p)] for p in wrapper.projections if (index, p) in adapter.weights}
                 wrapper.set_adapter(slot, pieces, adapter.scale)
+                tensors += wrapper.slot_tensors(slot)
+        if self.segments.device.type == "cpu":
+            # On huge pages, as the base weights are: a decode step reads every wrapped linear's share
+            # of the adapter from memory, and on 4 KiB pages that cost a quantized model's step several
+            # times what the bytes take (docs/design_measurements.md#lora-adapters-over-quantized-weights).
+            huge_pages.move_tensors(tensors, f"LoRA adapter in slot {slot}")
