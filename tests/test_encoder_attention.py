@@ -9,12 +9,13 @@ import math
 
 import pytest
 import torch
+from helpers.lora_kernels import seqs
 
 from tachyllm.backends.base import ENCODER_STEP_ROW_MULTIPLE
 from tachyllm.backends.cpu_backend import CpuBackend
 from tachyllm.backends.torch_backend import TorchBackend
 from tachyllm.kernels import native
-from tachyllm.step import ScheduledSeq, StepBatch
+from tachyllm.step import StepBatch
 
 ops = native.native_ops()
 pytestmark = pytest.mark.native
@@ -44,20 +45,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[i
 
 
 def encoder_step(backend, lengths: list[int]):
-    seqs = [
-        ScheduledSeq(
-            seq_id=i,
-            request_id=str(i),
-            start=0,
-            token_ids=[1] * n,
-            num_draft_tokens=0,
-            block_table=[],
-            seq_len=n,
-            completes=True,
-        )
-        for i, n in enumerate(lengths)
-    ]
-    return backend.prepare_encoder(StepBatch(seqs))[3]
+    return backend.prepare_encoder(StepBatch(seqs([(0, n) for n in lengths])))[3]
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])

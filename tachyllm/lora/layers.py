@@ -18,6 +18,7 @@ from torch import nn
 
 from tachyllm.errors import ConfigError
 from tachyllm.models.llama import LlamaForCausalLM
+from tachyllm.option_values import DTYPES
 from tachyllm.quantization.apply import QUANTIZED_LINEARS
 from tachyllm.quantization.int8 import quantize_int8
 from tachyllm.step import ScheduledSeq
@@ -90,7 +91,7 @@ class StepSegments:
         a small fraction of the base's 4-8-bit one. Otherwise bf16 for bf16 activations with kernels
         (the kernels widen them to fp32 as they load them), else fp32."""
         if self.lora_dtype != "auto":
-            return {"int8": torch.int8, "bfloat16": torch.bfloat16, "float32": torch.float32}[self.lora_dtype]
+            return torch.int8 if self.lora_dtype == "int8" else DTYPES[self.lora_dtype]
         if isinstance(base, QUANTIZED_LINEARS) and getattr(self.kernels, "LORA_INT8_WEIGHTS", False):
             return torch.int8
         if self.kernels is not None and self.activations == torch.bfloat16:

@@ -33,7 +33,8 @@ def lora_linear(
 
 
 def seqs(step: list[tuple[int, int]]) -> list[ScheduledSeq]:
-    """A step of sequences given as (LoRA slot, new tokens)."""
+    """A step of sequences given as (LoRA slot, new tokens); slot 0: the base model (also the
+    encoder tests' plain steps)."""
     return [
         ScheduledSeq(
             seq_id=i,
