@@ -404,3 +404,8 @@ def test_fused_decoder_layers_run_the_adapters(base, adapters):
     assert got == token_ids(modules.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
     assert got[2] != token_ids(fused.generate(prompts[2:3], GREEDY, use_tqdm=False))[0]  # the adapter acts
     assert_all_blocks_free(fused)
+
+
+def test_unknown_lora_dtype_refused_at_start(base):
+    with pytest.raises(ConfigError, match="lora_dtype must be one of auto, int8, bfloat16, float32, got 'fp8'"):
+        tiny_llm(base, enable_lora=True, lora_dtype="fp8")
