@@ -61,23 +61,41 @@ def _buckets(sizes: np.ndarray) -> np.ndarray:
     return np.where(sizes <= 16, sizes, 16 + np.rint(4 * np.log2(np.maximum(sizes, 16) / 16))).astype(np.int64)
 
 
+def _empty(dtype: type) -> np.ndarray:
+    return np.zeros(0, dtype)
+
+
 @dataclass
 class CostBySize:
     """Seconds of a forward as a function of its size in tokens alone, from measurements: a table
     rather than a fit, since the CPU kernels make the cost far from linear in the token count
-    (fused one-call layers up to a row threshold, batched matmuls beyond)."""
+    (fused one-call layers up to a row threshold, batched matmuls beyond).
 
-    points: dict[int, tuple[float, float]] = field(default_factory=dict)  # bucket -> (mean size, seconds)
+    One point per size bucket, kept as arrays in bucket order, updated in place: the switch reads
+    the table several times a step, and rebuilding it from a dict each time cost Python calls in
+    proportion to the buckets measured. Bucket order is also the order of the points' mean sizes,
+    since a bucket's mean stays within its range and the ranges do not overlap."""
+
+    buckets: np.ndarray = field(default_factory=lambda: _empty(np.int64))
+    sizes: np.ndarray = field(default_factory=lambda: _empty(np.float64))  # mean size measured per bucket
+    seconds: np.ndarray = field(default_factory=lambda: _empty(np.float64))
+
+    def __len__(self) -> int:
+        return len(self.buckets)
 
     def record(self, size: int, seconds: float) -> None:
-        b = int(_buckets(np.array([size]))[0])
-        old = self.points.get(b)
-        self.points[b] = (size, seconds) if old is None else (
-            old[0] + COST_EMA * (size - old[0]), old[1] + COST_EMA * (seconds - old[1])
-        )  # fmt: skip
+        b = int(_buckets(np.array(size)))
+        i = int(self.buckets.searchsorted(b))
+        if i < len(self.buckets) and self.buckets[i] == b:
+            self.sizes[i] += COST_EMA * (size - self.sizes[i])
+            self.seconds[i] += COST_EMA * (seconds - self.seconds[i])
+        else:
+            self.buckets = np.insert(self.buckets, i, b)
+            self.sizes = np.insert(self.sizes, i, size)
+            self.seconds = np.insert(self.seconds, i, seconds)
 
     def measured_up_to(self, size: int) -> bool:
-        return any(p[0] <= size for p in self.points.values())
+        return len(self) > 0 and bool(self.sizes[0] <= size)
 
     def estimate(self, size: int, high: bool) -> float | None:
         """Seconds for a step of `size`: measured, or interpolated between the nearest measured sizes.
@@ -91,14 +109,9 @@ class CostBySize:
         """estimate() of every size at once (any shape): the speculation switch weighs every draft
         length for several numbers of drafting sequences each step, which one size at a time in
         Python took milliseconds (docs/design_measurements.md#adaptive-switch-cost)."""
-        if not self.points:
+        if not len(self):
             return None
-        buckets = np.array(sorted(self.points))
-        bucket_seconds = np.array([self.points[b][1] for b in buckets.tolist()])
-        # Measured points by mean size (on a tie the larger time is "below", the smaller "above").
-        measured = sorted(self.points.values())
-        xs = np.array([p[0] for p in measured], dtype=float)
-        ys = np.array([p[1] for p in measured])
+        xs, ys = self.sizes, self.seconds
         sizes = np.asarray(sizes)
         # Interpolated between the nearest measured sizes on either side ...
         # (ndarray methods and ufuncs throughout: numpy's function wrappers cost more calls than the work.)
@@ -115,8 +128,8 @@ class CostBySize:
         out = np.where(larger, ys[-1] * sizes / xs[-1] if high else ys[-1], out)
         # A size whose bucket was measured takes that bucket's time.
         b = _buckets(sizes)
-        at = np.minimum(buckets.searchsorted(b), len(buckets) - 1)
-        result: np.ndarray = np.where(buckets[at] == b, bucket_seconds[at], out)
+        at = np.minimum(self.buckets.searchsorted(b), len(xs) - 1)
+        result: np.ndarray = np.where(self.buckets[at] == b, ys[at], out)
         return result
 
 
@@ -169,18 +182,18 @@ class StepCostModel:
         table's linear bound): the table's own bounds alone priced a batch of one like the batch
         of 32 its verifications were seen at, and held long drafts at a batch of one to the few
         tokens the first verifications had (docs/design_measurements.md#speculative-step-cost)."""
-        if not self.spec_by_size.points:
+        measured = self.spec_by_size
+        if not len(measured):
             return self.by_size.estimates(sizes, high=True)
         sizes = np.asarray(sizes)
-        measured = sorted(self.spec_by_size.points.values())
-        ends = np.array([measured[0][0], measured[-1][0]])
-        # One lookup for the sizes asked and the ends (each lookup sorts its table: the decision's cost).
+        ends = measured.sizes[[0, -1]]
+        # One lookup for the sizes asked and the ends.
         plain_all = self.by_size.estimates(np.concatenate([sizes.ravel(), ends]), high=True)
         spec = self.spec_by_size.estimates(sizes, high=True)
         if plain_all is None or spec is None:
             return None
         plain, plain_at_ends = plain_all[:-2].reshape(sizes.shape), plain_all[-2:]
-        below, above = np.maximum(np.array([measured[0][1], measured[-1][1]]) / plain_at_ends, 1.0).tolist()
+        below, above = np.maximum(measured.seconds[[0, -1]] / plain_at_ends, 1.0).tolist()
         estimates: np.ndarray = np.where(
             sizes < ends[0], plain * below, np.where(sizes > ends[1], np.minimum(spec, plain * above), spec)
         )
