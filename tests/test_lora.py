@@ -386,24 +386,68 @@ def test_preempted_adapter_rows_resume_identically(base, adapters, lora_llm):
     assert_all_blocks_free(small)
 
 
-def test_fused_decoder_layers_run_the_adapters(base, adapters):
-    """With the C++ kernels, the fused decoder layers stay on and apply the adapters after each of their
-    linears: a batch of three adapters and base rows gives the tokens of the same engine running its
-    layers as modules (the same kernels, called one by one)."""
+@pytest.mark.parametrize("weights", ["bf16", "int4", "gguf-q4_1"])
+def test_fused_decoder_layers_run_the_adapters(weights, base, adapters, tmp_path):
+    """With the C++ kernels, the fused decoder layers stay on and apply the adapters with each of their
+    linears (over quantized blocks inside the linear's own parallel region, each thread expanding the
+    columns it computed): a batch of three adapters and base rows, and one adapter row alone (a
+    single stream), give the tokens and logprobs of the same engine running its layers as modules
+    (the same kernels, called one by one), bit for bit."""
     if native.native_ops() is None:
         pytest.skip("the C++ kernels did not build")
     options = {"dtype": "bfloat16", "enable_lora": True, "max_loras": 3, "max_lora_rank": 8, "backend": "cpu"}
-    fused, modules = tiny_llm(base, **options), tiny_llm(base, **options)
+    path = base
+    if weights == "gguf-q4_1":
+        from gguf import GGMLQuantizationType
+        from helpers.gguf_files import write_tiny_q4_1_gguf
+
+        path = write_tiny_q4_1_gguf(tmp_path / "tiny.gguf", GGMLQuantizationType.Q4_1)
+        options["quantization"] = "gguf"
+    elif weights == "int4":
+        options["quantization"] = "int4"
+    fused, modules = tiny_llm(path, **options), tiny_llm(path, **options)
     assert all(layer.fused is not None for layer in fused.engine.model.layers)
     for layer in modules.engine.model.layers:
         layer.fused = None
     names = [None, "qv", "all-rslora", "mlp-o"]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    prompts = [[t % 250 for t in PROMPTS[i % len(PROMPTS)]] for i in range(len(names))]  # the GGUF's vocabulary
     loras = [None if n is None else request(adapters, n) for n in names]
-    got = token_ids(fused.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
-    assert got == token_ids(modules.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
-    assert got[2] != token_ids(fused.generate(prompts[2:3], GREEDY, use_tqdm=False))[0]  # the adapter acts
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for batch in (slice(None), slice(2, 3)):
+        got = fused.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
+        want = modules.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
+        assert token_ids(got) == token_ids(want)
+        assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert token_ids(got) != token_ids(fused.generate(prompts[2:3], GREEDY, use_tqdm=False))  # the adapter acts
     assert_all_blocks_free(fused)
+
+
+def test_adapters_inside_a_quantized_linears_threads(tiny_model_factory, tmp_path):
+    """Linears wide enough for the quantized kernel to split over two threads: the threads share the
+    adapters' shrink and each expands the output columns it computed, at one row (a single stream)
+    and at several, giving the module path's tokens and logprobs bit for bit."""
+    if native.native_ops() is None:
+        pytest.skip("the C++ kernels did not build")
+    path = tiny_model_factory("llama", hidden_size=256, intermediate_size=1024)
+    adapters = [
+        LoRARequest(name, i + 1, str(write_adapter(tmp_path / name, path, targets, rank=8, seed=i)))
+        for i, (name, targets) in enumerate([("all", ALL_TARGETS), ("qv", ["q_proj", "v_proj"])])
+    ]
+    options = {"dtype": "bfloat16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "backend": "cpu"}
+    options |= {"quantization": "int4", "threads": 2}
+    fused, modules = tiny_llm(path, **options), tiny_llm(path, **options)
+    assert all(layer.fused is not None for layer in fused.engine.model.layers)
+    for layer in modules.engine.model.layers:
+        layer.fused = None
+    prompts = [[t % 250 for t in p] for p in PROMPTS]
+    loras = [adapters[0], None, adapters[1]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for batch in (slice(None), slice(0, 1)):
+        got = fused.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
+        want = modules.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
+        assert token_ids(got) == token_ids(want)
+        assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert token_ids(got) != token_ids(fused.generate(prompts[:1], GREEDY, use_tqdm=False))  # the adapter acts
 
 
 def test_unknown_lora_dtype_refused_at_start(base):

@@ -109,8 +109,18 @@ class DecodeLayer {
 
  private:
   torch::Tensor linear(int index, const Linear& base, const torch::Tensor& x) const {
+    if (!lora_step_ || lora_step_->slots.empty()) return base(x);
+    // A block linear's adapters run in its own parallel region, each thread expanding the columns it
+    // computed, rather than after it (one row: on one thread while the other waits;
+    // docs/design_measurements.md#lora-kernel). With a bias they run after it, where the module path
+    // adds them.
+    if (base.kind == LinearKind::Blocks && !base.bias) {
+      LinearEpilogue epilogue;
+      if (!lora_[index]->epilogue(x, base.out_features, *lora_step_, epilogue)) return base(x);
+      return quant_gemv_then(x, base.weight, *base.layout, base.activation_bits, epilogue);
+    }
     torch::Tensor y = base(x);
-    if (lora_step_ && !lora_step_->slots.empty()) lora_[index]->apply(y, x, *lora_step_);
+    lora_[index]->apply(y, x, *lora_step_);
     return y;
   }
 

@@ -257,9 +257,9 @@ void expand_columns(T* out, int64_t out_stride, const std::vector<Segment>& segm
 // barrier, then its share of the output columns (whole 16-column chunks).
 template <typename T, typename W>
 void apply_segments(T* out, int64_t out_stride, int64_t out_cols, const T* x, int64_t x_stride, int64_t in,
-                    const std::vector<Segment>& segments, int64_t total_rows, int64_t max_ranks, float* shrunk) {
-  int64_t items = 0;
-  for (const Segment& seg : segments) items += seg.shrink_items();
+                    const std::vector<Segment>& segments, int64_t items, int64_t max_ranks, float* shrunk) {
+  int64_t total_rows = 0;
+  for (const Segment& seg : segments) total_rows += seg.count;
   const int64_t chunks = (out_cols + 15) / 16;
   auto shrink_share = [&](int64_t t, int64_t n) {
     shrink_items<T, W>(x, x_stride, in, segments, shrunk, max_ranks, items * t / n, items * (t + 1) / n);
@@ -343,14 +343,23 @@ void LoRASlots::clear(int64_t slot) {
   if (slot >= 0 && slot < static_cast<int64_t>(slots_.size())) slots_[slot] = c10::nullopt;
 }
 
-void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep& step) const {
-  RECORD_FUNCTION("native::lora_apply", std::vector<c10::IValue>());
-  if (step.slots.empty()) return;
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0), "x [rows, in] and out [rows, out] expected");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must have one dtype");
+namespace {
+
+// The segments of a call of x's rows with weights in `slots` (LoRASlots' by slot), in the step's order,
+// checked against x and an output of out_cols columns; one weight dtype. The scratch (segments, shrunk
+// rows) is the calling thread's, reused from call to call: a decode step makes ~120 calls.
+struct Call {
+  const std::vector<Segment>& segments;
+  c10::ScalarType weight_dtype;
+  int64_t max_ranks;
+  float* shrunk;  // [rows, max_ranks]
+};
+
+template <typename Slots>
+Call prepare_call(const Slots& slots, const torch::Tensor& x, int64_t out_cols, const LoRAStep& step) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x [rows, in] with contiguous rows expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "LoRA activations must be bf16 or fp32, got ", x.scalar_type());
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "x and out rows must be contiguous");
   const int64_t* row_index = step.rows ? step.rows->data_ptr<int64_t>() : nullptr;
   if (row_index) {
     for (int64_t m = 0; m < step.rows->numel(); ++m)
@@ -358,9 +367,6 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
   } else {
     TORCH_CHECK(step.offsets[1] == x.size(0), "the step's one segment must hold every row");
   }
-  // The segments of the step with weights here, in the step's order; one weight dtype. The scratch
-  // (segments, shrunk rows) is the calling thread's, reused from call to call: a decode step makes
-  // ~120 calls.
   thread_local std::vector<Segment> segments;
   thread_local std::vector<float> shrunk;
   segments.clear();
@@ -368,44 +374,91 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
   int64_t total_rows = 0, max_ranks = 0;
   for (size_t s = 0; s < step.slots.size(); ++s) {
     const int64_t slot = step.slots[s], begin = step.offsets[s], count = step.offsets[s + 1] - begin;
-    if (count == 0 || slot < 0 || slot >= static_cast<int64_t>(slots_.size()) || !slots_[slot]) continue;
-    const Weights& w = *slots_[slot];
+    if (count == 0 || slot < 0 || slot >= static_cast<int64_t>(slots.size()) || !slots[slot]) continue;
+    const auto& w = *slots[slot];
     TORCH_CHECK(w.a.size(1) == x.size(1), "the adapter's A has ", w.a.size(1), " input features, x ", x.size(1));
     TORCH_CHECK(w.a.scalar_type() != at::kBFloat16 || x.scalar_type() == at::kBFloat16,
                 "bf16 adapter weights need bf16 activations");
     TORCH_CHECK(segments.empty() || w.a.scalar_type() == weight_dtype,
                 "the adapters of one linear must share one weight dtype");
-    const int64_t* lay = w.layout.data_ptr<int64_t>();
+    const int64_t* lay = w.layout.template data_ptr<int64_t>();
     for (int64_t p = 0; p < w.layout.size(0); ++p)
-      TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out.size(1), "a projection's columns exceed out");
+      TORCH_CHECK(lay[4 * p] + lay[4 * p + 1] <= out_cols, "a projection's columns exceed out");
     weight_dtype = w.a.scalar_type();
     segments.push_back(Segment{row_index ? row_index + begin : nullptr, count, total_rows, w.a.data_ptr(), w.a.size(0),
-                               w.bt.data_ptr(), lay, w.layout.size(0), w.scale ? w.scale->data_ptr<float>() : nullptr});
+                               w.bt.data_ptr(), lay, w.layout.size(0),
+                               w.scale ? w.scale->template data_ptr<float>() : nullptr});
     total_rows += count;
     max_ranks = std::max(max_ranks, w.a.size(0));
   }
-  if (segments.empty()) return;
   if (static_cast<int64_t>(shrunk.size()) < total_rows * max_ranks) shrunk.resize(total_rows * max_ranks);
-  const int64_t in = x.size(1);
-  if (x.scalar_type() == at::kBFloat16) {
-    bf16* o = out.data_ptr<bf16>();
-    const bf16* xs = x.data_ptr<bf16>();
-    if (weight_dtype == at::kBFloat16)
-      apply_segments<bf16, bf16>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
-                                 shrunk.data());
-    else if (weight_dtype == at::kChar)
-      apply_segments<bf16, int8_t>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
-                                   shrunk.data());
+  return Call{segments, weight_dtype, max_ranks, shrunk.data()};
+}
+
+// fn(T{}, W{}) for activations of x_dtype and weights of w_dtype (bf16 weights only with bf16 activations).
+template <typename Fn>
+void with_dtypes(c10::ScalarType x_dtype, c10::ScalarType w_dtype, Fn&& fn) {
+  if (x_dtype == at::kBFloat16) {
+    if (w_dtype == at::kBFloat16)
+      fn(bf16{}, bf16{});
+    else if (w_dtype == at::kChar)
+      fn(bf16{}, int8_t{});
     else
-      apply_segments<bf16, float>(o, out.stride(0), out.size(1), xs, x.stride(0), in, segments, total_rows, max_ranks,
-                                  shrunk.data());
-  } else if (weight_dtype == at::kChar) {
-    apply_segments<float, int8_t>(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0),
-                                  in, segments, total_rows, max_ranks, shrunk.data());
+      fn(bf16{}, float{});
+  } else if (w_dtype == at::kChar) {
+    fn(float{}, int8_t{});
   } else {
-    apply_segments<float, float>(out.data_ptr<float>(), out.stride(0), out.size(1), x.data_ptr<float>(), x.stride(0),
-                                 in, segments, total_rows, max_ranks, shrunk.data());
+    fn(float{}, float{});
   }
+}
+
+int64_t total_shrink_items(const std::vector<Segment>& segments) {
+  int64_t items = 0;
+  for (const Segment& seg : segments) items += seg.shrink_items();
+  return items;
+}
+
+}  // namespace
+
+void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep& step) const {
+  RECORD_FUNCTION("native::lora_apply", std::vector<c10::IValue>());
+  if (step.slots.empty()) return;
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0), "x [rows, in] and out [rows, out] expected");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must have one dtype");
+  TORCH_CHECK(out.stride(1) == 1, "x and out rows must be contiguous");
+  const Call call = prepare_call(slots_, x, out.size(1), step);
+  if (call.segments.empty()) return;
+  with_dtypes(x.scalar_type(), call.weight_dtype, [&](auto t, auto w) {
+    using T = decltype(t);
+    using W = decltype(w);
+    apply_segments<T, W>(static_cast<T*>(out.data_ptr()), out.stride(0), out.size(1),
+                         static_cast<const T*>(x.data_ptr()), x.stride(0), x.size(1), call.segments,
+                         total_shrink_items(call.segments), call.max_ranks, call.shrunk);
+  });
+}
+
+bool LoRASlots::epilogue(const torch::Tensor& x, int64_t out_features, const LoRAStep& step,
+                         LinearEpilogue& epilogue) const {
+  if (step.slots.empty()) return false;
+  const Call call = prepare_call(slots_, x, out_features, step);
+  if (call.segments.empty()) return false;
+  with_dtypes(x.scalar_type(), call.weight_dtype, [&](auto t, auto w) {
+    using T = decltype(t);
+    using W = decltype(w);
+    const T* xs = static_cast<const T*>(x.data_ptr());
+    const int64_t x_stride = x.stride(0), in = x.size(1), items = total_shrink_items(call.segments);
+    const std::vector<Segment>* segments = &call.segments;
+    const int64_t max_ranks = call.max_ranks;
+    float* shrunk = call.shrunk;
+    epilogue.shared = [=](int64_t thread, int64_t threads) {
+      shrink_items<T, W>(xs, x_stride, in, *segments, shrunk, max_ranks, items * thread / threads,
+                         items * (thread + 1) / threads);
+    };
+    epilogue.columns = [=](void* out, int64_t begin, int64_t end) {
+      expand_columns<T, W>(static_cast<T*>(out), out_features, *segments, shrunk, max_ranks, begin, end);
+    };
+  });
+  return true;
 }
 
 void register_lora(pybind11::module_& m) {

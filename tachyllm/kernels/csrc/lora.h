@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "ops.h"
+
 // The step's rows by adapter slot, set once per step: segment i holds the rows
 // rows[offsets[i]:offsets[i + 1]] of slot slots[i]; without rows, one segment holds every row.
 struct LoRAStep {
@@ -30,6 +32,11 @@ class LoRASlots {
   void clear(int64_t slot);
   // out[rows] += each segment's adapter update of x[rows], in place; slots without weights here are skipped.
   void apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep& step) const;
+  // apply() as work of the linear's own parallel region (quant_gemv_then), for an output of
+  // out_features columns: the shrink shared by the threads, the expand on each thread's columns. False,
+  // with `epilogue` untouched, where no segment of the step has weights here. The epilogue reads the
+  // calling thread's scratch: run it before this thread's next call.
+  bool epilogue(const torch::Tensor& x, int64_t out_features, const LoRAStep& step, LinearEpilogue& epilogue) const;
 
  private:
   struct Weights {

@@ -3,6 +3,8 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <functional>
+
 // Kernels run without the GIL (as ATen ops do), so that the server's event loop thread can stream
 // tokens while the engine thread computes.
 using ReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -35,6 +37,18 @@ void encoder_attention(torch::Tensor out, const torch::Tensor& q, const torch::T
 // quant_gemv.cpp: layout int64 [parts, 2] of (GGML block type, out_features), the matrices stacked in `packed`.
 torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
                          int64_t activation_bits);
+// Work a caller runs inside a quantized linear's parallel region (quant_gemv_then): thread t of n runs
+// `shared(t, n)`, its share of work that needs only the input, after its tiles; once every thread has
+// done so, `columns(out, begin, end)` on the output columns [begin, end) it computed, whose linear
+// outputs are final (out: the output's first row, rows `out_features` apart). LoRA adapters on decode
+// steps (decode_layer.cpp) run this way instead of after the linear, on one thread or in a region of
+// their own.
+struct LinearEpilogue {
+  std::function<void(int64_t t, int64_t n)> shared;
+  std::function<void(void* out, int64_t begin, int64_t end)> columns;
+};
+torch::Tensor quant_gemv_then(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
+                              int64_t activation_bits, const LinearEpilogue& epilogue);
 void register_quant_gemv(pybind11::module_& m);
 
 // bf16_gemv.cpp

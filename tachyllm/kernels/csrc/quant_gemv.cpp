@@ -48,6 +48,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -818,8 +820,16 @@ void run_tiles(const Part& p, const QuantizedRows& xq, int64_t begin, int64_t en
   }
 }
 
+// The first output column of tile t (n past the last tile).
+int64_t column_of(const std::vector<Part>& parts, int64_t t, int64_t n) {
+  for (const Part& p : parts)
+    if (t < p.tile0 + p.tiles) return p.col0 + (t - p.tile0) * TILE;
+  return n;
+}
+
 template <typename T>
-void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, T* y, bool fine) {
+void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, T* y, bool fine,
+                const LinearEpilogue* epilogue) {
   const QuantizedRows xq = quantize_rows(x, rows, k, fine);
   const Part& last = parts.back();
   const int64_t tiles = last.tile0 + last.tiles;
@@ -828,7 +838,7 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
   Output<T> out{y, n};
   // Grain: at least ~64 KiB of weights per task so the fork/join (~2 µs) stays small against it.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(1, bytes / tiles));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  auto run = [&](int64_t begin, int64_t end) {
     for (int64_t r = 0; r < rows; r += ROW_CHUNK) {
       const int64_t r_end = std::min(rows, r + ROW_CHUNK);
       for (const Part& p : parts) {
@@ -842,7 +852,31 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
         });
       }
     }
-  });
+  };
+  if (!epilogue) {
+    at::parallel_for(0, tiles, grain, run);
+    return;
+  }
+  // With an epilogue, one region as at::parallel_for would open (the same thread count), each thread
+  // with its contiguous share of the tiles, then the epilogue's shared work, a barrier, its columns.
+  const int64_t threads = at::in_parallel_region() || omp_in_parallel()
+                              ? 1
+                              : std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
+  if (threads <= 1) {
+    run(0, tiles);
+    epilogue->shared(0, 1);
+    epilogue->columns(y, 0, n);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+    const int64_t begin = tiles * t / count, end = tiles * (t + 1) / count;
+    run(begin, end);
+    epilogue->shared(t, count);
+#pragma omp barrier
+    epilogue->columns(y, column_of(parts, begin, n), column_of(parts, end, n));
+  }
 }
 
 // Parts (format, rows) stacked along the output, checked against the packed bytes and in_features.
@@ -870,7 +904,8 @@ std::vector<Part> make_parts(const std::vector<std::pair<int64_t, int64_t>>& lay
 }
 
 torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& packed,
-                   const std::vector<std::pair<int64_t, int64_t>>& layout, int64_t activation_bits) {
+                   const std::vector<std::pair<int64_t, int64_t>>& layout, int64_t activation_bits,
+                   const LinearEpilogue* epilogue = nullptr) {
   RECORD_FUNCTION("native::quant_gemv", c10::ArrayRef<const c10::IValue>{});
   TORCH_CHECK(x_in.device().is_cpu() && packed.device().is_cpu(), "quant_gemv: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1, "quant_gemv: x must be [..., in_features]");
@@ -891,11 +926,11 @@ torch::Tensor gemv(const torch::Tensor& x_in, const torch::Tensor& packed,
   if (rows == 0) return y;
   const bool fine = activation_bits == 16;
   if (x.scalar_type() == at::kFloat) {
-    gemv_typed(x.data_ptr<float>(), rows, k, parts, n, y.data_ptr<float>(), fine);
+    gemv_typed(x.data_ptr<float>(), rows, k, parts, n, y.data_ptr<float>(), fine, epilogue);
   } else {
     auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>());
     auto* yb = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
-    gemv_typed(xb, rows, k, parts, n, yb, fine);
+    gemv_typed(xb, rows, k, parts, n, yb, fine, epilogue);
   }
   return y;
 }
@@ -1168,6 +1203,11 @@ const char* isa() {
 torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
                          int64_t activation_bits) {
   return gemv(x, packed, read_layout(layout), activation_bits);
+}
+
+torch::Tensor quant_gemv_then(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
+                              int64_t activation_bits, const LinearEpilogue& epilogue) {
+  return gemv(x, packed, read_layout(layout), activation_bits, &epilogue);
 }
 
 void register_quant_gemv(pybind11::module_& m) {
