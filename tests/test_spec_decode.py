@@ -24,8 +24,10 @@ from tachyllm.sampling.sampler import Sampler
 from tachyllm.spec_decode.adaptive import (
     EARLY_DRAFTS,
     EARLY_PROBE_INTERVAL,
+    MAX_PROBE_INTERVAL,
     PROBE_INTERVAL,
     REFRESH_INTERVAL,
+    SKIP_REUSES,
     AdaptiveController,
 )
 from tachyllm.spec_decode.ngram import NgramProposer
@@ -610,6 +612,26 @@ def test_adaptive_switch_decision_costs_no_more_at_long_drafts_and_large_batches
     assert skip and calls < 1000
     k, calls = count_calls(lambda: c.choose(32, 32, 32, 32))
     assert k == 0 and calls < 1000
+
+
+def test_a_cannot_pay_judgement_is_reused_for_steps_of_the_same_shape():
+    """Judging whether any drafts could pay costs ~100 calls (7 to reuse); the answer "no" is reused for up
+    to SKIP_REUSES further steps of the same shape, and judged again for another shape, after that
+    many, or once acceptance is measured (which can turn it)."""
+    c = AdaptiveController(max_k=24, has_draft_model=False)
+    for n in range(1, 200):
+        c.step_costs.observe(StepShape(n), 0.010 if n <= 16 else 0.001 * n)  # fused up to 16 tokens
+    for _ in range(20):
+        c.record_acceptance(24, 0)
+    c.probe_interval = MAX_PROBE_INTERVAL  # no probe falls due here
+    calls = [count_calls(lambda: c.can_skip_proposals(4, 4, 4)) for _ in range(SKIP_REUSES + 2)]
+    assert all(skip for skip, _ in calls)
+    judged = [n > 50 for _, n in calls]
+    assert judged == [True] + [False] * SKIP_REUSES + [True]
+    assert count_calls(lambda: c.can_skip_proposals(4, 4, 5))[1] > 50  # another shape
+    for _ in range(40):
+        c.record_acceptance(24, 24)
+    assert not c.can_skip_proposals(4, 4, 5)  # judged again: drafts now pay
 
 
 def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():

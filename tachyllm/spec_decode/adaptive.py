@@ -41,6 +41,10 @@ REFRESH_INTERVAL = 64  # while on: a plain step every this many steps, and a ste
 EARLY_PROBE_INTERVAL = 8  # while acceptance rests on fewer than EARLY_DRAFTS first-position drafts
 EARLY_DRAFTS = 8
 MIN_GAIN = 1.10  # speculate only when expected to be at least this much faster (noise margin)
+# can_skip_proposals reuses a "cannot pay" for this many further steps of the same shape: judging it
+# cost ~0.3 ms a step (2% of a batch-8 step; docs/design_measurements.md#adaptive-switch-cost), and it
+# changes only as acceptance is measured (which forgets it) or the step costs drift.
+SKIP_REUSES = 16
 ACCEPT_PRIOR, PRIOR_WEIGHT, DECAY = 0.5, 2.0, 0.97
 
 
@@ -61,6 +65,10 @@ class AdaptiveController:
     steps: int = 0  # steps decided so far
     probing: bool = False  # the last decision was a measurement: one sequence speculates, not all
     probe_interval: int = PROBE_INTERVAL
+    # The step shape (candidates, decodes, base tokens) last judged unable to pay, and how many steps
+    # have reused that judgement.
+    cannot_pay: tuple[int, int, int] | None = None
+    cannot_pay_reuses: int = 0
 
     def __post_init__(self) -> None:
         self.accepted = [0.0] * self.max_k
@@ -142,14 +150,20 @@ class AdaptiveController:
         skipped; the step then counts as one without speculation."""
         if not self.adaptive or self.has_draft_model or self.steps_without_spec + 1 >= self._steps_between_probes():
             return False
-        base = self.step_costs.by_size.estimate(base_tokens, high=False)
-        if base is None:
-            return False
-        # Fewer sequences with drafts can pay where all of them would not (a step that stays small
-        # enough for the fused kernels), so check every power of two up to all of them.
-        counts = {min(num_candidates, 1 << i) for i in range(num_candidates.bit_length() + 1)}
-        if self._best_ks(sorted(counts), num_decodes, base_tokens, base).any():
-            return False
+        shape = (num_candidates, num_decodes, base_tokens)
+        if shape == self.cannot_pay and self.cannot_pay_reuses < SKIP_REUSES:
+            self.cannot_pay_reuses += 1
+        else:
+            base = self.step_costs.by_size.estimate(base_tokens, high=False)
+            if base is None:
+                return False
+            # Fewer sequences with drafts can pay where all of them would not (a step that stays small
+            # enough for the fused kernels), so check every power of two up to all of them.
+            counts = {min(num_candidates, 1 << i) for i in range(num_candidates.bit_length() + 1)}
+            if self._best_ks(sorted(counts), num_decodes, base_tokens, base).any():
+                self.cannot_pay = None
+                return False
+            self.cannot_pay, self.cannot_pay_reuses = shape, 0
         self.steps += 1
         self._no_spec()
         return True
@@ -190,6 +204,7 @@ class AdaptiveController:
         self.proposal_cost.record(size, seconds)
 
     def record_acceptance(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.cannot_pay = None
         for i in range(self.max_k):
             self.accepted[i] *= DECAY
             self.attempted[i] *= DECAY
