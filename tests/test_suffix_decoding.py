@@ -21,7 +21,7 @@ from tachyllm.lora.request import LoRARequest
 from tachyllm.runner import kv_cache
 from tachyllm.server.metrics import ServerMetrics
 from tachyllm.spec_decode.suffix import SuffixProposer
-from tachyllm.spec_decode.suffix_tree import GlobalSuffixTrees, SuffixTree, propose_drafts
+from tachyllm.spec_decode.suffix_tree import Candidate, GlobalSuffixTrees, SuffixTree, propose_drafts
 from tachyllm.speculative_config import SpeculativeConfig
 
 # The trees are C++: every test here needs the kernels (tests/test_suffix_config.py does not).
@@ -170,17 +170,23 @@ def test_a_tie_between_continuations_takes_the_smaller_token():
     assert tree.speculate([1], 1, 1.0, 0.0).score == pytest.approx(0.5)
 
 
+def shared_draft(trees: GlobalSuffixTrees, context: list[int], k: int, factor: float, prob: float, key) -> Candidate:
+    """What the finished outputs' tree of `key` drafts after `context` (nothing without one)."""
+    tree = trees.trees.get(key)
+    return Candidate([], 0, 0.0) if tree is None else tree.speculate(context, k, factor, prob)
+
+
 def test_global_trees_are_kept_apart_by_key_under_one_bound():
     trees = GlobalSuffixTrees(max_depth=4, max_sequences=3)
     trees.add(0, [1, 2, 3, 4], key=b"adapter-a")
     trees.add(1, [1, 2, 7, 8], key=b"")
-    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"adapter-a").token_ids == [3, 4]
-    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"").token_ids == [7, 8]
-    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"adapter-b").token_ids == []
+    assert shared_draft(trees, [1, 2], 4, 2.0, 0.1, b"adapter-a").token_ids == [3, 4]
+    assert shared_draft(trees, [1, 2], 4, 2.0, 0.1, b"").token_ids == [7, 8]
+    assert shared_draft(trees, [1, 2], 4, 2.0, 0.1, b"adapter-b").token_ids == []
     trees.add(2, [5, 6], key=b"")
     trees.add(3, [5, 6], key=b"")  # the fourth output evicts the oldest, adapter a's only one
     assert trees.num_sequences == 3 and set(trees.trees) == {b""}
-    assert trees.speculate([1, 2], 4, 2.0, 0.1, key=b"adapter-a").token_ids == []
+    assert shared_draft(trees, [1, 2], 4, 2.0, 0.1, b"adapter-a").token_ids == []
     assert trees.num_nodes == trees.trees[b""].num_nodes
 
 
@@ -231,8 +237,8 @@ def test_one_native_call_proposes_for_the_whole_batch_as_row_by_row():
             reference.extend(seq.token_ids[reference.num_tokens :])
             assert reference.recent() == seq.token_ids[-depth:]
             own = reference.speculate_own(k, factor, min_prob)
-            shared = proposer.global_trees.speculate(
-                seq.token_ids[-depth:], k, factor, min_prob, key=seq.request.lora_digest
+            shared = shared_draft(
+                proposer.global_trees, seq.token_ids[-depth:], k, factor, min_prob, seq.request.lora_digest
             )
             assert draft.token_ids == (own if own.score >= shared.score else shared).token_ids
             shared_drafts += shared.score > own.score

@@ -33,9 +33,6 @@ class Candidate:
     score: float
 
 
-NO_CANDIDATE = Candidate([], 0, 0.0)
-
-
 def require_native_trees() -> Any:
     """The C++ kernels module that holds the trees; ConfigError where it could not be built."""
     ops = native_ops()
@@ -171,16 +168,3 @@ class GlobalSuffixTrees:
     def num_nodes(self) -> int:
         """Nodes over every key's tree (each counts its root): the size gauge."""
         return sum(tree.num_nodes for tree in self.trees.values())
-
-    def speculate(
-        self,
-        context: list[int],
-        max_tokens: int,
-        max_spec_factor: float,
-        min_token_prob: float,
-        key: Hashable = None,
-    ) -> Candidate:
-        tree = self.trees.get(key)
-        if tree is None:
-            return NO_CANDIDATE
-        return tree.speculate(context, max_tokens, max_spec_factor, min_token_prob)
