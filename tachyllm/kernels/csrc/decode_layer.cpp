@@ -112,8 +112,8 @@ class DecodeLayer {
     if (!lora_step_ || lora_step_->slots.empty()) return base(x);
     // A block linear's adapters run in its own parallel region, each thread expanding the columns it
     // computed, rather than after it (one row: on one thread while the other waits;
-    // docs/design_measurements.md#lora-kernel). With a bias they run after it, where the module path
-    // adds them.
+    // docs/design_measurements.md#lora-adapters-inside-the-quantized-linears-region). With a bias they
+    // run after it, where the module path adds them.
     if (base.kind == LinearKind::Blocks && !base.bias) {
       LinearEpilogue epilogue;
       if (!lora_[index]->epilogue(x, base.out_features, *lora_step_, epilogue)) return base(x);
