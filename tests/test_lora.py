@@ -386,6 +386,24 @@ def test_preempted_adapter_rows_resume_identically(base, adapters, lora_llm):
     assert_all_blocks_free(small)
 
 
+def assert_fused_layers_match_modules(path, options: dict, prompts, loras, alone: int) -> None:
+    """An engine on the fused decoder layers and one running its layers as modules give the same
+    tokens and logprobs, bit for bit, for the whole batch and for row `alone` by itself (a single
+    stream), and row `alone`'s adapter changes its tokens."""
+    fused, modules = tiny_llm(path, **options), tiny_llm(path, **options)
+    assert all(layer.fused is not None for layer in fused.engine.model.layers)
+    for layer in modules.engine.model.layers:
+        layer.fused = None
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for batch in (slice(None), slice(alone, alone + 1)):
+        got = fused.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
+        want = modules.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
+        assert token_ids(got) == token_ids(want)
+        assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
+    assert token_ids(got) != token_ids(fused.generate(prompts[batch], GREEDY, use_tqdm=False))  # the adapter acts
+    assert_all_blocks_free(fused)
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int4", "gguf-q4_1"])
 def test_fused_decoder_layers_run_the_adapters(weights, base, adapters, tmp_path):
     """With the C++ kernels, the fused decoder layers stay on and apply the adapters with each of their
@@ -405,21 +423,10 @@ def test_fused_decoder_layers_run_the_adapters(weights, base, adapters, tmp_path
         options["quantization"] = "gguf"
     elif weights == "int4":
         options["quantization"] = "int4"
-    fused, modules = tiny_llm(path, **options), tiny_llm(path, **options)
-    assert all(layer.fused is not None for layer in fused.engine.model.layers)
-    for layer in modules.engine.model.layers:
-        layer.fused = None
     names = [None, "qv", "all-rslora", "mlp-o"]
     prompts = [[t % 250 for t in PROMPTS[i % len(PROMPTS)]] for i in range(len(names))]  # the GGUF's vocabulary
     loras = [None if n is None else request(adapters, n) for n in names]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    for batch in (slice(None), slice(2, 3)):
-        got = fused.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
-        want = modules.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
-        assert token_ids(got) == token_ids(want)
-        assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
-    assert token_ids(got) != token_ids(fused.generate(prompts[2:3], GREEDY, use_tqdm=False))  # the adapter acts
-    assert_all_blocks_free(fused)
+    assert_fused_layers_match_modules(path, options, prompts, loras, alone=2)
 
 
 def test_adapters_inside_a_quantized_linears_threads(tiny_model_factory, tmp_path):
@@ -435,19 +442,8 @@ def test_adapters_inside_a_quantized_linears_threads(tiny_model_factory, tmp_pat
     ]
     options = {"dtype": "bfloat16", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "backend": "cpu"}
     options |= {"quantization": "int4", "threads": 2}
-    fused, modules = tiny_llm(path, **options), tiny_llm(path, **options)
-    assert all(layer.fused is not None for layer in fused.engine.model.layers)
-    for layer in modules.engine.model.layers:
-        layer.fused = None
     prompts = [[t % 250 for t in p] for p in PROMPTS]
-    loras = [adapters[0], None, adapters[1]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    for batch in (slice(None), slice(0, 1)):
-        got = fused.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
-        want = modules.generate(prompts[batch], params, use_tqdm=False, lora_request=loras[batch])
-        assert token_ids(got) == token_ids(want)
-        assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]
-    assert token_ids(got) != token_ids(fused.generate(prompts[:1], GREEDY, use_tqdm=False))  # the adapter acts
+    assert_fused_layers_match_modules(path, options, prompts, [adapters[0], None, adapters[1]], alone=0)
 
 
 def test_unknown_lora_dtype_refused_at_start(base):
