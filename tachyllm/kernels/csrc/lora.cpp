@@ -425,7 +425,7 @@ void LoRASlots::apply(torch::Tensor out, const torch::Tensor& x, const LoRAStep&
   if (step.slots.empty()) return;
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0), "x [rows, in] and out [rows, out] expected");
   TORCH_CHECK(x.scalar_type() == out.scalar_type(), "x and out must have one dtype");
-  TORCH_CHECK(out.stride(1) == 1, "x and out rows must be contiguous");
+  TORCH_CHECK(out.stride(1) == 1, "out rows must be contiguous");
   const Call call = prepare_call(slots_, x, out.size(1), step);
   if (call.segments.empty()) return;
   with_dtypes(x.scalar_type(), call.weight_dtype, [&](auto t, auto w) {
