@@ -114,7 +114,7 @@ def test_global_tree_keeps_the_last_outputs_and_removes_the_oldest():
     fresh = GlobalSuffixTrees(max_depth=4, max_sequences=2)
     fresh.add(2, outputs[2]), fresh.add(3, outputs[3])
     assert tree.trees[None].entries() == fresh.trees[None].entries() and tree.num_nodes == fresh.num_nodes
-    assert tree.speculate([1, 2], 4, 2.0, 0.1).token_ids == [5, 9]  # not 3 4 nor 5 6: evicted
+    assert shared_draft(tree, [1, 2], 4, 2.0, 0.1, None).token_ids == [5, 9]  # not 3 4 nor 5 6: evicted
     # No substring spans two outputs: 8 is never followed by 1.
     assert tree.trees[None].lookup([8, 1]) is None
 
@@ -129,7 +129,7 @@ def test_global_tree_size_is_bounded_by_the_cached_outputs():
     assert sizes[-1] == sizes[-10]  # steady: every new output replaces an old one of the same size
     empty = GlobalSuffixTrees(max_depth=6, max_sequences=0)
     empty.add(0, [1, 2, 3])
-    assert empty.num_nodes == 0 and empty.speculate([1, 2], 4, 2.0, 0.1).token_ids == []
+    assert empty.num_nodes == 0 and shared_draft(empty, [1, 2], 4, 2.0, 0.1, None).token_ids == []
 
 
 def test_removal_deletes_emptied_nodes_and_refuses_a_text_never_put_in():
