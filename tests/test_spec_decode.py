@@ -676,6 +676,23 @@ def test_adaptive_switch_judges_verifying_steps_by_their_own_costs():
     assert alone.choose(1, 1, 1, 1) == 0
 
 
+def test_when_only_some_rows_pay_the_switch_names_how_many():
+    """Steps cost a plain step's time up to 12 tokens (the fused kernels), then grow steeply: of 8
+    rows with drafts, four can verify one token each for free, all of them cannot. The switch
+    speculates four, and proposing is not skipped (the proposals made are used)."""
+    c = AdaptiveController(max_k=1, has_draft_model=False)
+    for n in range(1, 200):
+        c.step_costs.observe(StepShape(n), 0.010 if n <= 12 else 0.002 * n)
+    for _ in range(20):
+        c.record_acceptance(1, 1)
+    c.probe_interval = MAX_PROBE_INTERVAL  # no probe falls due here
+    assert not c.can_skip_proposals(8, 8, 8)
+    assert c.choose(8, 8, 8, 8) == 1 and c.num_rows == 4 and not c.probing
+    assert c.choose(3, 8, 8, 8) == 1 and c.num_rows == 3
+    # A plain step past the fused sizes: no count of rows verifies for free, nor pays.
+    assert c.choose(8, 16, 16, 16) == 0 and c.can_skip_proposals(8, 16, 16)
+
+
 def test_long_drafts_are_priced_from_plain_steps_above_the_verifications_measured():
     """A batch of one whose first verifications were short: above them a verification is priced as
     a plain step (interpolated up to a measured prefill) times the largest verification's cost over a

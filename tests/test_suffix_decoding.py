@@ -360,6 +360,46 @@ def test_greedy_identity_under_preemption(tiny_model_factory):
     assert not proposer._trees and proposer.global_trees.num_sequences == 2 * len(prompts)
 
 
+def test_rows_the_switch_picks_are_those_with_the_longest_drafts(tiny_model_factory):
+    """When the switch says only some of the rows with drafts pay, those speculate, longest draft
+    first; the output stays the plain engine's."""
+    path = tiny_model_factory("llama")
+    prompts = repetitive_prompts(5, 8)
+    params = SamplingParams(max_tokens=64, **GREEDY)
+    expected = token_ids(run(tiny_llm(path), prompts, params))
+    llm = tiny_llm(path, speculative_config=SUFFIX)
+    speculator = llm.engine.speculator
+    controller, proposer = speculator.controller, speculator.proposer
+    choose, propose, execute = controller.choose, proposer.propose, llm.engine.runner.execute
+    found: dict[int, int] = {}
+    checked = []
+
+    def two_rows(num_spec, *args):
+        k = choose(num_spec, *args)
+        controller.adaptive = False  # every step speculates...
+        controller.num_rows = min(num_spec, 2)  # ...with two of its rows
+        return k
+
+    def recording_propose(seqs, ks):
+        drafts = propose(seqs, ks)
+        found.clear()
+        found.update({seq.seq_id: len(d.token_ids) for seq, d in zip(seqs, drafts) if d.token_ids})
+        return drafts
+
+    def checking_execute(batch):
+        speculating = {s.seq_id for s in batch.seqs if s.num_draft_tokens}
+        if len(found) > 2:
+            assert len(speculating) == 2
+            others = [n for seq_id, n in found.items() if seq_id not in speculating]
+            assert min(found[seq_id] for seq_id in speculating) >= max(others)
+            checked.append(True)
+        return execute(batch)
+
+    controller.choose, proposer.propose, llm.engine.runner.execute = two_rows, recording_propose, checking_execute
+    assert token_ids(run(llm, prompts, params)) == expected
+    assert len(checked) > 5
+
+
 def plain_decode_step_calls(llm, prompts: list[list[int]], params: SamplingParams) -> list[tuple[int, int]]:
     """For each engine step in which every prompt decoded one token and none had drafts: the Python
     calls it made, and how many of them the speculator made (0 without one)."""

@@ -5,8 +5,9 @@ draft model's own k forwards (n-gram lookups run before the decision either way)
 per speculating sequence, the expected number of tokens emitted: 1 + sum_{i=1..k} prod_{j<=i} a_j,
 where a_j is the measured probability that draft position j is accepted given j-1 were (a
 position seldom reached borrows the estimate of the one before it). The controller picks the k in
-1..max_k with the best expected tokens per second, and speculates if that beats no speculation by
-MIN_GAIN. On a CPU at batch 1 a
+1..max_k, and how many of the sequences with drafts verify them (a power of two up to all: a few
+can pay where all would not), with the best expected tokens per second, and speculates if that
+beats no speculation by MIN_GAIN. On a CPU at batch 1 a
 forward over a few more tokens costs almost nothing (the weights are read once either way), so k
 is high; at large batches the forward is compute bound and k falls to 0.
 
@@ -64,6 +65,7 @@ class AdaptiveController:
     steps_without_spec: int = 0
     steps: int = 0  # steps decided so far
     probing: bool = False  # the last decision was a measurement: one sequence speculates, not all
+    num_rows: int = 0  # how many of the candidates speculate at the k last chosen (1 for a probe)
     probe_interval: int = PROBE_INTERVAL
     # The step shape (candidates, decodes, base tokens) last judged unable to pay, and how many steps
     # have reused that judgement.
@@ -97,6 +99,7 @@ class AdaptiveController:
         if num_spec == 0 or (self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size):
             return 0
         self.probing = False
+        self.num_rows = num_spec
         if not self.adaptive:
             return self.max_k
         self.steps += 1
@@ -109,7 +112,7 @@ class AdaptiveController:
             # A round of k >= 2 includes one-token draft forwards: measure them (a first round's
             # catch-up forward, a whole prompt, says nothing about the steady state).
             return self._probe(min(2, self.max_k))
-        best_k = self._best_k(num_spec, num_decodes, base_tokens, base)
+        best_k, rows = self._best_choice(num_spec, num_decodes, base_tokens, base)
         if best_k == 0 and self.steps_without_spec >= self._steps_between_probes():
             if not self._early():
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
@@ -120,28 +123,29 @@ class AdaptiveController:
             self.probe_interval = PROBE_INTERVAL
             if best_k < self.max_k and self.steps % REFRESH_INTERVAL == REFRESH_INTERVAL // 2:
                 best_k += 1  # a size never measured is judged by a cautious bound: measure it
-            return self._spec(best_k)
+            return self._spec(best_k, rows)
         return self._no_spec()
 
-    def _best_k(self, num_spec: int, num_decodes: int, base_tokens: int, base: float) -> int:
-        """The k with the best expected tokens per second, or 0 unless it beats plain decoding
-        (`base` seconds) by MIN_GAIN."""
-        return int(self._best_ks([num_spec], num_decodes, base_tokens, base)[0])
-
-    def _best_ks(self, num_specs: list[int], num_decodes: int, base_tokens: int, base: float) -> np.ndarray:
-        """_best_k for each of num_specs, every k judged at once: one step-cost lookup over all of
-        them (one k at a time in Python cost milliseconds per step at max_k 24;
-        docs/design_measurements.md#adaptive-switch-cost)."""
-        spec = np.array(num_specs)[:, None]
+    def _best_choice(self, num_spec: int, num_decodes: int, base_tokens: int, base: float) -> tuple[int, int]:
+        """(k, rows): the draft length and the number of the num_spec sequences with drafts that give
+        the best expected tokens per second, or (0, 0) unless that beats plain decoding (`base`
+        seconds) by MIN_GAIN. Fewer sequences can pay where all of them would not (a step that stays
+        small enough for the fused kernels), so every power of two up to num_spec is judged, every k
+        at once: one step-cost lookup over all of them (one k at a time in Python cost milliseconds
+        per step at max_k 24; docs/design_measurements.md#adaptive-switch-cost)."""
+        counts = np.array(sorted({min(num_spec, 1 << i) for i in range(num_spec.bit_length() + 1)}))
+        spec = counts[:, None]
         ks = np.arange(1, self.max_k + 1)
         # Verifying steps by their own measured costs (StepCostModel.speculative_estimates).
         steps = self.step_costs.speculative_estimates(base_tokens + spec * ks)
         assert steps is not None, "the callers measured `base`: the plain table has points"
         rates = (num_decodes + spec * (self.expected_tokens() - 1)) / (steps + self.proposal_seconds(spec, ks))
         best = rates.argmax(axis=1)  # the smallest k on a tie
-        pays = rates[np.arange(len(num_specs)), best] >= MIN_GAIN * num_decodes / base
-        chosen: np.ndarray = np.where(pays, best + 1, 0)
-        return chosen
+        best_rates = rates[np.arange(len(counts)), best]
+        if best_rates.max() < MIN_GAIN * num_decodes / base:
+            return 0, 0
+        choice = int(best_rates.argmax())  # the fewest rows on a tie
+        return int(best[choice]) + 1, int(counts[choice])
 
     def can_skip_proposals(self, num_candidates: int, num_decodes: int, base_tokens: int) -> bool:
         """Whether this step will not speculate even if all num_candidates sequences had drafts
@@ -157,10 +161,9 @@ class AdaptiveController:
             base = self.step_costs.by_size.estimate(base_tokens, high=False)
             if base is None:
                 return False
-            # Fewer sequences with drafts can pay where all of them would not (a step that stays small
-            # enough for the fused kernels), so check every power of two up to all of them.
-            counts = {min(num_candidates, 1 << i) for i in range(num_candidates.bit_length() + 1)}
-            if self._best_ks(sorted(counts), num_decodes, base_tokens, base).any():
+            # Judged as choose() judges the rows that turn out to have drafts, so that a proposal
+            # made is one that some of them can use.
+            if self._best_choice(num_candidates, num_decodes, base_tokens, base)[0]:
                 self.cannot_pay = None
                 return False
             self.cannot_pay, self.cannot_pay_reuses = shape, 0
@@ -187,13 +190,14 @@ class AdaptiveController:
         seconds: np.ndarray = first + (k - 1) * later
         return seconds
 
-    def _spec(self, k: int) -> int:
+    def _spec(self, k: int, rows: int) -> int:
         self.steps_without_spec = 0
+        self.num_rows = rows
         return k
 
     def _probe(self, k: int) -> int:
         self.probing = True
-        return self._spec(k)
+        return self._spec(k, 1)
 
     def _no_spec(self) -> int:
         self.steps_without_spec += 1

@@ -97,7 +97,12 @@ class Speculator:
                 return
             drafts = proposer.propose([s for s, _ in candidates], [cap for _, cap in candidates])
             found = {s.seq_id: d for (s, _), d in zip(candidates, drafts) if d.token_ids}
-            candidates = [(s, cap) for s, cap in candidates if s.seq_id in found]
+            # Longest drafts first, for when only some rows pay (a suffix draft's length grows with
+            # the match it rests on).
+            candidates = sorted(
+                ((s, cap) for s, cap in candidates if s.seq_id in found),
+                key=lambda c: -len(found[c[0].seq_id].token_ids),
+            )
         else:
             lags = {s.seq_id: proposer.lag(s) for s, _ in candidates}
             candidates.sort(key=lambda c: lags[c[0].seq_id])
@@ -106,8 +111,7 @@ class Speculator:
         k = self.controller.choose(len(candidates), len(decoding), base_tokens, len(running))
         if k == 0:
             return
-        if self.controller.probing:
-            candidates = candidates[:1]
+        candidates = candidates[: self.controller.num_rows]
         seqs = [s for s, _ in candidates]
         if not proposer.runs_forwards:
             for seq in seqs:
