@@ -2,8 +2,20 @@
 // opens a RECORD_FUNCTION range named "native::<op>" so that `tachy bench latency --profile` sees it.
 #pragma once
 #include <torch/extension.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include <functional>
+
+// One iteration of a wait on another thread's flag: tells the core the loop spins.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Kernels run without the GIL (as ATen ops do), so that the server's event loop thread can stream
 // tokens while the engine thread computes.
@@ -38,11 +50,10 @@ void encoder_attention(torch::Tensor out, const torch::Tensor& q, const torch::T
 torch::Tensor quant_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& layout,
                          int64_t activation_bits);
 // Work a caller runs inside a quantized linear's parallel region (quant_gemv_then): thread t of n runs
-// `shared(t, n)`, its share of work that needs only the input, after its tiles; once every thread has
-// done so, `columns(out, begin, end)` on the output columns [begin, end) it computed, whose linear
-// outputs are final (out: the output's first row, rows `out_features` apart). LoRA adapters on decode
-// steps (decode_layer.cpp) run this way instead of after the linear, on one thread or in a region of
-// their own.
+// `shared(t, n)`, its share of work that needs only the input, before its tiles; after them, once every
+// thread's shared work is done, `columns(out, begin, end)` on the output columns [begin, end) it
+// computed, whose linear outputs are final (out: the output's first row, rows `out_features` apart). LoRA adapters on
+// decode steps (decode_layer.cpp) run this way instead of after the linear, on one thread or in a region of their own.
 struct LinearEpilogue {
   std::function<void(int64_t t, int64_t n)> shared;
   std::function<void(void* out, int64_t begin, int64_t end)> columns;

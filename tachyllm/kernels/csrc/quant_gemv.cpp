@@ -49,8 +49,10 @@
 #include <c10/util/Half.h>
 
 #include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -827,6 +829,10 @@ int64_t column_of(const std::vector<Part>& parts, int64_t t, int64_t n) {
   return n;
 }
 
+// Pause-spins waiting for the other threads' epilogue shared work before yielding between checks
+// (~10 µs: it is normally done long before; a preempted thread takes milliseconds).
+constexpr int64_t kSpinsBeforeYield = 1024;
+
 template <typename T>
 void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& parts, int64_t n, T* y, bool fine,
                 const LinearEpilogue* epilogue) {
@@ -857,8 +863,11 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
     at::parallel_for(0, tiles, grain, run);
     return;
   }
-  // With an epilogue, one region as at::parallel_for would open (the same thread count), each thread
-  // with its contiguous share of the tiles, then the epilogue's shared work, a barrier, its columns.
+  // With an epilogue, one region as at::parallel_for would open (the same thread count): each thread
+  // does its share of the epilogue's shared work, then its contiguous share of the tiles, then, once
+  // every thread's shared work is done, its columns. Shared work done first has long been done when a
+  // thread's tiles end: waiting on a count of it costs a read, where a barrier after the tiles waited
+  // for the slowest thread's tiles (~1.3 µs a linear; docs/design_measurements.md#lora-kernel).
   const int64_t threads = at::in_parallel_region() || omp_in_parallel()
                               ? 1
                               : std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
@@ -868,13 +877,22 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
     epilogue->columns(y, 0, n);
     return;
   }
+  std::atomic<int64_t> shared_done{0};
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
     const int64_t begin = tiles * t / count, end = tiles * (t + 1) / count;
-    run(begin, end);
     epilogue->shared(t, count);
-#pragma omp barrier
+    shared_done.fetch_add(1, std::memory_order_release);
+    run(begin, end);
+    // Spin, then yield the core between checks: a thread preempted before its shared work must
+    // not be kept from its core by the one waiting for it.
+    for (int64_t spins = 0; shared_done.load(std::memory_order_acquire) < count; ++spins) {
+      if (spins < kSpinsBeforeYield)
+        cpu_relax();
+      else
+        sched_yield();
+    }
     epilogue->columns(y, column_of(parts, begin, n), column_of(parts, end, n));
   }
 }

@@ -56,14 +56,6 @@ constexpr auto kSpinBeforeYield = std::chrono::microseconds(50);
 // Flag checks between two readings of the clock.
 constexpr int kChecksPerClockRead = 64;
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 template <typename T>
