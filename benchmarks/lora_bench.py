@@ -2,8 +2,9 @@
 
 Rank-16 adapters on all seven projections (random, at the scale of trained ones: A as PEFT
 initialises it, B of the size a few hundred training steps give it), written in PEFT's format:
-  - single stream, one adapter: 32-token prompt, 128 new tokens, decode tokens/s, for bf16 weights
-    and the GGUF's own Q4_1 weights (`--quantization gguf`);
+  - single stream, one adapter: 32-token prompt, 128 new tokens, decode tokens/s (the median of 3
+    generations per round, the engines taking turns), for bf16 weights and the GGUF's own Q4_1
+    weights (`--quantization gguf`);
   - offline: 64 prompts x 128 tokens, 128 new tokens each, over 8 distinct adapters (8 prompts
     each, `--max-loras 8`), output tokens/s, prefill included.
 The base model runs on an engine without `enable_lora` (its fused decoder layers on). Both engines
@@ -30,6 +31,7 @@ import gc
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -77,10 +79,24 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+# Single-stream generations per engine and round, the two engines taking turns; the round keeps each
+# engine's median (one 128-token generation moved by ±15% from the next on the shared VM).
+SINGLE_REPEATS = 3
+
+
 def single_stream(llm: LLM, prompt: list[int], lora: LoRARequest | None) -> float:
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     out = llm.generate([prompt], params, lora_request=lora, use_tqdm=False)[0]
     return 1.0 / out.metrics.mean_tpot
+
+
+def single_streams(base: LLM, lora: LLM, prompt: list[int], adapter: LoRARequest) -> tuple[float, float]:
+    """The base's and the adapter's single-stream decode tok/s, each the median of SINGLE_REPEATS."""
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(SINGLE_REPEATS):
+        runs[0].append(single_stream(base, prompt, None))
+        runs[1].append(single_stream(lora, prompt, adapter))
+    return statistics.median(runs[0]), statistics.median(runs[1])
 
 
 def offline(llm: LLM, batch: list[list[int]], loras: list[LoRARequest] | None) -> float:
@@ -234,8 +250,9 @@ def main() -> None:
             for round_index in range(args.rounds + 1):
                 if round_index == 1:
                     results = {k: [] for k in results}
-                results["base 1"].append(single_stream(base, one, None))
-                results["lora 1"].append(single_stream(lora, one, adapters[0]))
+                base_rate, lora_rate = single_streams(base, lora, one, adapters[0])
+                results["base 1"].append(base_rate)
+                results["lora 1"].append(lora_rate)
                 if "offline" not in args.skip:
                     results["base N"].append(offline(base, batch, None))
                     results["lora N"].append(offline(lora, batch, mixed))
@@ -258,7 +275,7 @@ def main() -> None:
 
     print(f"default model, rank {RANK} on all seven projections, {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds (ranges), torch {torch.__version__}")  # fmt: skip
-    print("| weights | workload | base tok/s | LoRA tok/s | LoRA / base |")
+    print("| weights | workload | base tok/s | LoRA tok/s | LoRA / base, median (range) |")
     print("|---|---|---|---|---|")
     for name, r in rows:
         for key, label in (("1", "single stream, one adapter, decode"),
@@ -267,7 +284,8 @@ def main() -> None:
             if not b:
                 continue
             ratios = [y / x for x, y in zip(b, a)]
-            print(f"| {name} | {label} | {ranged(b)} | {ranged(a)} | {min(ratios):.2f}-{max(ratios):.2f}x |")
+            print(f"| {name} | {label} | {ranged(b)} | {ranged(a)} | {statistics.median(ratios):.2f}x "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) |")  # fmt: skip
     if args.vllm_python:
         tachy = next((r for name, r in rows if name == "bf16"), None)
         if tachy is not None:

@@ -830,7 +830,7 @@ int64_t column_of(const std::vector<Part>& parts, int64_t t, int64_t n) {
 }
 
 // Pause-spins waiting for the other threads' epilogue shared work before yielding between checks
-// (~10 µs: it is normally done long before; a preempted thread takes milliseconds).
+// (tens of microseconds: the work is normally done long before; a preempted thread takes milliseconds).
 constexpr int64_t kSpinsBeforeYield = 1024;
 
 template <typename T>
@@ -866,8 +866,8 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
   // With an epilogue, one region as at::parallel_for would open (the same thread count): each thread
   // does its share of the epilogue's shared work, then its contiguous share of the tiles, then, once
   // every thread's shared work is done, its columns. Shared work done first has long been done when a
-  // thread's tiles end: waiting on a count of it costs a read, where a barrier after the tiles waited
-  // for the slowest thread's tiles (~1.3 µs a linear; docs/design_measurements.md#lora-kernel).
+  // thread's tiles end: waiting on a count of it costs a read, where a barrier after the tiles waited for
+  // the slowest thread's tiles (docs/design_measurements.md#lora-adapters-inside-the-quantized-linears-region).
   const int64_t threads = at::in_parallel_region() || omp_in_parallel()
                               ? 1
                               : std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
