@@ -872,8 +872,8 @@ void gemv_typed(const T* x, int64_t rows, int64_t k, const std::vector<Part>& pa
                               ? 1
                               : std::min<int64_t>(at::get_num_threads(), (tiles + grain - 1) / grain);
   if (threads <= 1) {
-    run(0, tiles);
     epilogue->shared(0, 1);
+    run(0, tiles);
     epilogue->columns(y, 0, n);
     return;
   }
