@@ -19,7 +19,8 @@ that a run disturbed by someone else's job can be told apart.
     .venv/bin/python benchmarks/cotenancy_bench.py --quick    # ~5 min: 16 x 64/64 batches, 2 repeats
     # tachyllm variants beside the default (thread count, OpenMP settings), e.g. (tachyllm only, quick):
     .venv/bin/python benchmarks/cotenancy_bench.py --engines tachy --quick --variant t1:threads=1 \\
-        --variant spin300:GOMP_SPINCOUNT=300 --variant passive:OMP_WAIT_POLICY=PASSIVE
+        --variant spin300:GOMP_SPINCOUNT=300 --variant passive:OMP_WAIT_POLICY=PASSIVE \\
+        --variant nobind:omp_threads_bind=nobind
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def worker_tachy(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     llm = LLM(spec["gguf"], dtype="bfloat16", quantization="gguf", quant_activation_bits=spec["activation_bits"],
-              threads=spec.get("threads"), max_num_seqs=max(spec["batch"], 1), max_num_batched_tokens=4096)  # fmt: skip
+              threads=spec.get("threads"), max_num_seqs=max(spec["batch"], 1), max_num_batched_tokens=4096,
+              **spec.get("options", {}))  # fmt: skip
     load_s = time.perf_counter() - t0
     out = {"threads": torch.get_num_threads(), "load_s": load_s}
     out["single"] = single_stream(llm, spec["single_prompt"], spec["single_new"], spec["repeats"])
@@ -202,17 +204,20 @@ def run_one(engine: str, spec: dict, env: dict, burners: int, timeout: float, id
     return out
 
 
-def parse_variant(text: str) -> tuple[str, dict, int | None]:
-    """NAME:KEY=VAL,KEY=VAL -> (name, env, threads); `threads` is tachyllm's threads=, other keys are env vars."""
+def parse_variant(text: str) -> tuple[str, dict, int | None, dict]:
+    """NAME:KEY=VAL,KEY=VAL -> (name, env, threads, options); `threads` is tachyllm's threads=, other
+    lower-case keys its other engine options (e.g. omp_threads_bind=nobind), upper-case keys env vars."""
     name, _, rest = text.partition(":")
-    env, threads = {}, None
+    env, threads, options = {}, None, {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         if key == "threads":
             threads = int(value)
+        elif key.islower():
+            options[key] = value
         else:
             env[key] = value
-    return name, env, threads
+    return name, env, threads, options
 
 
 def fmt_range(values: list[float]) -> str:
@@ -227,8 +232,9 @@ def main() -> None:
     ap.add_argument("--worker", choices=["tachy", "llamacpp"], help=argparse.SUPPRESS)
     ap.add_argument("--engines", default="tachy,llamacpp", help="comma list of tachy, llamacpp")
     ap.add_argument("--variant", action="append", default=[],
-                    help="extra tachyllm run NAME:KEY=VAL,...; threads=N or environment variables (e.g. "
-                         "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=10000)")  # fmt: skip
+                    help="extra tachyllm run NAME:KEY=VAL,...; threads=N, other engine options (lower case, e.g. "
+                         "omp_threads_bind=nobind) or environment variables (e.g. OMP_WAIT_POLICY=PASSIVE, "
+                         "GOMP_SPINCOUNT=10000)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=None,
                     help="compute threads of both engines (default: tachyllm's default_threads())")  # fmt: skip
     ap.add_argument("--burners", type=int, default=1, help="busy-loop processes in the loaded condition")
@@ -266,16 +272,16 @@ def main() -> None:
             "single_new": args.single_new, "repeats": args.repeats, "activation_bits": args.activation_bits,
             "single_prompt": prompts(1, 32, vocab, 0)[0],
             "batch_prompts": prompts(args.batch, args.prompt_len, vocab, 1)}  # fmt: skip
-    runs: list[tuple[str, str, dict, int | None]] = []  # (label, engine, env, threads)
+    runs: list[tuple[str, str, dict, int | None, dict]] = []  # (label, engine, env, threads, engine options)
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if "tachy" in engines:
-        runs.append(("tachyllm", "tachy", {}, args.threads))
+        runs.append(("tachyllm", "tachy", {}, args.threads, {}))
         for v in args.variant:
-            name, env, threads = parse_variant(v)
-            runs.append((f"tachyllm {name}", "tachy", env, threads if threads is not None else args.threads))
+            name, env, threads, options = parse_variant(v)
+            runs.append((f"tachyllm {name}", "tachy", env, threads if threads is not None else args.threads, options))
     if "llamacpp" in engines:
         if LLAMACPP_PYTHON.exists():
-            runs.append(("llama.cpp", "llamacpp", {}, args.threads or default_threads()))
+            runs.append(("llama.cpp", "llamacpp", {}, args.threads or default_threads(), {}))
         else:
             print(f"llama.cpp skipped: no {LLAMACPP_PYTHON} (run benchmarks/competitors/setup_llamacpp.sh)")
     conditions = [c.strip() for c in args.conditions.split(",") if c.strip()]
@@ -287,10 +293,11 @@ def main() -> None:
         conds = conditions if r % 2 == 0 else conditions[::-1]
         for cond in conds:
             order = runs if r % 2 == 0 else runs[::-1]
-            for label, engine, env, threads in order:
+            for label, engine, env, threads, options in order:
                 burners = args.burners if cond == "loaded" else 0
                 run_env = {**os.environ, **env}
-                out = run_one(engine, {**spec, "threads": threads}, run_env, burners, args.timeout, args.wait_idle)
+                run_spec = {**spec, "threads": threads, "options": options}
+                out = run_one(engine, run_spec, run_env, burners, args.timeout, args.wait_idle)
                 out.update(label=label, condition=cond, round=r)
                 results.append(out)
                 snap = out["snapshot"]

@@ -15,7 +15,9 @@ process with the same thread count, alternated for --rounds rounds; ratios per r
 `LLM.embed`, competitors/vllm_embed.py in a process of its own) after tachyllm in each round, once its
 embeddings of the first --check sentences were compared with sentence-transformers' (cosine).
 served: `tachy serve` on the model, then `tachy bench serve --endpoint embeddings`: one input per
-request, one client at a time (latency p50 / p99) and 32 concurrent clients (inputs/s).
+request, one client at a time (latency p50 / p99) and 32 concurrent clients (inputs/s), then one client of
+the standard library's http.client (latency p50 / p99: the client's own CPU differs); with
+--compare-flags, a second server with those flags, the two taking the rounds in turns.
 rag: `tachy serve --config` (Ray Serve) with the default chat model and the embedder on one endpoint:
 1,000 chunks (five corpus sentences each) embedded first; then per question: embed it, rank the
 chunks by cosine similarity, generate an answer from the best three; the time of each stage.
@@ -24,6 +26,7 @@ chunks by cosine similarity, generate an answer from the best three; the time of
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import socket
 import statistics
@@ -32,10 +35,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -201,30 +205,67 @@ def bench_serve(base: str, dataset: Path, num_prompts: int, concurrency: int, ou
     return json.loads(out.read_text())["runs"][0]["metrics"]
 
 
+def stdlib_single(base: str, model: Path, corpus: list[str], count: int) -> dict[str, float]:
+    """Latency p50 / p99 (ms) of `count` requests, one input each, from one blocking keep-alive client of the
+    standard library (http.client, what requests / urllib3 use): on a machine whose cores the client shares
+    with the server, an asyncio client's own CPU shows in the latency it measures."""
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    headers = {"Content-Type": "application/json"}
+    latencies = []
+    for i in range(count + 8):  # the first 8 warm the connection up, unmeasured
+        body = json.dumps({"model": str(model), "input": corpus[i % len(corpus)]})
+        start = time.perf_counter()
+        connection.request("POST", "/v1/embeddings", body, headers)
+        response = connection.getresponse()
+        answer = response.read()
+        if i >= 8:
+            latencies.append((time.perf_counter() - start) * 1000.0)
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {answer[:300]!r}")
+    connection.close()
+    return {"median": statistics.median(latencies), "p99": float(np.percentile(latencies, 99))}
+
+
 def served(args: argparse.Namespace, model: Path) -> None:
     corpus = sentences(args.sentences)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    # The servers compared: the default one, and with --compare-flags a second one, both up at once and
+    # taking the rounds in turns (each round's first server alternates).
+    variants = {"default": [], **({args.compare_flags: args.compare_flags.split()} if args.compare_flags else {})}
+    rows: dict[str, list[tuple[dict, dict, dict]]] = {name: [] for name in variants}
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         dataset = Path(tmp) / "sentences.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": s, "output_len": 1}) + "\n" for s in corpus))
-        with tachy_server(["--model", str(model), "--threads", str(args.threads)], free_port(), "/health", 300) as base:
-            for round_index in range(args.rounds):
-                single = bench_serve(base, dataset, args.single_requests, 1, Path(tmp) / "single.json")
-                loaded = bench_serve(base, dataset, args.loaded_requests, 32, Path(tmp) / "loaded.json")
-                rows.append((single["e2el_ms"], loaded))
+        flags = ["--model", str(model), "--threads", str(args.threads)]
+        bases = {
+            name: stack.enter_context(tachy_server([*flags, *extra], free_port(), "/health", 300))
+            for name, extra in variants.items()
+        }
+        for round_index in range(args.rounds):
+            order = list(bases) if round_index % 2 == 0 else list(reversed(bases))
+            for name in order:
+                single = bench_serve(bases[name], dataset, args.single_requests, 1, Path(tmp) / "single.json")
+                loaded = bench_serve(bases[name], dataset, args.loaded_requests, 32, Path(tmp) / "loaded.json")
+                stdlib = stdlib_single(bases[name], model, corpus, args.single_requests)
+                rows[name].append((single["e2el_ms"], loaded, stdlib))
                 print(
-                    f"round {round_index + 1}: 1 client p50 {single['e2el_ms']['median']:.1f} ms "
+                    f"round {round_index + 1}, {name}: 1 client p50 {single['e2el_ms']['median']:.1f} ms "
                     f"p99 {single['e2el_ms']['p99']:.1f} ms; 32 clients {loaded['request_throughput']:.0f} inputs/s "
-                    f"(p50 {loaded['e2el_ms']['median']:.1f} ms)",
+                    f"(p50 {loaded['e2el_ms']['median']:.1f} ms); http.client p50 {stdlib['median']:.1f} ms "
+                    f"p99 {stdlib['p99']:.1f} ms",
                     flush=True,
                 )
     print(f"\n/v1/embeddings, one input a request, {args.threads} threads, {args.rounds} rounds")
-    print("| load | latency p50 (ms) | latency p99 (ms) | inputs/s |")
-    print("|---|---|---|---|")
-    for name, pick in (("1 client", lambda r: (r[0], None)), ("32 clients", lambda r: (r[1]["e2el_ms"], r[1]))):
-        picked = [pick(r) for r in rows]
-        rate = "–" if picked[0][1] is None else span([p[1]["request_throughput"] for p in picked], 0)
-        print(f"| {name} | {span([p[0]['median'] for p in picked])} | {span([p[0]['p99'] for p in picked])} | {rate} |")
+    print("| server | load | latency p50 (ms) | latency p99 (ms) | inputs/s |")
+    print("|---|---|---|---|---|")
+    for name, picked in rows.items():
+        for load, latencies, rate in (
+            ("1 client", [r[0] for r in picked], "–"),
+            ("1 client, http.client", [r[2] for r in picked], "–"),
+            ("32 clients", [r[1]["e2el_ms"] for r in picked], span([r[1]["request_throughput"] for r in picked], 0)),
+        ):
+            p50, p99 = span([m["median"] for m in latencies]), span([m["p99"] for m in latencies])
+            print(f"| {name} | {load} | {p50} | {p99} | {rate} |")
 
 
 # -- RAG ------------------------------------------------------------------------------------------
@@ -307,6 +348,9 @@ def main() -> None:
     parser.add_argument("--check", type=int, default=100, help="offline: sentences checked against vLLM's embeddings")
     parser.add_argument("--single-requests", type=int, default=300)
     parser.add_argument("--loaded-requests", type=int, default=2000)
+    parser.add_argument(
+        "--compare-flags", help="served: a second server with these `tachy serve` flags, rounds alternated"
+    )
     parser.add_argument("--chunks", type=int, default=1000)
     parser.add_argument("--questions", type=int, default=10)
     args = parser.parse_args()

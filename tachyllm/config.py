@@ -21,6 +21,7 @@ from tachyllm.option_values import (
     DTYPES,
     KV_CACHE_DTYPES,
     LORA_DTYPES,
+    OMP_THREADS_BIND,
     POOLING_TYPES,
     QUANT_ACTIVATION_BITS,
     QUANT_GROUP_SIZES,
@@ -146,6 +147,12 @@ class EngineConfig:
     seed: int = option(0, "engine seed for requests without their own")
     threads: int | None = option(
         None, "compute threads (default: OMP_NUM_THREADS, or the usable CPUs: affinity mask, cgroup CPU quota)"
+    )
+    omp_threads_bind: str = option(
+        "auto",
+        "pin the compute threads other than the calling one, one per CPU: auto (when the engine has a thread"
+        " for every usable CPU) or nobind (vLLM's VLLM_CPU_OMP_THREADS_BIND modes) (default: auto)",
+        choices=OMP_THREADS_BIND,
     )
     quantization: str | None = option(
         None,

@@ -17,6 +17,9 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 LORA_DTYPES = ("auto", "int8", "bfloat16", "float32")
 # How CPU tensor-parallel ranks sum their partial results (docs/tensor_parallel.md).
 TP_ALL_REDUCES = ("shm", "gloo")
+# How the compute threads are pinned to CPUs (platform.compute_thread_cpus): vLLM's VLLM_CPU_OMP_THREADS_BIND
+# modes.
+OMP_THREADS_BIND = ("auto", "nobind")
 # Execution backends (tachyllm/backends): auto = cuda on a GPU, cpu where the C++ kernels run, else torch.
 BACKENDS = ("auto", "torch", "cpu", "cuda")
 # vLLM's --collect-detailed-traces values; tachyllm records the same per-step model timings for each.

@@ -1,5 +1,6 @@
 """What this machine gives the engine: the CPUs this process may use (affinity mask, cgroup quota), the
-default compute threads, and a warning when other processes keep those CPUs busy."""
+default compute threads and the CPUs they are pinned to, and a warning when other processes keep those
+CPUs busy."""
 
 from __future__ import annotations
 
@@ -92,6 +93,22 @@ def default_threads() -> int:
     threads = int(env) if env and env.isdigit() and int(env) > 0 else available_cpus()
     warn_if_busy(threads)
     return threads
+
+
+def compute_thread_cpus(mode: str, threads: int) -> list[int]:
+    """The CPU of each compute thread, in OpenMP team order, for --omp-threads-bind (empty: pin none).
+    kernels/native.bind_team_threads pins all but the first, the calling thread, which the scheduler then
+    keeps on the CPU they leave. "auto" pins only when the engine runs a thread on every CPU this process
+    may use: with fewer (--threads below the CPU count, replicas, tensor-parallel ranks, a cgroup quota
+    below the mask) the CPUs are shared with others, whose threads the scheduler places
+    (docs/cpu_fast_path.md#threads)."""
+    if mode == "nobind" or threads < 2:
+        return []
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return []
+    return cpus if len(cpus) == threads else []
 
 
 # libgomp's idle threads spin up to GOMP_SPINCOUNT iterations (default 300,000) before they

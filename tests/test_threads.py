@@ -119,3 +119,56 @@ def test_quiet_machine_does_not_warn(machine, monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="tachyllm"):
         platform.default_threads()
     assert caplog.text == ""
+
+
+def test_auto_pins_only_when_a_thread_runs_on_every_usable_cpu(machine, monkeypatch):
+    assert platform.compute_thread_cpus("auto", 8) == list(range(8))
+    assert platform.compute_thread_cpus("auto", 4) == []  # the other CPUs are shared: the scheduler places threads
+    assert platform.compute_thread_cpus("auto", 1) == []
+    assert platform.compute_thread_cpus("nobind", 8) == []
+    monkeypatch.setattr(platform.os, "sched_getaffinity", lambda pid: {6, 2, 5}, raising=False)
+    assert platform.compute_thread_cpus("auto", 3) == [2, 5, 6]
+    monkeypatch.delattr(platform.os, "sched_getaffinity", raising=False)
+    assert platform.compute_thread_cpus("auto", 8) == []
+
+
+# An engine on two CPUs of this machine, in a process of its own (a pinned OpenMP worker stays pinned for
+# the process's life): each thread's CPU list, the engine's answer, and which CPUs the engine pinned.
+PINNING_CHILD = """
+import glob, json, logging, os, sys
+logging.basicConfig(level=logging.INFO)
+os.sched_setaffinity(0, {first, second})
+from tachyllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", threads=2, kv_cache_memory=4 << 20, omp_threads_bind=sys.argv[2])
+out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+tasks = {int(f.split("/")[4]): open(f).read().split("Cpus_allowed_list:")[1].split()[0]
+         for f in glob.glob("/proc/self/task/*/status")}
+print(json.dumps({"main": tasks.pop(os.getpid()), "others": sorted(tasks.values()), "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "nobind"])
+def test_engine_pins_its_worker_threads_not_the_caller(tiny_model_factory, mode):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tachyllm.kernels import native
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2 or native.native_ops() is None:
+        pytest.skip("needs two CPUs and the C++ kernels")
+    first, second = cpus[:2]
+    script = PINNING_CHILD.replace("{first, second}", f"{{{first}, {second}}}")
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tiny_model_factory()), mode], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(seen["tokens"]) == 4
+    both = f"{first}-{second}" if second == first + 1 else f"{first},{second}"
+    assert seen["main"] == both  # the calling thread keeps its CPUs
+    pinned = [c for c in seen["others"] if c == str(second)]
+    assert len(pinned) == (1 if mode == "auto" else 0), seen
+    assert (f"compute threads pinned to CPUs [{second}]" in done.stderr) == (mode == "auto")

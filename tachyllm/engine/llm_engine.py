@@ -23,6 +23,7 @@ from tachyllm.engine.stats_logger import StatsLogger
 from tachyllm.errors import ConfigError, EngineCorruptedError, RequestError, WorkerError
 from tachyllm.host_malloc import keep_freed_memory, use_one_arena
 from tachyllm.kernels.kv_quant import KV_STORAGE
+from tachyllm.kernels.native import bind_team_threads
 from tachyllm.loading import Checkpoint, load_checkpoint, load_tokenizer
 from tachyllm.loading.default_model import DEFAULT_MODEL_NAME
 from tachyllm.loading.generation_config import default_sampling_values
@@ -38,7 +39,7 @@ from tachyllm.outputs import (
     RequestOutput,
     StepStats,
 )
-from tachyllm.platform import default_threads
+from tachyllm.platform import compute_thread_cpus, default_threads
 from tachyllm.pooling_params import PoolingParams
 from tachyllm.quantization.kv_calibration import kv_cache_scales
 from tachyllm.runner import cuda_graphs, kv_cache
@@ -102,8 +103,13 @@ class LLMEngine:
             exit_if_importing_main()  # before anything loads in a worker that should not be here
         self.config = config
         use_one_arena()
-        torch.set_num_threads(config.threads or default_threads())
+        threads = config.threads or default_threads()
+        torch.set_num_threads(threads)
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            cpus = bind_team_threads(compute_thread_cpus(config.omp_threads_bind, threads))
+            if pinned := [cpu for cpu in cpus if cpu >= 0]:
+                logger.info("compute threads pinned to CPUs %s, the calling thread free", pinned)
         self.dtype = config.resolve_dtype()
         t0 = time.perf_counter()
         # Created first: a backend that cannot run here fails before the checkpoint is read.

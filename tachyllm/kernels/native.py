@@ -123,3 +123,10 @@ def native_ops() -> ModuleType | None:
         message = str(exc).strip().splitlines()
         logger.warning("C++ kernels unavailable, using PyTorch ops (slower): %s", message[-1] if message else exc)
         return None
+
+
+def bind_team_threads(cpus: list[int]) -> list[int]:
+    """Pins thread t >= 1 of the calling thread's OpenMP team to cpus[t] (platform.compute_thread_cpus);
+    the CPU each team thread now has, -1 where none was set. Nothing without the C++ kernels."""
+    ops = native_ops() if cpus else None
+    return list(ops.bind_team_threads(cpus)) if ops is not None else []

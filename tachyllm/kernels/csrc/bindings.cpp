@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "seq_starts[b + 1]), no KV cache",
         pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("seq_starts"),
         pybind11::arg("scale"), ReleaseGil());
+  m.def("bind_team_threads", &bind_team_threads,
+        "pin thread t >= 1 of the caller's OpenMP team to cpus[t] (< 0: left); each thread's CPU, -1 where unset",
+        pybind11::arg("cpus"), ReleaseGil());
   register_quant_gemv(m);
   register_bf16_gemv(m);
   register_decode_layer(m);

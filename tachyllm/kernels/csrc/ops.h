@@ -76,5 +76,9 @@ void register_lora(pybind11::module_& m);
 // shm_allreduce.cpp
 void register_shm_allreduce(pybind11::module_& m);
 
+// thread_affinity.cpp: team thread t (t >= 1) of the caller's OpenMP team pinned to cpus[t] (< 0: left as
+// it is); returns each team thread's CPU, -1 where none was set.
+std::vector<int64_t> bind_team_threads(const std::vector<int64_t>& cpus);
+
 // suffix_tree.cpp: suffix decoding's trees (a class, SuffixTree)
 void register_suffix_tree(pybind11::module_& m);
