@@ -143,7 +143,8 @@ llm = LLM(sys.argv[1], dtype="float32", threads=2, kv_cache_memory=4 << 20, omp_
 out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
 tasks = {int(f.split("/")[4]): open(f).read().split("Cpus_allowed_list:")[1].split()[0]
          for f in glob.glob("/proc/self/task/*/status")}
-print(json.dumps({"main": tasks.pop(os.getpid()), "others": sorted(tasks.values()), "tokens": out[0].outputs[0].token_ids}))
+tokens = out[0].outputs[0].token_ids
+print(json.dumps({"main": tasks.pop(os.getpid()), "others": sorted(tasks.values()), "tokens": tokens}))
 """
 
 
