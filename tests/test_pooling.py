@@ -4,6 +4,7 @@ transformers and a plain reference written here; packing invariance, truncation,
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -487,3 +488,12 @@ def test_a_fault_in_a_causal_embedders_chunk_returns_its_blocks(llama_dir):
     manager.check_invariants([])
     assert manager.num_free_blocks == manager.num_blocks
     assert embedding(llm.embed({"prompt_token_ids": list(range(5, 35))})[0]).shape == (64,)
+
+
+def test_an_encoder_never_advises_on_prefix_caching(bert_dir, caplog):
+    """An encoder keeps no KV cache: inputs sharing a head shorter than a block are no missed cache hits."""
+    llm = LLM(str(bert_dir), dtype="float32", block_size=16)
+    with caplog.at_level(logging.WARNING, logger="tachyllm"):
+        llm.embed([{"prompt_token_ids": [101, 7, 8, 9, 10, 11, 12, 13, 20 + i, 102]} for i in range(8)])
+    assert llm.engine.block_manager.enable_prefix_caching is False
+    assert not [r for r in caplog.records if "prefix caching" in r.getMessage()]

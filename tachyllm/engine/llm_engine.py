@@ -172,7 +172,8 @@ class LLMEngine:
         self._step_seqs: list[Sequence] | None = None
         self._step_failed: dict[str, EngineOutput] = {}
         self._failed_steps = 0
-        self.stats_logger = StatsLogger(config.block_size, config.enable_prefix_caching)
+        # An encoder keeps no KV cache, so its prefix caching is off whatever the option says.
+        self.stats_logger = StatsLogger(config.block_size, self.block_manager.enable_prefix_caching)
         logger.info(
             "engine ready in %.1f s: %s (%s, %s, %s runner)",
             time.perf_counter() - t0, ckpt.source, self.model_config.architecture, self.dtype, self.runner_type,
