@@ -99,9 +99,9 @@ def compute_thread_cpus(mode: str, threads: int) -> list[int]:
     """The CPU of each compute thread, in OpenMP team order, for --omp-threads-bind (empty: pin none).
     kernels/native.bind_team_threads pins all but the first, the calling thread, which the scheduler then
     keeps on the CPU they leave. "auto" pins only when the engine runs a thread on every CPU this process
-    may use: with fewer (--threads below the CPU count, replicas, tensor-parallel ranks, a cgroup quota
-    below the mask) the CPUs are shared with others, whose threads the scheduler places
-    (docs/cpu_fast_path.md#threads)."""
+    may use: with fewer (--threads below the CPU count, replicas, a cgroup quota below the mask) the CPUs
+    are shared with others, whose threads the scheduler places (docs/cpu_fast_path.md#threads).
+    Tensor-parallel ranks are placed by tp_cpu_binding instead."""
     if mode == "nobind" or threads < 2:
         return []
     try:

@@ -106,7 +106,7 @@ class LLMEngine:
         threads = config.threads or default_threads()
         torch.set_num_threads(threads)
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and config.tensor_parallel_size == 1:  # ranks: tp_cpu_binding places them
             cpus = bind_team_threads(compute_thread_cpus(config.omp_threads_bind, threads))
             if pinned := [cpu for cpu in cpus if cpu >= 0]:
                 logger.info("compute threads pinned to CPUs %s, the calling thread free", pinned)

@@ -1,4 +1,4 @@
-// Pins the compute threads of the caller's OpenMP team, one CPU each (platform.bind_compute_threads).
+// Pins the worker threads of the caller's OpenMP team, one CPU each (the CPUs: platform.compute_thread_cpus).
 //
 // On a VM whose idle vCPUs halt, the scheduler may wake both threads of a two-thread team on one vCPU
 // after a pause, and every parallel region then waits for a time slice: a lone embedding step after 30
