@@ -300,7 +300,7 @@ def test_bench_serve_against_a_server_that_is_down():
     port = free_port()
     done = tachy("bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "1", "--no-progress")
     assert done.returncode == 2
-    assert done.stderr.startswith(f"tachy: error: no server answers at http://127.0.0.1:{port} (ConnectError")
+    assert done.stderr.startswith(f"tachy: error: no server answers at http://127.0.0.1:{port} (ClientConnectorError")
     assert done.stderr.count("\n") == 1 and "is it running?" in done.stderr
 
 

@@ -18,6 +18,7 @@ from helpers.pooling_models import make_tiny_bert
 from helpers.server import error_of, metrics, running_server, wait_idle
 
 from tachyllm import LLM, faults
+from tachyllm.bench.serve import load_tokenizer
 from tachyllm.entrypoints.cli import main
 
 TEXTS = ["The quick brown fox", "Paged attention stores keys", "def add(a, b): return a + b"]
@@ -380,3 +381,21 @@ def test_bench_serve_measures_embeddings(url, embedder_path, tmp_path, capsys):
     assert {"p50", "p99"} <= set(run["e2el_ms"]) and run["request_throughput"] > 0
     assert "Input throughput (inputs/s):" in summary and "P99 E2EL (ms):" in summary
     assert "TTFT" not in summary and f"{url}/v1/embeddings" in summary
+
+
+def test_bench_serve_counts_tokens_with_the_served_models_tokenizer(embedder_path, tmp_path, capsys):
+    """Neither --model nor --tokenizer: the model is the first the server lists, here a local folder, whose
+    tokenizer counts the inputs (not the embedded default model's, which splits these texts otherwise)."""
+    dataset = tmp_path / "texts.jsonl"
+    texts = [*TEXTS, QUERY]
+    dataset.write_text("".join(json.dumps({"prompt": t, "output_len": 1}) + "\n" for t in texts))
+    result_file = tmp_path / "counted.json"
+    with running_server(embedder_path) as base:
+        command = [
+            "bench", "serve", "--base-url", base, "--endpoint", "embeddings", "--dataset", "file",
+            "--dataset-path", str(dataset), "--num-prompts", "4", "--no-progress", "--result-json", str(result_file),
+        ]  # fmt: skip
+        assert main(command) == 0
+    counted = json.loads(result_file.read_text())["runs"][0]["metrics"]["total_input_tokens"]
+    assert counted == sum(len(load_tokenizer(embedder_path, None).encode(t)) for t in texts)
+    assert counted != sum(len(load_tokenizer(None, None).encode(t)) for t in texts)

@@ -120,7 +120,7 @@ def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--tokenizer",
         default=None,
-        help="GGUF file or HF directory to count tokens with (default: --model if a path, else the embedded model)",
+        help="GGUF file or HF directory to count tokens with (default: the model if a local path, else the default)",
     )
     g.add_argument(
         "--api-key",

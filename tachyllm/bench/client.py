@@ -1,6 +1,11 @@
-"""The HTTP side of `tachy bench serve`: one streaming request at a time over a shared httpx client,
-timestamped on arrival of every server-sent event (an embeddings request: on its whole answer), and a
-/metrics scraper."""
+"""The HTTP side of `tachy bench serve`: one streaming request at a time over a shared aiohttp session
+(the client vLLM's benchmark uses), timestamped on arrival of every server-sent event (an embeddings
+request: on its whole answer), and a /metrics scraper.
+
+aiohttp, not httpx: httpx's AsyncClient spent ~2 ms of CPU per embeddings request against ~0.6 ms here,
+and writes a request's headers and body in two sends, the first of which wakes the server before the
+body is there; on a machine whose cores the client shares with the server, both are in the measured
+latency (docs/design_measurements.md#served-embedding-latency)."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tachyllm.bench.metrics import CounterKey, RequestResult
@@ -53,29 +58,31 @@ class BenchClient:
         if endpoint.kind not in ENDPOINTS:
             raise ValueError(f"unknown endpoint {endpoint.kind!r}; choose from {', '.join(ENDPOINTS)}")
         self.endpoint = endpoint
+        self.root = root_url(endpoint.base_url)
         headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
-        self.http = httpx.AsyncClient(
-            base_url=root_url(endpoint.base_url),
+        self.http = aiohttp.ClientSession(
             headers=headers,
-            # The per-request deadline is enforced around the whole stream below; per-read timeouts
+            connector=aiohttp.TCPConnector(limit=max_connections),
+            # The per-request deadline is enforced around the whole exchange (send); a per-read timeout
             # would also fire on a long wait in the server's queue.
-            timeout=httpx.Timeout(endpoint.timeout),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            timeout=aiohttp.ClientTimeout(total=None),
         )
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.http.close()
+
+    def url(self, path: str) -> str:
+        return self.root + path
 
     async def check_reachable(self) -> None:
         """Raises TachyError when nothing answers at the base URL (the server is down, or the URL is wrong),
         before any workload is built. Any HTTP answer will do: not every server has /health."""
         try:
-            await self.http.get("/v1/models", timeout=10.0)
-        except httpx.TransportError as e:
+            async with self.http.get(self.url("/v1/models"), timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+                await response.read()
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
             reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise TachyError(
-                f"no server answers at {root_url(self.endpoint.base_url)} ({reason}); is it running?"
-            ) from None
+            raise TachyError(f"no server answers at {self.root} ({reason}); is it running?") from None
 
     async def model_name(self) -> str:
         if self.endpoint.model:
@@ -84,13 +91,14 @@ class BenchClient:
 
     async def served_models(self) -> list[str]:
         """The model ids of GET /v1/models."""
-        response = await self.http.get("/v1/models")
-        if response.status_code != 200:
-            raise TachyError(
-                f"GET /v1/models answered {response.status_code} ({error_message(response.text)}); "
-                "give --model (and --api-key if the server needs one)"
-            )
-        return [card["id"] for card in response.json()["data"]]
+        async with self.http.get(self.url("/v1/models")) as response:
+            text = await response.text()
+            if response.status != 200:
+                raise TachyError(
+                    f"GET /v1/models answered {response.status} ({error_message(text)}); "
+                    "give --model (and --api-key if the server needs one)"
+                )
+        return [card["id"] for card in json.loads(text)["data"]]
 
     def payload(self, model: str, prompt: Prompt, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -118,23 +126,24 @@ class BenchClient:
             await asyncio.wait_for(exchange, self.endpoint.timeout)
         except asyncio.TimeoutError:
             result.error = f"timed out after {self.endpoint.timeout:g} s"
-        except (httpx.HTTPError, OSError, ValueError) as e:  # ValueError: a malformed JSON event
+        except (aiohttp.ClientError, OSError, ValueError) as e:  # ValueError: a malformed JSON event
             result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         result.end = time.perf_counter()
         return result
 
     async def _stream(self, model: str, prompt: Prompt, max_tokens: int, result: RequestResult) -> None:
         body = self.payload(model, prompt, max_tokens)
-        async with self.http.stream("POST", ENDPOINTS[self.endpoint.kind], json=body) as response:
-            if response.status_code != 200:
+        async with self.http.post(self.url(ENDPOINTS[self.endpoint.kind]), json=body) as response:
+            if response.status != 200:
                 result.error = (
-                    f"HTTP {response.status_code}: {error_message((await response.aread()).decode(errors='replace'))}"
+                    f"HTTP {response.status}: {error_message((await response.read()).decode(errors='replace'))}"
                 )
                 return
             pieces: list[str] = []
             last_event = ""  # named in the error if the stream never carries text
-            async for line in response.aiter_lines():
+            async for raw_line in response.content:
                 now = time.perf_counter()
+                line = raw_line.decode()
                 data = line.removeprefix("data:").strip() if line.startswith("data:") else None
                 if not data:
                     continue  # blank separators, comments and other SSE fields
@@ -163,22 +172,27 @@ class BenchClient:
 
     async def _embed(self, model: str, prompt: Prompt, result: RequestResult) -> None:
         """One input's embedding, answered whole: its arrival is the request's only time (no output tokens)."""
-        response = await self.http.post(ENDPOINTS["embeddings"], json={"model": model, "input": prompt})
-        result.chunk_times.append(time.perf_counter())
-        if response.status_code != 200:
-            result.error = f"HTTP {response.status_code}: {error_message(response.text)}"
-        elif not response.json().get("data"):
-            result.error = f"the answer carried no embedding: {response.text[:300]}"
+        async with self.http.post(
+            self.url(ENDPOINTS["embeddings"]), json={"model": model, "input": prompt}
+        ) as response:
+            answer = await response.read()
+            result.chunk_times.append(time.perf_counter())
+        text = answer.decode(errors="replace")
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {error_message(text)}"
+        elif not json.loads(answer).get("data"):
+            result.error = f"the answer carried no embedding: {text[:300]}"
 
     async def scrape(self) -> dict[CounterKey, float] | None:
         """The counters this benchmark reports, by series; None without /metrics."""
         try:
-            response = await self.http.get("/metrics", timeout=10.0)
-        except httpx.HTTPError:
+            async with self.http.get(self.url("/metrics"), timeout=aiohttp.ClientTimeout(total=10.0)) as response:
+                if response.status != 200:
+                    return None
+                text = await response.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
-        if response.status_code != 200:
-            return None
-        return parse_counters(response.text)
+        return parse_counters(text)
 
 
 def parse_counters(text: str) -> dict[CounterKey, float] | None:

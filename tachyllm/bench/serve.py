@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import sys
 import time
@@ -132,7 +131,8 @@ def parse_slos(items: list[str] | None) -> dict[str, float]:
 
 
 def load_tokenizer(tokenizer: str | None, model: str | None) -> Tokenizer:
-    """--tokenizer, else --model when it names a local checkpoint, else the default model's."""
+    """--tokenizer, else the model (--model, or the first the server lists) when it names a local
+    checkpoint, else the default model's."""
     path = tokenizer or (model if model and Path(model).exists() else None)
     return load_checkpoint(path).tokenizer
 
@@ -218,10 +218,12 @@ def make_endpoint(args: argparse.Namespace) -> Endpoint:
     return Endpoint(args.base_url, args.endpoint, args.model, args.api_key, args.ignore_eos, args.timeout)
 
 
-async def check_server(args: argparse.Namespace) -> None:
-    """A server that is down is told in one line before the tokenizer loads and the workload is built."""
+async def check_server(args: argparse.Namespace) -> str:
+    """The model benchmarked (--model, or the first the server lists), asked before the tokenizer loads and
+    the workload is built: a server that is down is told in one line."""
     async with contextlib.aclosing(BenchClient(make_endpoint(args), 1)) as client:
         await client.check_reachable()
+        return await client.model_name()
 
 
 def session_models(args: argparse.Namespace, model: str, count: int, rng: np.random.Generator) -> list[str]:
@@ -386,9 +388,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     apply_vllm_flags(args)
     if args.save_detailed and not args.result_json:
         raise ValueError("--save-detailed writes into the --result-json file: give one")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
-    asyncio.run(check_server(args))
-    tokenizer = load_tokenizer(args.tokenizer, args.model)
+    tokenizer = load_tokenizer(args.tokenizer, asyncio.run(check_server(args)))
     model, points = asyncio.run(run_sweep(args, tokenizer))
     result = {"settings": settings(args, model), "runs": [p.to_json() for p in points]}
     if args.result_json:
