@@ -72,6 +72,14 @@ def cgroup_cpu_quota() -> float | None:
     return min(known) if known else None
 
 
+def usable_cpu_ids() -> list[int]:
+    """The CPUs of this process's affinity mask, in order (empty where there is none: not on Linux)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return []
+
+
 def available_cpus() -> int:
     """CPUs this process may use: the affinity mask (taskset, cpusets, `docker --cpuset-cpus`), capped
     by a cgroup CPU quota rounded up (`docker --cpus 1.5`, Kubernetes CPU limits: 2). os.cpu_count()
@@ -104,10 +112,7 @@ def compute_thread_cpus(mode: str, threads: int) -> list[int]:
     Tensor-parallel ranks are placed by tp_cpu_binding instead."""
     if mode == "nobind" or threads < 2:
         return []
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return []
+    cpus = usable_cpu_ids()
     return cpus if len(cpus) == threads else []
 
 

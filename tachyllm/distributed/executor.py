@@ -42,7 +42,7 @@ from tachyllm.distributed.worker import (
 )
 from tachyllm.errors import ConfigError, WorkerError
 from tachyllm.loading import Checkpoint
-from tachyllm.platform import default_threads
+from tachyllm.platform import default_threads, usable_cpu_ids
 from tachyllm.runner.model_runner import ModelRunner
 from tachyllm.sampling.sampler import Sampler
 from tachyllm.speculative_config import SpeculativeConfig
@@ -290,7 +290,7 @@ def check_supported(config: EngineConfig, ckpt: Checkpoint) -> None:
 def rank_cpus(size: int) -> list[list[int]]:
     """The cores each rank is pinned to: one NUMA node per rank where the host has exactly one per
     rank, else the usable cores cut into `size` contiguous shares."""
-    usable = sorted(os.sched_getaffinity(0))
+    usable = usable_cpu_ids()
     nodes = sorted(NUMA_ROOT.glob("node[0-9]*")) if NUMA_ROOT.exists() else []
     if len(nodes) == size:
         shares = [[c for c in _cpu_list((node / "cpulist").read_text()) if c in usable] for node in nodes]
