@@ -129,7 +129,7 @@ def test_an_embedding_is_the_same_alone_and_packed_with_other_lengths(bert):
         assert torch.equal(packed[len(TEXTS) * 2 - 1 - i], vector)
 
 
-def test_encoder_linears_see_steps_padded_to_a_multiple_of_16_rows_and_warm_up_runs_them(bert_dir):
+def test_encoder_linears_see_steps_padded_to_a_multiple_of_8_rows_and_warm_up_runs_them(bert_dir):
     llm = LLM(str(bert_dir), dtype="bfloat16")
     rows: list[int] = []
     hook = llm.engine.runner.model.layers[0].up_proj.register_forward_hook(
@@ -139,12 +139,12 @@ def test_encoder_linears_see_steps_padded_to_a_multiple_of_16_rows_and_warm_up_r
         alone = [embedding(llm.embed(text)[0]) for text in TEXTS]
         packed = [embedding(out) for out in llm.embed(TEXTS)]
         lengths = [len(llm.get_tokenizer().encode_pair(text)[0]) for text in TEXTS]
-        expected = [-(-n // 16) * 16 for n in lengths] + [-(-sum(lengths) // 16) * 16]
+        expected = [-(-n // 8) * 8 for n in lengths] + [-(-sum(lengths) // 8) * 8]
         assert rows == expected
         assert all(torch.equal(a, p) for a, p in zip(alone, packed, strict=True))
         rows.clear()
-        llm.engine.runner.warm_up(64)
-        assert rows == [16, 32, 48, 64]
+        llm.engine.runner.warm_up(32)
+        assert rows == [8, 16, 24, 32]
     finally:
         hook.remove()
 

@@ -88,8 +88,9 @@ ENCODER_PAD_MULTIPLE = 16
 # An encoder step's rows are padded to a multiple of this many (rows that belong to no input, dropped
 # before pooling), so its linears and GELU see one of few row counts: oneDNN builds a kernel for each
 # new row count it meets, ~3 ms on a MiniLM-sized step, which would otherwise fall on the first request
-# of each input length (docs/design_measurements.md#served-embedding-latency).
-ENCODER_STEP_ROW_MULTIPLE = 16
+# of each input length. 8 rather than 16: a lone short input computes 3.5 padding rows on average, not
+# 7.5, for a quarter of a second more at start (docs/design_measurements.md#served-embedding-latency).
+ENCODER_STEP_ROW_MULTIPLE = 8
 
 
 class LayerOps:
