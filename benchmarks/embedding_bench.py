@@ -17,7 +17,9 @@ embeddings of the first --check sentences were compared with sentence-transforme
 served: `tachy serve` on the model, then `tachy bench serve --endpoint embeddings`: one input per
 request, one client at a time (latency p50 / p99) and 32 concurrent clients (inputs/s), then one client of
 the standard library's http.client (latency p50 / p99: the client's own CPU differs); with
---compare-flags, a second server with those flags, the two taking the rounds in turns.
+--compare-flags, a second server with those flags, the two taking the rounds in turns. Beside the
+single-client latency, the server's own mean step time per request (its /metrics prefill time): on a
+shared host it shows how fast the machine ran in that round, which moves the latency with it.
 rag: `tachy serve --config` (Ray Serve) with the default chat model and the embedder on one endpoint:
 1,000 chunks (five corpus sentences each) embedded first; then per question: embed it, rank the
 chunks by cosine similarity, generate an answer from the best three; the time of each stage.
@@ -205,6 +207,17 @@ def bench_serve(base: str, dataset: Path, num_prompts: int, concurrency: int, ou
     return json.loads(out.read_text())["runs"][0]["metrics"]
 
 
+def prefill_seconds(base: str) -> tuple[float, float]:
+    """(sum, count) of the server's request prefill-time histogram: for an encoder, each request's step."""
+    total = count = 0.0
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("tachy:request_prefill_time_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("tachy:request_prefill_time_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
 def stdlib_single(base: str, model: Path, corpus: list[str], count: int) -> dict[str, float]:
     """Latency p50 / p99 (ms) of `count` requests, one input each, from one blocking keep-alive client of the
     standard library (http.client, what requests / urllib3 use): on a machine whose cores the client shares
@@ -232,7 +245,7 @@ def served(args: argparse.Namespace, model: Path) -> None:
     # The servers compared: the default one, and with --compare-flags a second one, both up at once and
     # taking the rounds in turns (each round's first server alternates).
     variants = {"default": [], **({args.compare_flags: args.compare_flags.split()} if args.compare_flags else {})}
-    rows: dict[str, list[tuple[dict, dict, dict]]] = {name: [] for name in variants}
+    rows: dict[str, list[tuple[dict, dict, dict, float]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         dataset = Path(tmp) / "sentences.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": s, "output_len": 1}) + "\n" for s in corpus))
@@ -244,28 +257,37 @@ def served(args: argparse.Namespace, model: Path) -> None:
         for round_index in range(args.rounds):
             order = list(bases) if round_index % 2 == 0 else list(reversed(bases))
             for name in order:
+                before = prefill_seconds(bases[name])
                 single = bench_serve(bases[name], dataset, args.single_requests, 1, Path(tmp) / "single.json")
+                after = prefill_seconds(bases[name])
+                step_ms = (after[0] - before[0]) / max(after[1] - before[1], 1.0) * 1000.0
                 loaded = bench_serve(bases[name], dataset, args.loaded_requests, 32, Path(tmp) / "loaded.json")
                 stdlib = stdlib_single(bases[name], model, corpus, args.single_requests)
-                rows[name].append((single["e2el_ms"], loaded, stdlib))
+                rows[name].append((single["e2el_ms"], loaded, stdlib, step_ms))
                 print(
                     f"round {round_index + 1}, {name}: 1 client p50 {single['e2el_ms']['median']:.1f} ms "
-                    f"p99 {single['e2el_ms']['p99']:.1f} ms; 32 clients {loaded['request_throughput']:.0f} inputs/s "
+                    f"p99 {single['e2el_ms']['p99']:.1f} ms (server step mean {step_ms:.2f} ms); "
+                    f"32 clients {loaded['request_throughput']:.0f} inputs/s "
                     f"(p50 {loaded['e2el_ms']['median']:.1f} ms); http.client p50 {stdlib['median']:.1f} ms "
                     f"p99 {stdlib['p99']:.1f} ms",
                     flush=True,
                 )
     print(f"\n/v1/embeddings, one input a request, {args.threads} threads, {args.rounds} rounds")
-    print("| server | load | latency p50 (ms) | latency p99 (ms) | inputs/s |")
-    print("|---|---|---|---|---|")
+    print("| server | load | latency p50 (ms) | latency p99 (ms) | inputs/s | server step mean (ms) |")
+    print("|---|---|---|---|---|---|")
     for name, picked in rows.items():
-        for load, latencies, rate in (
-            ("1 client", [r[0] for r in picked], "–"),
-            ("1 client, http.client", [r[2] for r in picked], "–"),
-            ("32 clients", [r[1]["e2el_ms"] for r in picked], span([r[1]["request_throughput"] for r in picked], 0)),
+        for load, latencies, rate, step in (
+            ("1 client", [r[0] for r in picked], "–", span([r[3] for r in picked], 2)),
+            ("1 client, http.client", [r[2] for r in picked], "–", "–"),
+            (
+                "32 clients",
+                [r[1]["e2el_ms"] for r in picked],
+                span([r[1]["request_throughput"] for r in picked], 0),
+                "–",
+            ),
         ):
             p50, p99 = span([m["median"] for m in latencies]), span([m["p99"] for m in latencies])
-            print(f"| {name} | {load} | {p50} | {p99} | {rate} |")
+            print(f"| {name} | {load} | {p50} | {p99} | {rate} | {step} |")
 
 
 # -- RAG ------------------------------------------------------------------------------------------
