@@ -23,6 +23,7 @@ from tachyllm.server.app import build_app
 from tachyllm.server.async_engine import AsyncEngine
 
 FIRST_CHUNK_S, CHUNK_GAP_S, CHUNKS = 0.2, 0.1, 4
+HUGE_CHUNK = 600_000  # characters of text in one server-sent event
 
 
 def fake_app(seen_auth: list[str | None], served=("fake-model",), seen_models: list[str] | None = None) -> FastAPI:
@@ -46,6 +47,10 @@ def fake_app(seen_auth: list[str | None], served=("fake-model",), seen_models: l
 
         async def events():
             await asyncio.sleep(FIRST_CHUNK_S)
+            if "huge" in body["prompt"]:  # one event far above aiohttp's default line limit (128 KiB)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': 'x' * HUGE_CHUNK}]})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
             if "silent" in body["prompt"]:  # tokens that decode to no text, e.g. special tokens only
                 yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': 2}})}\n\n"
                 yield "data: [DONE]\n\n"
@@ -139,6 +144,18 @@ def test_fake_server_known_timing(tmp_path, model_path, capsys):
         == 0
     )
     assert (tmp_path / "two.png").stat().st_size > 0
+
+
+def test_an_event_of_many_tokens_is_read_whole(tmp_path, model_path):
+    """A server may send a long answer in one event (tachy serve sends what its loop has not sent yet)."""
+    server = uvicorn.Server(uvicorn.Config(fake_app([]), host="127.0.0.1", port=0, log_config=None))
+    prompts = write_prompts(tmp_path / "p.jsonl", ["a huge answer"])
+    with serving(server) as url:
+        flags = ["--dataset", "file", "--dataset-path", prompts, "--num-prompts", "1", "--save-detailed"]
+        result = run_bench(tmp_path, "--base-url", url, "--tokenizer", model_path, *flags)
+    m = result["runs"][0]["metrics"]
+    assert (m["completed"], m["failed"]) == (1, 0), m["errors"]
+    assert result["runs"][0]["detailed"]["output_lens"][0] >= HUGE_CHUNK // 16  # re-tokenized: no usage sent
 
 
 def test_lora_modules_mix(tmp_path, model_path, capsys):

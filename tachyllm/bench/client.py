@@ -34,6 +34,9 @@ SCRAPED_COUNTERS = frozenset(
     }
 )
 METRIC_PREFIXES = ("tachy:", "vllm:")
+# Longest server-sent event line read (aiohttp's default stops at 512 KiB): a server may send many
+# tokens in one event (tachy serve sends whatever its event loop has not sent yet).
+MAX_EVENT_BYTES = 64 << 20
 
 Prompt = str | list[dict[str, str]]  # completion text or chat messages
 
@@ -126,7 +129,9 @@ class BenchClient:
             await asyncio.wait_for(exchange, self.endpoint.timeout)
         except asyncio.TimeoutError:
             result.error = f"timed out after {self.endpoint.timeout:g} s"
-        except (aiohttp.ClientError, OSError, ValueError) as e:  # ValueError: a malformed JSON event
+        # ValueError: a malformed JSON event; HttpProcessingError: a malformed response (or an event over
+        # MAX_EVENT_BYTES).
+        except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError, OSError, ValueError) as e:
             result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         result.end = time.perf_counter()
         return result
@@ -141,7 +146,7 @@ class BenchClient:
                 return
             pieces: list[str] = []
             last_event = ""  # named in the error if the stream never carries text
-            async for raw_line in response.content:
+            while raw_line := await response.content.readline(max_line_length=MAX_EVENT_BYTES):
                 now = time.perf_counter()
                 line = raw_line.decode()
                 data = line.removeprefix("data:").strip() if line.startswith("data:") else None
