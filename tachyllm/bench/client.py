@@ -69,6 +69,7 @@ class BenchClient:
             # The per-request deadline is enforced around the whole exchange (send); a per-read timeout
             # would also fire on a long wait in the server's queue.
             timeout=aiohttp.ClientTimeout(total=None),
+            trust_env=True,  # HTTP(S)_PROXY / NO_PROXY, as httpx and vLLM's benchmark honour them
         )
 
     async def aclose(self) -> None:
