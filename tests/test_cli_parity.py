@@ -270,6 +270,7 @@ def tachy(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a CLI process started per bad flag (~10 s)
 def test_bad_startup_is_one_line_before_the_model_loads(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -110,6 +110,7 @@ def fuzz_operations(api: schemathesis.BaseSchema, paths: set[str] | None = None)
     return operations
 
 
+@pytest.mark.slow  # a long workload: every operation of the API fuzzed (~30 s)
 def test_every_operation_survives_fuzzing(api):
     """schemathesis' pytest plugin does not run under this pytest; its strategies run under hypothesis directly."""
     assert fuzz_operations(api) >= 8

@@ -598,6 +598,7 @@ def test_full_queue_is_503_with_retry_after(limited_http):
 # -- shutdown ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # waits out its 8-second shutdown timeout by design
 def test_sigterm_drains_then_exits_zero(tiny_model_factory):
     # A request that is running at SIGTERM finishes within the shutdown timeout; queued ones that cannot are aborted.
     # Sized so that neither depends on the machine's speed: the running request is short (300 tokens in 8 s), the
