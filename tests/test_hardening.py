@@ -661,11 +661,17 @@ def test_a_cold_burst_fills_the_batch_then_the_queue(model_path):
     async def burst() -> tuple[int, list[str]]:
         params = SamplingParams(max_tokens=4, temperature=0)
         admissions = [
-            engine.add_requests([(f"burst-{i}", "The quick brown fox", params)], max_queued=queue)
+            asyncio.ensure_future(
+                engine.add_requests([(f"burst-{i}", "The quick brown fox", params)], max_queued=queue)
+            )
             for i in range(burst_size)
         ]
-        results = await asyncio.gather(*admissions, return_exceptions=True)
+        # One turn of the loop runs every admission up to its wait for the engine: each has been refused
+        # or queued by then. Their acceptance waits for the engine thread, which may be inside the held
+        # step already: the steps go on now.
+        await asyncio.sleep(0)
         release.set()
+        results = await asyncio.gather(*admissions, return_exceptions=True)
         refusals = [r for r in results if isinstance(r, BaseException)]
         assert all(isinstance(r, QueueFullError) for r in refusals), refusals[:3]
         finish_reasons = []
