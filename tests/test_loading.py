@@ -67,6 +67,7 @@ def test_default_config(default_checkpoint: Checkpoint) -> None:
     assert config.checkpoint_dtype == torch.float32
 
 
+@pytest.mark.slow  # transformers loading the real default model (~6 s)
 def test_default_weights_match_transformers(default_checkpoint: Checkpoint, tmp_path: Path) -> None:
     # transformers dequantizes every tensor of a file it reads, so it gets a copy holding the raw
     # (still quantized) bytes of the first two layers only.

@@ -45,6 +45,7 @@ def reference():
     return AutoTokenizer.from_pretrained(os.path.dirname(DEFAULT), gguf_file=os.path.basename(DEFAULT))
 
 
+@pytest.mark.slow  # transformers reading the real default model (~7 s)
 def test_default_matches_transformers(smollm: Tokenizer, reference) -> None:
     # transformers builds this vocabulary with the plain GPT-2 pre-tokenizer, ignoring the "smollm"
     # digit split. It still agrees on digits because SmolLM2 was trained with digits isolated, so its
