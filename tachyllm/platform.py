@@ -84,10 +84,7 @@ def available_cpus() -> int:
     """CPUs this process may use: the affinity mask (taskset, cpusets, `docker --cpuset-cpus`), capped
     by a cgroup CPU quota rounded up (`docker --cpus 1.5`, Kubernetes CPU limits: 2). os.cpu_count()
     counts the machine's CPUs, which is too many inside a container or under taskset."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        cpus = os.cpu_count() or 1
+    cpus = len(usable_cpu_ids()) or os.cpu_count() or 1  # no affinity mask: not on Linux
     quota = cgroup_cpu_quota()
     if quota is not None:
         cpus = min(cpus, math.ceil(quota - 1e-6))

@@ -1,10 +1,17 @@
-"""default_threads: the affinity mask and a cgroup CPU quota, not os.cpu_count(), set the thread count."""
+"""default_threads: the affinity mask and a cgroup CPU quota, not os.cpu_count(), set the thread count;
+compute_thread_cpus and the engine pin the OpenMP workers (--omp-threads-bind), not the calling thread."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from tachyllm import platform
+from tachyllm.kernels import native
 
 
 @pytest.fixture
@@ -150,13 +157,6 @@ print(json.dumps({"main": tasks.pop(os.getpid()), "others": sorted(tasks.values(
 
 @pytest.mark.parametrize("mode", ["auto", "nobind"])
 def test_engine_pins_its_worker_threads_not_the_caller(tiny_model_factory, mode):
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from tachyllm.kernels import native
-
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2 or native.native_ops() is None:
         pytest.skip("needs two CPUs and the C++ kernels")
